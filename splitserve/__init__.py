@@ -1,0 +1,23 @@
+"""splitserve: an LLM serving engine (offline batch API, OpenAI-compatible server, PD disaggregation)."""
+from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
+from splitserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "pipeline", "GenerationConfig", "TurbomindEngineConfig", "PytorchEngineConfig", "Response",
+]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch and transformers: import it only when it is asked for.
+    if name == "LLM":
+        from splitserve.entrypoints.llm import LLM
+
+        return LLM
+    if name in ("pipeline", "GenerationConfig", "TurbomindEngineConfig", "PytorchEngineConfig", "Response"):
+        from splitserve.entrypoints import lmdeploy_api
+
+        return getattr(lmdeploy_api, name)
+    raise AttributeError(f"module 'splitserve' has no attribute {name!r}")

@@ -1,0 +1,188 @@
+"""`splitserve bench throughput`: an offline throughput benchmark with vLLM's / nano-vllm's workload
+(random token prompts, fixed or uniformly random lengths, ignore_eos), run through splitserve and,
+as a baseline in the same run, through transformers' batched `generate`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import time
+from dataclasses import dataclass
+
+from splitserve.config import EngineArgs
+
+BACKENDS = ("splitserve", "hf")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass
+class Result:
+    backend: str
+    elapsed: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["splitserve"],
+                        help="engines to run, one after the other; with both, the ratio is printed")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset)")
+    parser.add_argument("--min-input-len", type=int, help="with --max-input-len: input lengths uniform in range")
+    parser.add_argument("--max-input-len", type=int)
+    parser.add_argument("--min-output-len", type=int, help="with --max-output-len: output lengths uniform in range")
+    parser.add_argument("--max-output-len", type=int)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--hf-max-batch-size", type=int, default=None,
+                        help="transformers baseline batch size (default: all prompts in one batch)")
+    parser.add_argument("--output-json", help="write the results to this file")
+
+
+def _lengths(rng: random.Random, n: int, base: int, ratio: float, lo: int | None, hi: int | None) -> list[int]:
+    if lo is not None or hi is not None:
+        if lo is None or hi is None or not 1 <= lo <= hi:
+            raise ValueError("give both --min-*-len and --max-*-len, with 1 <= min <= max")
+        return [rng.randint(lo, hi) for _ in range(n)]
+    low, high = max(1, int(base * (1 - ratio))), max(1, int(base * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+def make_workload(ns: argparse.Namespace, vocab_size: int, special_ids: set[int]) -> Workload:
+    rng = random.Random(ns.seed)
+    input_lens = _lengths(rng, ns.num_prompts, ns.input_len, ns.random_range_ratio, ns.min_input_len, ns.max_input_len)
+    output_lens = _lengths(rng, ns.num_prompts, ns.output_len, ns.random_range_ratio, ns.min_output_len,
+                           ns.max_output_len)
+    ordinary = [t for t in range(min(vocab_size, 32000)) if t not in special_ids]
+    prompts = [[rng.choice(ordinary) for _ in range(n)] for n in input_lens]
+    return Workload(prompts, output_lens)
+
+
+def run_splitserve(args: EngineArgs, workload: Workload, temperature: float) -> Result:
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(**dataclasses.asdict(args))
+    llm.generate([{"prompt_token_ids": workload.prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in workload.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == sum(workload.output_lens), "ignore_eos requests must produce exactly max_tokens"
+    return Result("splitserve", elapsed, len(outputs), workload.num_prompt_tokens, produced)
+
+
+def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: int | None) -> Result:
+    """transformers' generate on left-padded batches, with the same weights and dtype."""
+    import torch
+    from tqdm.auto import tqdm
+    from splitserve.config import resolve_device
+    from splitserve.loader.resolve import load_model_config, split_gguf
+
+    config = load_model_config(args, resolve_device(args.device))
+    directory, gguf_file = split_gguf(config.model)
+    model = load_hf_model(directory, gguf_file, config.dtype)
+    pad = config.hf_config.pad_token_id or 0
+    batch = max_batch or len(workload.prompts)
+    _hf_generate(model, [workload.prompts[0][:8]], 4, pad, temperature)
+    start = time.perf_counter()
+    produced = 0
+    for i in tqdm(range(0, len(workload.prompts), batch), desc="transformers batches"):
+        prompts, lens = workload.prompts[i:i + batch], workload.output_lens[i:i + batch]
+        _hf_generate(model, prompts, max(lens), pad, temperature)
+        produced += sum(lens)
+    elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return Result("hf", elapsed, len(workload.prompts), workload.num_prompt_tokens, produced)
+
+
+def load_hf_model(directory: str, gguf_file: str | None, dtype):
+    """transformers' model on the same weights; a GGUF file is dequantized to dense weights, as
+    splitserve does, so that both sides run the same dense matmuls."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if gguf_file is not None:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype, **kwargs).eval()
+
+
+def _hf_generate(model, prompts: list[list[int]], max_new: int, pad: int, temperature: float):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sample = temperature > 0
+    with torch.inference_mode():
+        return model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                              max_new_tokens=max_new, min_new_tokens=max_new, do_sample=sample,
+                              temperature=temperature if sample else None, top_p=1.0, top_k=0,
+                              pad_token_id=pad)
+
+
+def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
+    from splitserve.config import resolve_device
+    from splitserve.loader.resolve import load_model_config
+    from splitserve.tokenizer import get_tokenizer
+
+    config = load_model_config(args, resolve_device(args.device))
+    tokenizer = get_tokenizer(config.tokenizer)
+    workload = make_workload(ns, config.vocab_size, set(tokenizer.all_special_ids))
+    results = []
+    for backend in dict.fromkeys(ns.backend):
+        if backend == "splitserve":
+            results.append(run_splitserve(args, workload, ns.temperature))
+        else:
+            results.append(run_hf(args, workload, ns.temperature, ns.hf_max_batch_size))
+        gc.collect()
+    report(results, ns, config)
+    return results
+
+
+def report(results: list[Result], ns: argparse.Namespace, config) -> None:
+    print(f"\nModel {config.served_model_name} ({config.dtype}), {ns.num_prompts} prompts, "
+          f"input {ns.input_len} / output {ns.output_len} tokens (range ratio {ns.random_range_ratio})")
+    print(f"{'backend':<12}{'elapsed s':>10}{'requests/s':>12}{'output tok/s':>14}{'total tok/s':>13}")
+    for r in results:
+        print(f"{r.backend:<12}{r.elapsed:>10.2f}{r.requests_per_s:>12.2f}{r.output_tokens_per_s:>14.1f}"
+              f"{r.total_tokens_per_s:>13.1f}")
+    by_name = {r.backend: r for r in results}
+    if "splitserve" in by_name and "hf" in by_name:
+        ratio = by_name["splitserve"].output_tokens_per_s / by_name["hf"].output_tokens_per_s
+        print(f"splitserve / transformers output tokens/s: {ratio:.2f}x")
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump([dataclasses.asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
+                      f, indent=2)

@@ -1,0 +1,221 @@
+"""Engine configuration: one set of dataclasses that every front-end (vLLM-style `LLM`,
+LMDeploy-style `pipeline`, the CLI) maps onto. Field names and defaults follow vLLM."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+_CPU_KVCACHE_SPACE_ENV = "SPLITSERVE_CPU_KVCACHE_SPACE"  # GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
+_DEFAULT_CPU_KVCACHE_GIB = 4.0
+_STR_TO_DTYPE = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+
+
+@dataclass
+class ModelConfig:
+    model: str                 # the path that was resolved (directory or .gguf file)
+    tokenizer: str
+    hf_config: object          # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    seed: int = 0
+    gguf_file: str | None = None
+    trust_remote_code: bool = False
+    served_model_name: str = ""
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
+    num_gpu_blocks: int | None = None  # decided when the KV cache is allocated
+
+    def verify(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported yet; only 'auto' "
+                             "(the model's dtype) is. Quantized KV caches are tracked by the quantization issue.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a single prompt may take the whole step budget
+
+    def verify(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}) so that any prompt fits in one step.")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: torch.device
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    use_tqdm_on_load: bool = True
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set, flat, with vLLM's names. `create_engine_config()` resolves it."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    load_format: str = "auto"
+    use_tqdm_on_load: bool = True
+    seed: int = 0
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    device: str = "auto"
+    quantization: str | None = None
+    enforce_eager: bool = False
+    swap_space: float = 0.0
+    preemption_mode: str = "recompute"
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        from splitserve.loader.resolve import load_model_config
+
+        self._verify_supported()
+        device = resolve_device(self.device)
+        model_config = load_model_config(self, device)
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
+        )
+        cache_config.verify()
+        max_len = model_config.max_model_len
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or (
+                max(8192, max_len) if not self.enable_chunked_prefill else 8192),
+            max_model_len=max_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+        scheduler_config.verify()
+        return EngineConfig(model_config, cache_config, scheduler_config, device,
+                            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
+                            use_tqdm_on_load=self.use_tqdm_on_load)
+
+    def _verify_supported(self) -> None:
+        """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""
+        unsupported = {
+            "tensor_parallel_size": (self.tensor_parallel_size, 1),
+            "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
+            "quantization": (self.quantization, None),
+            "swap_space": (self.swap_space, 0.0),
+        }
+        for name, (value, supported) in unsupported.items():
+            if value != supported:
+                raise ValueError(f"{name}={value!r} is not supported yet (only {supported!r} is).")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not supported yet; "
+                             "only 'recompute' is (swapping to host memory is not implemented).")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available.")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype; float16 on CPU becomes bfloat16, as in vLLM's CPU backend."""
+    if isinstance(dtype, torch.dtype):
+        chosen = dtype
+    elif dtype == "auto":
+        chosen = config_dtype if config_dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+        if device.type == "cpu" and chosen == torch.float16:
+            chosen = torch.bfloat16
+    elif dtype in _STR_TO_DTYPE:
+        chosen = _STR_TO_DTYPE[dtype]
+    else:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_STR_TO_DTYPE)}, got {dtype!r}.")
+    if device.type == "cpu" and chosen == torch.float16:
+        raise ValueError("float16 is not supported on CPU: use bfloat16 or float32.")
+    return chosen
+
+
+def cpu_kv_cache_bytes() -> int:
+    gib = float(os.environ.get(_CPU_KVCACHE_SPACE_ENV, _DEFAULT_CPU_KVCACHE_GIB))
+    return int(gib * (1 << 30))
+

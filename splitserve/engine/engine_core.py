@@ -1,0 +1,98 @@
+"""EngineCore: the busy loop's body. schedule -> execute -> update, producing token-level outputs.
+
+It knows token ids only (no tokenizer, no text); front-ends (the offline LLM, the API server)
+turn text into requests and outputs back into text.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from splitserve.config import EngineConfig
+from splitserve.engine.block_manager import KVCacheManager
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.scheduler import Scheduler
+from splitserve.executor.model_runner import ModelRunner, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: TokenLogprobs | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        num_blocks = self.runner.determine_num_blocks()
+        self._check_capacity(num_blocks)
+        config.cache_config.num_gpu_blocks = num_blocks
+        self.runner.initialize_kv_cache(num_blocks)
+        cc = config.cache_config
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+
+    def _check_capacity(self, num_blocks: int) -> None:
+        capacity = num_blocks * self.config.cache_config.block_size
+        max_len = self.config.model_config.max_model_len
+        if capacity < max_len:
+            raise ValueError(
+                f"The KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than max_model_len={max_len}: "
+                "one full-length request could never run. Give the cache more memory or lower max_model_len.")
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.runner.remove_requests(r.request_id for r in finished)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the loop body ----------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for request, _ in sched.scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled}
+        result = self.runner.execute_model(sched, block_ids)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        outputs = {r.request_id: self._output(r, result) for r in updated}
+        for rid, entries in result.prompt_logprobs.items():
+            outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries
+        self.runner.remove_requests(r.request_id for r in updated if r.is_finished())
+        return list(outputs.values())
+
+    @staticmethod
+    def _output(request: Request, result) -> EngineCoreOutput:
+        rid = request.request_id
+        return EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=[request.output_token_ids[-1]],
+            new_logprobs=result.logprobs.get(rid),
+            new_prompt_logprobs=result.prompt_logprobs.get(rid),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )

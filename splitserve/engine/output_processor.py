@@ -1,0 +1,201 @@
+"""Output processing: core token outputs -> RequestOutputs with text, logprobs and stop strings.
+
+A user request with n > 1 fans out into n core requests (the samples share the prompt's KV
+blocks through the prefix cache); their outputs are gathered back here into one RequestOutput.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from splitserve.engine.engine_core import EngineCoreOutput
+from splitserve.executor.model_runner import TokenLogprobs
+from splitserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from splitserve.sampling_params import SamplingParams
+
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0   # every output carries everything so far
+    DELTA = 1        # every output carries only what is new (streaming)
+    FINAL_ONLY = 2   # one output, when the request finishes
+
+
+@dataclass
+class SampleState:
+    """One sample (one core request) of a user request."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    samples: dict[str, SampleState]          # core request id -> sample
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.core_to_request: dict[str, str] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"Request id {state.request_id!r} is already in use.")
+        self.requests[state.request_id] = state
+        for core_id in state.samples:
+            self.core_to_request[core_id] = state.request_id
+
+    def new_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens)
+
+    def abort(self, request_ids) -> list[str]:
+        """Forget user requests; returns the core request ids to abort."""
+        core_ids = []
+        for rid in request_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                core_ids.extend(state.samples)
+                for core_id in state.samples:
+                    self.core_to_request.pop(core_id, None)
+        return core_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply core outputs. Returns the RequestOutputs to hand out and the core request ids that
+        stopped on a stop string (the core must abort them)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            rid = self.core_to_request.get(out.request_id)
+            if rid is None:
+                continue  # aborted while the step ran
+            state = self.requests[rid]
+            sample = state.samples[out.request_id]
+            if out.new_prompt_logprobs:
+                self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if out.new_token_ids:
+                self._update_metrics(state.metrics, now)
+                state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+                if self._add_tokens(sample, out):
+                    to_abort.append(out.request_id)
+            touched[rid] = state
+        results = []
+        for rid, state in touched.items():
+            result = self._make_output(state)
+            if result is not None:
+                results.append(result)
+            if state.finished:
+                state.metrics.finished_time = now
+                self.abort([rid])
+        return results, to_abort
+
+    @staticmethod
+    def _update_metrics(metrics: RequestMetrics, now: float) -> None:
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+
+    def _add_tokens(self, sample: SampleState, out: EngineCoreOutput) -> bool:
+        """True when a stop string ended the sample here."""
+        params = sample.params
+        sample.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            self._add_sample_logprobs(sample, out.new_logprobs)
+        stopped_by_token = out.finish_reason == "stop"  # the core stops on eos / stop_token_ids only
+        hit = None
+        if sample.detokenizer is not None and not (stopped_by_token and not params.include_stop_str_in_output):
+            new_chars = 0
+            for token in out.new_token_ids:
+                new_chars += len(sample.detokenizer.add_token(token))
+            sample.text = sample.detokenizer.output_text
+            if params.stop and len(sample.token_ids) >= params.min_tokens:
+                hit = find_stop_string(sample.text, new_chars, params.stop, params.include_stop_str_in_output)
+        if hit is not None:
+            sample.text = sample.text[:hit[1]]
+            sample.finish_reason, sample.stop_reason = "stop", hit[0]
+            return not out.finished
+        if out.finished:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _add_sample_logprobs(self, sample: SampleState, entry: TokenLogprobs) -> None:
+        if sample.logprobs is None:
+            sample.logprobs, sample.cumulative_logprob = [], 0.0
+        sample.logprobs.append(self._logprob_dict(entry, sample.params.detokenize))
+        sample.cumulative_logprob += entry[1][0]
+
+    def _add_prompt_logprobs(self, state: RequestState, entries: list[TokenLogprobs]) -> None:
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
+        state.prompt_logprobs.extend(self._logprob_dict(e, True) for e in entries)
+
+    def _logprob_dict(self, entry: TokenLogprobs, detokenize: bool) -> dict[int, Logprob]:
+        ids, lps, chosen_rank = entry
+        result = {}
+        for pos, (tid, lp) in enumerate(zip(ids, lps)):
+            if tid in result:
+                continue
+            text = self.tokenizer.decode([tid]) if detokenize else None
+            result[tid] = Logprob(lp, chosen_rank if pos == 0 else pos, text)
+        return result
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        if state.kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        delta = state.kind == RequestOutputKind.DELTA
+        completions = [self._completion(s, delta) for s in sorted(state.samples.values(), key=lambda s: s.index)]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.sent_prompt_logprobs:
+            prompt_logprobs = None
+        state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs,
+                             completions, state.finished, state.num_cached_tokens, state.metrics)
+
+    @staticmethod
+    def _completion(sample: SampleState, delta: bool) -> CompletionOutput:
+        text = sample.text
+        if not sample.finished and sample.params.stop:
+            # Hold back what may still turn out to be the start of a stop string.
+            text = text[:max(len(text) - sample.params.max_stop_str_len + 1, sample.sent_chars)]
+        if not delta:
+            return CompletionOutput(sample.index, text, list(sample.token_ids), sample.cumulative_logprob,
+                                    sample.logprobs, sample.finish_reason, sample.stop_reason)
+        out = CompletionOutput(sample.index, text[sample.sent_chars:], sample.token_ids[sample.sent_tokens:],
+                               sample.cumulative_logprob,
+                               None if sample.logprobs is None else sample.logprobs[sample.sent_logprobs:],
+                               sample.finish_reason, sample.stop_reason)
+        sample.sent_chars, sample.sent_tokens = len(text), len(sample.token_ids)
+        sample.sent_logprobs = len(sample.logprobs or ())
+        return out

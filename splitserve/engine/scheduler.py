@@ -1,0 +1,172 @@
+"""The scheduler: which requests run in the next step, and how many tokens each. Pure Python.
+
+There is no separate prefill or decode phase (as in vLLM V1): every request has computed some
+of its tokens (`num_computed_tokens`) and the scheduler hands out a per-step token budget so
+that each catches up with its total. Running requests go first (decodes and unfinished prompt
+chunks), then waiting ones are admitted while budget, seats and blocks last. When blocks run
+out, the most recently admitted running request is preempted: its blocks are freed and it is
+recomputed later (its full blocks usually come back as prefix-cache hits).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.config import SchedulerConfig
+from splitserve.engine.block_manager import KVCacheManager
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: requests in execution order with the number of tokens each computes."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Abort (or otherwise finish) requests by id; unknown or finished ids are ignored."""
+        assert status.is_finished
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # if we just ran out of blocks, admitting more would thrash
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, n, out):
+                break
+            out.scheduled.append((request, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Find blocks for `request`, preempting from the back of the running list; False when the
+        request itself had to be preempted."""
+        while not self.kv.allocate_slots(request, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            n = self._chunk(remaining, budget)
+            if not self.kv.allocate_slots(request, n, hits):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            budget -= n
+
+    # --- after the model ran ----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request; append the sampled token of those that completed
+        their tokens this step. Returns the requests that got a new token (finished ones too)."""
+        updated = []
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+            if request.request_id not in sampled:
+                continue
+            assert request.num_computed_tokens == request.num_tokens
+            request.append_output_token(sampled[request.request_id])
+            if request.check_stop(self.config.max_model_len):
+                self.running.remove(request)
+                self._free(request)
+            updated.append(request)
+        return updated
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        if request.is_finished():
+            del self.requests[request.request_id]
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
+        assert set(self.requests) == {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        for r in self.waiting:
+            assert r.request_id not in self.kv.req_to_blocks

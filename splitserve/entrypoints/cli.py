@@ -1,0 +1,103 @@
+"""The `splitserve` command: generate, bench throughput."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from splitserve.config import EngineArgs
+
+_ENGINE_HELP = {
+    "model": "Hugging Face directory, hub id, or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory or hub id, when it is not the model's",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: the checkpoint's; float16 becomes bfloat16 on CPU)",
+    "load_format": "auto, safetensors, pt, gguf, or dummy (random weights from the config, for benchmarks)",
+    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
+    "block_size": "tokens per KV-cache block",
+    "kv_cache_memory_bytes": "bytes for the KV cache (default: 4 GiB on CPU, or $SPLITSERVE_CPU_KVCACHE_SPACE GiB)",
+    "num_gpu_blocks_override": "exact number of KV-cache blocks, overriding every memory budget",
+    "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
+    "max_num_seqs": "most sequences running at once",
+    "enable_prefix_caching": "reuse the KV blocks of earlier prompts with the same prefix",
+    "enable_chunked_prefill": "split long prompts across steps, sharing steps with decodes",
+    "tensor_parallel_size": "tensor-parallel ranks (only 1 is supported yet)",
+}
+_ALIASES = {"tensor_parallel_size": ["-tp"]}
+# Arguments that only a Python caller sets, or that exist to be refused with a clear message.
+_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "pipeline_parallel_size", "swap_space",
+                       "preemption_mode", "device", "quantization", "enforce_eager", "use_tqdm_on_load"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, named as vLLM's (--max-model-len, --enable-prefix-caching ...)."""
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineArgs):
+        flags = ["--" + field.name.replace("_", "-")] + _ALIASES.get(field.name, [])
+        kwargs: dict = {"default": field.default, "help": _ENGINE_HELP.get(field.name)}
+        if field.name in _HIDDEN_ENGINE_ARGS:
+            kwargs["help"] = argparse.SUPPRESS
+        if isinstance(field.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.type in ("int", "int | None"):
+            kwargs["type"] = int
+        elif field.type in ("float", "float | None"):
+            kwargs["type"] = float
+        group.add_argument(*flags, **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+
+
+def _cmd_generate(ns: argparse.Namespace) -> None:
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed)
+    prompts = ns.prompt or ["Hello, my name is", "The capital of France is", "List 3 countries and their capitals."]
+    if ns.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        print(f"\n=== {prompt!r}\n{out.outputs[0].text}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="splitserve: an LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for a few prompts (offline)")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three examples")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap each prompt in the model's chat template as a user message")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from splitserve.benchmarks import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput (vLLM's `bench throughput` workload)")
+    add_engine_args(tp)
+    throughput.add_arguments(tp)
+    tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.func(ns)
+    except (ValueError, FileNotFoundError) as exc:
+        logging.getLogger("splitserve").error("%s", exc)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

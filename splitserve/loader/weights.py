@@ -1,0 +1,152 @@
+"""Weight sources. Each yields (Hugging Face tensor name, tensor) pairs; the model copies them in."""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from splitserve.config import ModelConfig
+from splitserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+# Hugging Face module paths of a Llama-family layer, used to translate GGUF tensor names.
+_LAYER_MODULES = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "input_layernorm", "post_attention_layernorm",
+)
+# llama.cpp's converter permutes q/k rows for its interleaved rope; HF checkpoints rotate halves.
+_GGUF_PERMUTED_ARCHS = ("llama",)
+
+
+def load_model(model_config: ModelConfig, device: torch.device, show_progress: bool = True) -> torch.nn.Module:
+    start = time.perf_counter()
+    cls = get_model_class(model_config.hf_config)
+    with torch.device(device):
+        model = cls(model_config.hf_config, model_config.dtype, model_config.max_model_len)
+    if model_config.load_format == "dummy":
+        _fill_dummy(model, model_config.seed)
+    else:
+        weights = _weight_iterator(model_config)
+        model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", disable=not show_progress,
+                                total=_count_tensors(model_config)))
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("Loaded %s (%s, %.1fM parameters, %s) from %s in %.1f s", type(model).__name__,
+                model_config.load_format, n_params / 1e6, model_config.dtype, model_config.model,
+                time.perf_counter() - start)
+    return model
+
+
+def _weight_iterator(model_config: ModelConfig) -> WeightIterator:
+    fmt, path = model_config.load_format, model_config.model
+    if fmt == "gguf":
+        return gguf_weights(path, model_config.hf_config)
+    if fmt == "safetensors":
+        return safetensors_weights(path)
+    return pt_weights(path)
+
+
+def _count_tensors(model_config: ModelConfig) -> int | None:
+    if model_config.load_format == "gguf":
+        return None
+    if model_config.load_format == "safetensors":
+        from safetensors import safe_open
+
+        total = 0
+        for file in _safetensors_files(model_config.model):
+            with safe_open(file, framework="pt") as f:
+                total += len(f.keys())
+        return total
+    return None
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No .safetensors files in {directory}.")
+    return files
+
+
+def safetensors_weights(directory: str) -> WeightIterator:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(directory):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def pt_weights(directory: str) -> WeightIterator:
+    files = sorted(glob.glob(os.path.join(directory, "*.bin")) + glob.glob(os.path.join(directory, "*.pt")))
+    if not files:
+        raise FileNotFoundError(f"No .safetensors, .bin or .pt weight files in {directory}.")
+    for file in files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def gguf_weights(path: str, hf_config) -> WeightIterator:
+    """Tensors of a .gguf file, dequantized to float32 by the `gguf` package, under HF names."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    names = _gguf_to_hf_names(arch_name, hf_config.num_hidden_layers)
+    for tensor in reader.tensors:
+        base, _, suffix = tensor.name.rpartition(".")
+        if base not in names:
+            raise ValueError(f"GGUF tensor {tensor.name!r} ({arch_name}) has no Hugging Face counterpart.")
+        hf_name = f"{names[base]}.{suffix}"
+        weight = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type).copy())
+        yield hf_name, _unpermute_gguf(hf_name, weight, hf_config) if arch_name in _GGUF_PERMUTED_ARCHS else weight
+
+
+def _gguf_to_hf_names(arch_name: str, num_layers: int) -> dict[str, str]:
+    import gguf
+
+    archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch_name not in archs:
+        raise ValueError(f"GGUF architecture {arch_name!r} is unknown to the gguf package.")
+    name_map = gguf.get_tensor_name_map(archs[arch_name], num_layers)
+    hf_names = ["model.embed_tokens", "model.norm", "lm_head"]
+    hf_names += [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LAYER_MODULES]
+    mapping = {}
+    for hf in hf_names:
+        gguf_name = name_map.get_name(hf)
+        if gguf_name is not None:
+            mapping[gguf_name] = hf
+    return mapping
+
+
+def _unpermute_gguf(hf_name: str, weight: torch.Tensor, hf_config) -> torch.Tensor:
+    if hf_name.endswith("q_proj.weight"):
+        heads = hf_config.num_attention_heads
+    elif hf_name.endswith("k_proj.weight"):
+        heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    else:
+        return weight
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@torch.no_grad()
+def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for benchmarks: small uniform values (as vLLM's dummy loader) so activations stay finite."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=generator)
+        param.data.copy_(values)

@@ -1,0 +1,113 @@
+"""Per-request sampling parameters, with vLLM's names and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+_SAMPLING_EPS = 1e-5
+MAX_N = 128
+
+
+class SamplingType(Enum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how: the fields and defaults of vLLM's SamplingParams.
+
+    `top_k` of 0 or -1 means no top-k limit; `max_tokens=None` means "up to the model length".
+    `stop` strings are cut from the text unless `include_stop_str_in_output`; `bad_words` are
+    strings whose token sequences are never generated.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Filled in by the engine from the tokenizer, not by users.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {self.n}.")
+        check(self.best_of is None or self.best_of >= self.n,
+              f"best_of must be >= n ({self.n}), got {self.best_of}.")
+        check(self.best_of is None or self.best_of == self.n,
+              "best_of > n is not supported: splitserve returns every sample it draws; set n instead.")
+        check(-2.0 <= self.presence_penalty <= 2.0,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        check(self.repetition_penalty > 0.0,
+              f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}.")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        check(self.top_k >= 0, f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        check(self.max_tokens is None or self.max_tokens >= 1,
+              f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}.")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+        check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}.")
+        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+              f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+              "allowed_token_ids must not be empty.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        from dataclasses import replace
+
+        return replace(self, **changes)

@@ -1,0 +1,23 @@
+"""Tokenizers come from transformers: HF directories, hub ids, and .gguf files alike."""
+from __future__ import annotations
+
+from splitserve.loader.resolve import split_gguf
+
+
+def get_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = split_gguf(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
+                        add_generation_prompt: bool = True, **template_kwargs) -> str:
+    """The prompt text for a conversation, rendered by the model's (or the given) chat template."""
+    if chat_template is None and tokenizer.chat_template is None:
+        raise ValueError("This model's tokenizer has no chat template; pass one with chat_template=...")
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random-weight models of every supported architecture, made with
+transformers in a temporary directory (nothing is downloaded), plus the embedded default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("SPLITSERVE_CPU_KVCACHE_SPACE", "0.25")
+
+# Small enough to run in seconds on two cores, large enough that bugs show: GQA, several layers,
+# head_dim 16, and a vocabulary within the SmolLM2 tokenizer so outputs detokenize.
+_COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=0.5)
+
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    from splitserve.loader.resolve import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(default_gguf):
+    from splitserve.tokenizer import get_tokenizer
+
+    return get_tokenizer(default_gguf)
+
+
+def make_tiny_model(directory: str, arch: str, tokenizer) -> str:
+    import torch
+    import transformers
+
+    config_name, extra = TINY_ARCHS[arch]
+    config = getattr(transformers, config_name)(**_COMMON, **extra)
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(list(TINY_ARCHS).index(arch))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm_tokenizer) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: make_tiny_model(str(root / arch), arch, smollm_tokenizer) for arch in TINY_ARCHS}
