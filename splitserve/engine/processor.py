@@ -68,7 +68,8 @@ class Processor:
             # The word both at the start of a text and after a space tokenizes differently.
             for variant in (word.lstrip(), " " + word.lstrip()):
                 ids = self.tokenizer(variant, add_special_tokens=False).input_ids
-                if ids and ids not in out:
+                # A sequence with ids past the model's vocabulary can never be generated anyway.
+                if ids and ids not in out and max(ids) < self.vocab_size:
                     out.append(ids)
         return out
 

@@ -1,0 +1,40 @@
+"""Incremental detokenization against decoding everything at once, with multi-byte characters."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+
+TEXTS = ["Hello, world! How are you?", "héllo wörld — naïve café", "数学 and 日本語のテキスト",
+         "emoji 🎉🚀 mixed 👩‍👩‍👧 text", "  leading spaces\n\nand\ttabs"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_equals_full_decode_and_never_splits_characters(smollm_tokenizer, text):
+    prompt = smollm_tokenizer("Say:", add_special_tokens=False).input_ids
+    ids = smollm_tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(smollm_tokenizer, prompt)
+    deltas = [detok.add_token(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == smollm_tokenizer.decode(ids) == detok.output_text
+    if any("\ufffd" in smollm_tokenizer.decode([t]) for t in ids):
+        assert "" in deltas  # a token ended mid-character and its bytes were held back
+
+
+def test_special_tokens_skipped_or_kept(smollm_tokenizer):
+    ids = smollm_tokenizer("<|im_start|>hi<|im_end|>", add_special_tokens=False).input_ids
+    skip = IncrementalDetokenizer(smollm_tokenizer, [], skip_special_tokens=True)
+    keep = IncrementalDetokenizer(smollm_tokenizer, [], skip_special_tokens=False)
+    for t in ids:
+        skip.add_token(t)
+        keep.add_token(t)
+    assert skip.output_text == "hi"
+    assert keep.output_text == "<|im_start|>hi<|im_end|>"
+
+
+def test_find_stop_string_only_looks_at_new_text():
+    assert find_stop_string("abc STOP def", 4, ["STOP"], False) is None  # completed earlier
+    assert find_stop_string("abc STO", 3, ["STOP"], False) is None
+    assert find_stop_string("abc STOP", 1, ["STOP"], False) == ("STOP", 4)
+    assert find_stop_string("abc STOP", 1, ["STOP"], True) == ("STOP", 8)
+    assert find_stop_string("xx\nyy", 3, ["zz", "\n"], False) == ("\n", 2)
