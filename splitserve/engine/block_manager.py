@@ -39,17 +39,6 @@ class KVBlock:
     block_hash: bytes | None = None
 
 
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0   # prompt tokens looked up
-    hits: int = 0      # of which were found cached
-
-    def reset(self) -> "PrefixCacheStats":
-        taken = PrefixCacheStats(self.queries, self.hits)
-        self.queries = self.hits = 0
-        return taken
-
-
 class BlockPool:
     """All blocks, the free queue (LRU order: the front is reused first) and the hash index."""
 
@@ -124,7 +113,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
-        self.stats = PrefixCacheStats()
 
     @property
     def usage(self) -> float:
@@ -146,8 +134,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

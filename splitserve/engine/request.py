@@ -79,16 +79,18 @@ class Request:
         return self.status.is_finished
 
     def check_stop(self, max_model_len: int) -> bool:
-        """After a new token: set a finished status (and stop_reason) if the sequence must end."""
+        """After a new token: set a finished status (and stop_reason) if the sequence must end.
+        Length limits come first, as in vLLM: an eos that is also the last allowed token is "length"."""
         params, last = self.sampling_params, self.all_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
-            if last == self.eos_token_id and not params.ignore_eos:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
-                return True
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        if last == self.eos_token_id and not params.ignore_eos:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
             return True
         return False

@@ -18,6 +18,17 @@ from splitserve.engine.request import Request, RequestStatus
 
 
 @dataclass
+class PrefixCacheStats:
+    queries: int = 0   # tokens of admitted requests that were looked up in the prefix cache
+    hits: int = 0      # of which were found cached
+
+    def reset(self) -> "PrefixCacheStats":
+        taken = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
+        return taken
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan: requests in execution order with the number of tokens each computes."""
 
@@ -41,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # --- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,7 +98,7 @@ class Scheduler:
 
     def _chunk(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
-        if self.config.long_prefill_token_threshold:
+        if self.config.long_prefill_token_threshold and self.config.enable_chunked_prefill:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
@@ -136,6 +148,9 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+            if self.kv.enable_caching and request.uses_prefix_cache:
+                self.prefix_cache_stats.queries += request.num_tokens
+                self.prefix_cache_stats.hits += num_cached
             self.running.append(request)
             out.scheduled.append((request, n))
             budget -= n
