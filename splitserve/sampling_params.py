@@ -49,7 +49,6 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Filled in by the engine from the tokenizer, not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,7 +61,6 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def check(ok: bool, msg: str) -> None:

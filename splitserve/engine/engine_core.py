@@ -7,30 +7,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import KVCacheManager
+from splitserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
-from splitserve.executor.model_runner import ModelRunner, TokenLogprobs
+from splitserve.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: TokenLogprobs | None = None
-    new_prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class EngineCore:
@@ -54,8 +39,8 @@ class EngineCore:
                 "one full-length request could never run. Give the cache more memory or lower max_model_len.")
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids) -> None:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -95,4 +80,10 @@ class EngineCore:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time if request.is_finished() else None,
         )
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(s.num_running, s.num_waiting, self.kv_manager.usage, s.num_preemptions,
+                              s.prefix_cache_stats.queries, s.prefix_cache_stats.hits)

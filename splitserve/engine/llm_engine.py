@@ -1,27 +1,19 @@
 """LLMEngine: the in-process front-end over an EngineCore (tokenize -> core -> detokenize)."""
 from __future__ import annotations
 
-import logging
-import time
-
 from splitserve.config import EngineArgs, EngineConfig
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
-from splitserve.engine.processor import Processor, PromptType
-from splitserve.outputs import RequestMetrics, RequestOutput
+from splitserve.engine.frontend import FrontEnd
+from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.engine.processor import PromptType
+from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
-from splitserve.tokenizer import get_tokenizer
-
-logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(FrontEnd):
     def __init__(self, config: EngineConfig):
+        super().__init__(config.model_config)
         self.config = config
-        mc = config.model_config
-        self.tokenizer = get_tokenizer(mc.tokenizer, mc.trust_remote_code)
-        self.processor = Processor(mc, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
 
     @classmethod
@@ -31,22 +23,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                     arrival_time: float | None = None) -> None:
-        processed = self.processor.process_prompt(prompt)
-        self.processor.validate_prompt(processed.prompt_token_ids)
-        params = self.processor.prepare_params(params)
-        samples = {}
-        requests = []
-        for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            child = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
-            child.all_stop_token_ids, child.bad_words_token_ids = params.all_stop_token_ids, params.bad_words_token_ids
-            samples[core_id] = SampleState(i, child, self.output_processor.new_detokenizer(
-                processed.prompt_token_ids, child))
-            requests.append(self.processor.make_request(core_id, processed.prompt_token_ids, child))
-        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
-        self.output_processor.add_request(RequestState(request_id, processed.prompt, processed.prompt_token_ids,
-                                                       kind, samples, metrics=metrics))
-        for request in requests:
+        for request in self.prepare_request(request_id, prompt, params, kind, arrival_time):
             self.engine_core.add_request(request)
 
     def abort_request(self, request_ids) -> None:
@@ -63,6 +40,3 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
-
-    def get_tokenizer(self):
-        return self.tokenizer

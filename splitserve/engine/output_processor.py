@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from splitserve.engine.engine_core import EngineCoreOutput
-from splitserve.executor.model_runner import TokenLogprobs
+from splitserve.engine.protocol import EngineCoreOutput, TokenLogprobs
 from splitserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from splitserve.sampling_params import SamplingParams
 

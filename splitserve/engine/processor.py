@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splitserve.config import ModelConfig
-from splitserve.engine.request import Request
+from splitserve.engine.protocol import EngineCoreRequest
 from splitserve.sampling_params import SamplingParams
 
 PromptType = str | Mapping  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
@@ -56,9 +56,6 @@ class Processor:
                                  f"(0..{self.vocab_size - 1}).")
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
-        params.all_stop_token_ids = set(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            params.all_stop_token_ids.add(self.eos_token_id)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         return params
 
@@ -73,10 +70,11 @@ class Processor:
                     out.append(ids)
         return out
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     arrival_time: float) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
+        return EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time)
 
 
 def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:

@@ -50,9 +50,18 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.stop_token_set = set(self.sampling_params.stop_token_ids)
+        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
+            self.stop_token_set.add(self.eos_token_id)
+
+    @classmethod
+    def from_engine_core_request(cls, req) -> "Request":
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
+                   req.max_tokens, arrival_time=req.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
+from splitserve.engine.protocol import TokenLogprobs
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
@@ -16,8 +17,6 @@ from splitserve.loader.weights import load_model
 
 logger = logging.getLogger(__name__)
 
-# (token ids, logprobs, rank of the first id); the first id is the chosen token, then the top-k.
-TokenLogprobs = tuple[list[int], list[float], int]
 
 
 @dataclass
@@ -262,7 +261,7 @@ def _banned_tokens(request: Request) -> list[int]:
     params, output = request.sampling_params, request.output_token_ids
     banned = []
     if len(output) < params.min_tokens:
-        banned.extend(params.all_stop_token_ids)
+        banned.extend(request.stop_token_set)
     for words in params.bad_words_token_ids:
         prefix = words[:-1]
         if not prefix or output[-len(prefix):] == prefix:

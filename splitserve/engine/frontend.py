@@ -1,0 +1,45 @@
+"""What every front-end does around an EngineCore, wherever the core runs: tokenize and validate
+prompts, fan a request with n > 1 out into n core requests, and turn core outputs into text."""
+from __future__ import annotations
+
+import time
+
+from splitserve.config import ModelConfig
+from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
+from splitserve.engine.processor import Processor, PromptType
+from splitserve.engine.protocol import EngineCoreRequest
+from splitserve.outputs import RequestMetrics
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokenizer import get_tokenizer
+
+
+class FrontEnd:
+    def __init__(self, model_config: ModelConfig, tokenizer=None):
+        self.model_config = model_config
+        self.tokenizer = tokenizer or get_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
+        self.processor = Processor(model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                        kind: RequestOutputKind, arrival_time: float | None = None) -> list[EngineCoreRequest]:
+        """Validate and register a request; returns the core requests to send (one per sample)."""
+        processed = self.processor.process_prompt(prompt)
+        self.processor.validate_prompt(processed.prompt_token_ids)
+        params = self.processor.prepare_params(params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        samples, core_requests = {}, []
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            # Samples of one seeded request must differ from each other, yet stay reproducible.
+            child = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            child.bad_words_token_ids = params.bad_words_token_ids
+            detokenizer = self.output_processor.new_detokenizer(processed.prompt_token_ids, child)
+            samples[core_id] = SampleState(i, child, detokenizer)
+            core_requests.append(self.processor.make_request(core_id, processed.prompt_token_ids, child, arrival))
+        state = RequestState(request_id, processed.prompt, processed.prompt_token_ids, kind, samples,
+                             metrics=RequestMetrics(arrival))
+        self.output_processor.add_request(state)
+        return core_requests
