@@ -14,6 +14,7 @@ from splitserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, Sche
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 from splitserve.executor.model_runner import ModelRunner
+from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,18 @@ class EngineCore:
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one tiny request through the model: the first forward pays for thread pools and
+        kernel selection (over a second on CPU), which would otherwise land on the first user."""
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
+        self.add_request(EngineCoreRequest("splitserve-warmup", list(range(8)), params, None, 2, time.monotonic()))
+        while self.has_unfinished_requests():
+            self.step()
+        self.scheduler.prefix_cache_stats.reset()
+        logger.info("Engine warmed up in %.2f s", time.perf_counter() - start)
 
     def _check_capacity(self, num_blocks: int) -> None:
         capacity = num_blocks * self.config.cache_config.block_size

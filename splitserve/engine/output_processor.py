@@ -65,6 +65,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.core_to_request: dict[str, str] = {}
+        self.on_inter_token = None  # callback(seconds between a request's successive tokens), for metrics
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.requests:
@@ -104,6 +105,9 @@ class OutputProcessor:
             sample = state.samples[out.request_id]
             if out.new_prompt_logprobs:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if out.first_scheduled_time is not None:
+                state.metrics.first_scheduled_time = min(out.first_scheduled_time,
+                                                         state.metrics.first_scheduled_time or float("inf"))
             if out.new_token_ids:
                 self._update_metrics(state.metrics, now)
                 state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
@@ -120,10 +124,11 @@ class OutputProcessor:
                 self.abort([rid])
         return results, to_abort
 
-    @staticmethod
-    def _update_metrics(metrics: RequestMetrics, now: float) -> None:
+    def _update_metrics(self, metrics: RequestMetrics, now: float) -> None:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+        elif self.on_inter_token is not None and now > metrics.last_token_time:
+            self.on_inter_token(now - metrics.last_token_time)
         metrics.last_token_time = now
 
     def _add_tokens(self, sample: SampleState, out: EngineCoreOutput) -> bool:

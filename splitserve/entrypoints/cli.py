@@ -64,6 +64,12 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
         print(f"\n=== {prompt!r}\n{out.outputs[0].text}")
 
 
+def _cmd_serve(ns: argparse.Namespace) -> None:
+    from splitserve.entrypoints.openai.api_server import run_server, split_args
+
+    run_server(*split_args(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="splitserve: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,14 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.set_defaults(func=_cmd_generate)
 
+    from splitserve.entrypoints.openai import api_server
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    api_server.make_arg_parser(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from splitserve.benchmarks import throughput
+    from splitserve.benchmarks import serve, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput (vLLM's `bench throughput` workload)")
     add_engine_args(tp)
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
+
+    sv = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server "
+                                            "(vLLM's `bench serve`)")
+    serve.add_arguments(sv)
+    sv.set_defaults(func=lambda ns: serve.main(ns))
     return parser
 
 
@@ -94,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     try:
         ns.func(ns)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logging.getLogger("splitserve").error("%s", exc)
         sys.exit(2)
 

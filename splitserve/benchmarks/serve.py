@@ -1,0 +1,587 @@
+"""`splitserve bench serve`: an online serving benchmark in the manner of `vllm bench serve`, against any
+OpenAI-compatible server (splitserve, vLLM, SGLang, llama.cpp ...). It is a client only: it sends random
+prompts at a chosen arrival rate, streams every response, and reports TTFT, TPOT, ITL and end-to-end
+latency with vLLM's names and units, so that numbers from either tool can be compared line by line.
+
+Prompt lengths. With --tokenizer, /v1/completions prompts are sent as token-id lists, so their lengths are
+exact; chat prompts must be text, so random ids are decoded and re-encoded, trimmed or padded for a few
+rounds (usually exact, otherwise off by a token or two; the server's chat template adds its own tokens on
+top). Without --tokenizer, prompts are random common English words (about one token each). In every case
+the reported input and output token counts are the server's `usage` figures when it sends them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from itertools import accumulate
+
+import numpy as np
+
+METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+DATASETS = ("random",)
+BACKENDS = ("openai", "vllm", "openai-chat")
+_FIT_ROUNDS = 4  # decode/re-encode rounds to bring a chat prompt to its token length
+# Frequent English words: each is one token (with its leading space) in the usual BPE vocabularies, so
+# that prompts made without a tokenizer still have roughly the requested length.
+_WORDS = ("the of and to in is was for that on as with by he at from his it an were are which this be or "
+          "has had not first one their its new after but who they have her she two been other when there all "
+          "during into school time may years more most only over city some world would where later up such "
+          "used many can state about national out known university united then made team game people "
+          "under year last work part series between season film album river house music since three "
+          "while being both long well group name second home life family").split()
+
+
+@dataclass
+class Request:
+    prompt: str | list[int]
+    prompt_len: int  # exact for token ids, close for decoded text, a word count without a tokenizer
+    output_len: int
+
+
+@dataclass
+class Outcome:
+    """What one streamed request measured; the token counts stay None until the server's usage (or, after
+    the run, a local count) fills them."""
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    text: str = ""
+    chunks: int = 0
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+def _json_object(text: str) -> dict:
+    """argparse type for --extra-body: a JSON object, refused at parse time when it is anything else."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"top_p\": 0.9}'")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's `bench serve` flags (the ones that apply to the random dataset), with vLLM's defaults
+    except --ignore-eos, on by default so that outputs have the requested lengths."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--endpoint", default="/v1/completions",
+                        help="/v1/completions, or /v1/chat/completions (each prompt sent as one user message)")
+    server.add_argument("--backend", choices=BACKENDS, default="openai",
+                        help="accepted for vLLM command lines; openai-chat requires a chat --endpoint")
+    server.add_argument("--model", help="model name sent in requests (default: the first id of GET /v1/models)")
+    server.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    server.add_argument("--request-timeout", type=float, default=3600.0, help="seconds allowed per request")
+    server.add_argument("--extra-body", type=_json_object, help="JSON object merged into every request body")
+
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--dataset-name", default="random", help="only 'random' is supported")
+    data.add_argument("--tokenizer", help="HF directory, hub id or .gguf file: exact prompt lengths and "
+                                          "local token counts (default: random words, the server's usage)")
+    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1")
+    data.add_argument("--random-prefix-len", type=int, default=0,
+                      help="tokens of one shared prefix put before every prompt (on top of the input length)")
+    data.add_argument("--seed", type=int, default=0)
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests per second, Poisson arrivals (default inf: all sent at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier, > 1 more even")
+    load.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="send ignore_eos so outputs reach max_tokens; --no-ignore-eos for servers that "
+                           "refuse unknown fields")
+    load.add_argument("--temperature", type=float, default=0.0)
+
+    out = parser.add_argument_group("results")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                     help="comma-separated metrics to report, from " + ",".join(METRICS))
+    out.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles, e.g. 50,90,99")
+    out.add_argument("--save-result", action="store_true", help="write the result JSON")
+    out.add_argument("--result-dir", help="folder of the result JSON (default: the current one)")
+    out.add_argument("--result-filename", help="name of the result JSON (default: from rate, model and date)")
+    out.add_argument("--plot", metavar="FILE.png", help="draw histograms and CDFs of the latencies (matplotlib)")
+    out.add_argument("--disable-tqdm", action="store_true")
+
+
+def _percentiles(ns: argparse.Namespace) -> list[float]:
+    return [float(p) for p in ns.metric_percentiles.split(",") if p.strip()]
+
+
+def _metrics(ns: argparse.Namespace) -> list[str]:
+    return [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]
+
+
+def _is_chat(endpoint: str) -> bool:
+    return endpoint.rstrip("/").endswith("chat/completions")
+
+
+def check_arguments(ns: argparse.Namespace) -> None:
+    """Refuse a bad configuration before loading a tokenizer or sending anything; ValueError is what the
+    CLI turns into a one-line error."""
+    if ns.dataset_name not in DATASETS:
+        raise ValueError(f"--dataset-name {ns.dataset_name!r} is not supported; only 'random' is")
+    if ns.backend == "openai-chat" and not _is_chat(ns.endpoint):
+        raise ValueError("--backend openai-chat needs --endpoint /v1/chat/completions")
+    if ns.num_prompts < 1 or ns.random_input_len < 1 or ns.random_output_len < 1 or ns.random_prefix_len < 0:
+        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1, "
+                         "--random-prefix-len >= 0")
+    if not 0.0 <= ns.random_range_ratio < 1.0:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    if ns.request_rate <= 0 or ns.burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    if ns.max_concurrency is not None and ns.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    unknown = [m for m in _metrics(ns) if m not in METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
+    try:
+        percentiles = _percentiles(ns)
+    except ValueError:
+        raise ValueError(f"--metric-percentiles must be numbers, got {ns.metric_percentiles!r}") from None
+    if not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError("--metric-percentiles must lie in [0, 100]")
+    if ns.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+
+
+def arrival_gaps(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds between successive requests: gamma draws with shape=burstiness and mean 1/rate (shape 1 is
+    the exponential of a Poisson process), as vLLM draws them; all zero for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count).tolist()
+
+
+def sample_lengths(rng: random.Random, count: int, base: int, ratio: float) -> list[int]:
+    """vLLM's random-dataset lengths: uniform integers in [base*(1-ratio), base*(1+ratio)], at least 1."""
+    low, high = max(1, int(base * (1 - ratio))), max(1, int(base * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+def _text_of_length(tokenizer, ids: list[int], rng: random.Random, pool: list[int]) -> tuple[str, int]:
+    """Text that encodes to len(ids) tokens, or close: random ids rarely survive decode -> encode unchanged
+    (neighbouring pieces merge or split), so the re-encoded ids are trimmed or padded and decoded again."""
+    target = len(ids)
+    for _ in range(_FIT_ROUNDS):
+        text = tokenizer.decode(ids)
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == target:
+            break
+        ids = encoded[:target] + [rng.choice(pool) for _ in range(target - len(encoded))]
+    return text, len(encoded)
+
+
+def make_requests(ns: argparse.Namespace, tokenizer, chat: bool) -> list[Request]:
+    """The random dataset: a shared prefix plus random tokens (or words) per prompt, with the input and output
+    lengths drawn from one seeded generator so that a run can be repeated exactly."""
+    rng = random.Random(ns.seed)
+    input_lens = sample_lengths(rng, ns.num_prompts, ns.random_input_len, ns.random_range_ratio)
+    output_lens = sample_lengths(rng, ns.num_prompts, ns.random_output_len, ns.random_range_ratio)
+    if tokenizer is None:
+        prefix = [rng.choice(_WORDS) for _ in range(ns.random_prefix_len)]
+        return [Request(" ".join(prefix + [rng.choice(_WORDS) for _ in range(n)]), len(prefix) + n, out)
+                for n, out in zip(input_lens, output_lens)]
+    special = set(tokenizer.all_special_ids)
+    pool = [t for t in range(tokenizer.vocab_size) if t not in special]
+    prefix = [rng.choice(pool) for _ in range(ns.random_prefix_len)]
+    requests = []
+    for n, out in zip(input_lens, output_lens):
+        ids = prefix + [rng.choice(pool) for _ in range(n)]
+        if chat:
+            text, length = _text_of_length(tokenizer, ids, rng, pool)
+            requests.append(Request(text, length, out))
+        else:
+            requests.append(Request(ids, len(ids), out))
+    return requests
+
+
+def request_body(request: Request, ns: argparse.Namespace, model: str, chat: bool) -> dict:
+    """One streamed OpenAI request asking for usage in the last chunk; chat sends max_completion_tokens,
+    completions max_tokens, as vLLM's client does."""
+    body: dict = {"model": model, "temperature": ns.temperature, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if chat:
+        body |= {"messages": [{"role": "user", "content": request.prompt}],
+                 "max_completion_tokens": request.output_len}
+    else:
+        body |= {"prompt": request.prompt, "max_tokens": request.output_len}
+    if ns.ignore_eos:
+        body["ignore_eos"] = True
+    return body | (ns.extra_body or {})
+
+
+class SSEBuffer:
+    """Splits a response byte stream into the payloads of its `data:` lines. A network read can end
+    anywhere in an event, so the unfinished last line waits for the next read."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        payloads = []
+        for raw in lines:
+            line = raw.rstrip(b"\r").decode("utf-8")
+            if line.startswith("data:"):
+                payloads.append(line[5:].removeprefix(" "))
+        return payloads
+
+
+def _event_error(event: dict) -> str | None:
+    """The message of an error event: OpenAI's {"error": {...}} or vLLM's {"object": "error", ...}."""
+    if "error" in event:
+        error = event["error"]
+        return error.get("message", str(error)) if isinstance(error, dict) else str(error)
+    if event.get("object") == "error":
+        return event.get("message", "error event")
+    return None
+
+
+def _event_text(event: dict, chat: bool) -> str:
+    """The generated text of one chunk (reasoning text counts, as it costs tokens like any other)."""
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    if not chat:
+        return choices[0].get("text") or ""
+    delta = choices[0].get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+
+
+class _Stream:
+    """The timing state of one response while it streams, fed one SSE payload at a time."""
+
+    def __init__(self, chat: bool) -> None:
+        self.outcome, self.chat, self.pieces, self.done = Outcome(), chat, [], False
+        self.start = self.last = time.perf_counter()
+
+    def read(self, payload: str, now: float) -> None:
+        """TTFT at the first chunk with text, one ITL gap per later chunk with text (however many tokens it
+        carries, as vLLM counts), the usage figures wherever they come, and nothing after [DONE]."""
+        if self.done or payload == "[DONE]":
+            self.done = True
+            return
+        event, outcome = json.loads(payload), self.outcome
+        if (message := _event_error(event)) is not None:
+            outcome.error, self.done = f"error event: {message}", True
+            return
+        if usage := event.get("usage"):
+            outcome.prompt_tokens = usage.get("prompt_tokens")
+            outcome.output_tokens = usage.get("completion_tokens")
+        if text := _event_text(event, self.chat):
+            if outcome.chunks == 0:
+                outcome.ttft = now - self.start
+            else:
+                outcome.itl.append(now - self.last)
+            self.last = now
+            outcome.chunks += 1
+            self.pieces.append(text)
+
+
+async def send_request(session, url: str, body: dict, headers: dict, chat: bool) -> Outcome:
+    """Stream one request and time it. Every failure (HTTP status, connection, timeout, error event, a
+    stream without text) becomes an Outcome with its message: one bad request must not end the run. The
+    body is read to its end, past [DONE], so that the connection goes back to the pool for reuse."""
+    stream = _Stream(chat)
+    outcome = stream.outcome
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                outcome.error = f"HTTP {response.status}: {(await response.text())[:300]}"
+                return outcome
+            buffer = SSEBuffer()
+            async for chunk in response.content.iter_any():
+                now = time.perf_counter()
+                for payload in buffer.feed(chunk):
+                    stream.read(payload, now)
+                if outcome.error:
+                    return outcome
+        outcome.latency = time.perf_counter() - stream.start
+    except Exception as exc:  # noqa: BLE001 - any failure of one request is recorded, never raised
+        outcome.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        return outcome
+    outcome.text = "".join(stream.pieces)
+    outcome.success = outcome.chunks > 0
+    if not outcome.success:
+        outcome.error = "the stream carried no generated text"
+    return outcome
+
+
+async def fetch_model(session, base_url: str, headers: dict) -> str:
+    """The first model the server lists, for runs without --model."""
+    url = f"{base_url}/v1/models"
+    try:
+        async with session.get(url, headers=headers) as response:
+            response.raise_for_status()
+            return (await response.json())["data"][0]["id"]
+    except Exception as exc:  # noqa: BLE001 - every cause gets the same advice
+        raise ValueError(f"could not read the model name from {url} ({type(exc).__name__}: {exc}); "
+                         f"pass --model") from None
+
+
+async def run_requests(ns: argparse.Namespace, requests: list[Request], url: str, model: str, headers: dict,
+                       session) -> tuple[list[Outcome], float, int]:
+    """Send the requests on their arrival schedule, at most --max-concurrency at a time; returns the outcomes
+    in request order, the wall time, and the most requests that were in flight at once."""
+    from tqdm.auto import tqdm
+
+    chat = _is_chat(ns.endpoint)
+    limit = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else contextlib.nullcontext()
+    in_flight = peak = 0
+    progress = tqdm(total=len(requests), disable=ns.disable_tqdm, desc="requests")
+
+    async def limited(request: Request) -> Outcome:
+        nonlocal in_flight, peak
+        async with limit:
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await send_request(session, url, request_body(request, ns, model, chat), headers, chat)
+            finally:
+                in_flight -= 1
+                progress.update(1)
+
+    gaps = arrival_gaps(len(requests) - 1, ns.request_rate, ns.burstiness, ns.seed)
+    start = time.perf_counter()
+    tasks = []
+    for request, offset in zip(requests, accumulate(gaps, initial=0.0)):
+        # Sleeping to absolute times keeps the schedule from drifting by the loop's own delays.
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(request)))
+    outcomes = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    progress.close()
+    return list(outcomes), duration, peak
+
+
+def _fill_token_counts(outcomes: list[Outcome], requests: list[Request], tokenizer) -> None:
+    """Counts the server left out of `usage`: the prompt from the dataset, the output from the tokenizer or,
+    without one, one token per streamed chunk. Done after the run to keep tokenizing out of the timings."""
+    for outcome, request in zip(outcomes, requests):
+        if not outcome.success:
+            continue
+        if outcome.prompt_tokens is None:
+            outcome.prompt_tokens = request.prompt_len
+        if outcome.output_tokens is None:
+            outcome.output_tokens = (len(tokenizer.encode(outcome.text, add_special_tokens=False))
+                                     if tokenizer is not None else outcome.chunks)
+
+
+def _percentile_name(p: float) -> str:
+    return str(int(p)) if p == int(p) else str(p)
+
+
+def summarize(values_s: list[float], percentiles: list[float]) -> dict[str, float]:
+    """Mean, median, standard deviation and percentiles in milliseconds (numpy's linear interpolation, as
+    vLLM). An empty list gives zeros, as in vLLM, so that result files always hold numbers."""
+    values = np.asarray(values_s, dtype=float) * 1000.0 if values_s else np.zeros(1)
+    stats = {"mean": float(values.mean()), "median": float(np.median(values)), "std": float(values.std())}
+    for p in percentiles:
+        stats[f"p{_percentile_name(p)}"] = float(np.percentile(values, p))
+    return stats
+
+
+def _tpot(outcome: Outcome) -> float | None:
+    """Decode time per output token after the first; undefined for a single-token output."""
+    if outcome.output_tokens is None or outcome.output_tokens < 2:
+        return None
+    return (outcome.latency - outcome.ttft) / (outcome.output_tokens - 1)
+
+
+def metric_values(outcomes: list[Outcome]) -> dict[str, list[float]]:
+    """Each metric's samples in seconds over the successful requests; ITL pools the gaps of all of them."""
+    done = [o for o in outcomes if o.success]
+    return {"ttft": [o.ttft for o in done],
+            "tpot": [t for t in map(_tpot, done) if t is not None],
+            "itl": [gap for o in done for gap in o.itl],
+            "e2el": [o.latency for o in done]}
+
+
+def compute_result(ns: argparse.Namespace, outcomes: list[Outcome], duration: float, peak: int, model: str,
+                   base_url: str) -> dict:
+    """The figures of the run under vLLM's result-file keys, the per-request lists, and the arguments."""
+    done = [o for o in outcomes if o.success]
+    input_tokens = sum(o.prompt_tokens for o in done)
+    output_tokens = sum(o.output_tokens for o in done)
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": ns.backend,
+        "base_url": base_url,
+        "endpoint": ns.endpoint,
+        "model_id": model,
+        "tokenizer_id": ns.tokenizer,
+        "num_prompts": len(outcomes),
+        "request_rate": "inf" if math.isinf(ns.request_rate) else ns.request_rate,
+        "burstiness": ns.burstiness,
+        "max_concurrency": ns.max_concurrency,
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "max_concurrent_requests": peak,
+    }
+    values = metric_values(outcomes)
+    for metric in _metrics(ns):
+        for stat, value in summarize(values[metric], _percentiles(ns)).items():
+            result[f"{stat}_{metric}_ms"] = value
+    result |= {
+        "input_lens": [o.prompt_tokens or 0 for o in outcomes],
+        "output_lens": [o.output_tokens or 0 for o in outcomes],
+        "ttfts": [o.ttft for o in outcomes],
+        "itls": [o.itl for o in outcomes],
+        "e2els": [o.latency for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "args": _arguments(ns),
+    }
+    return result
+
+
+def _arguments(ns: argparse.Namespace) -> dict:
+    """The arguments as JSON values: no callables, no API key, and infinity as the string "inf"."""
+    args = {k: v for k, v in vars(ns).items() if not callable(v) and k != "api_key"}
+    return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in args.items()}
+
+
+def print_report(result: dict, ns: argparse.Namespace) -> None:
+    """vLLM's report layout: totals and rates, then one block per selected metric."""
+    line = "{:<40} {:<10}".format
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    print(line("Successful requests:", result["completed"]))
+    print(line("Failed requests:", result["failed"]))
+    print(line("Maximum request concurrency:", str(result["max_concurrency"])))
+    print(line("Max concurrency reached:", result["max_concurrent_requests"]))
+    print(line("Benchmark duration (s):", f"{result['duration']:.2f}"))
+    print(line("Total input tokens:", result["total_input_tokens"]))
+    print(line("Total generated tokens:", result["total_output_tokens"]))
+    print(line("Request throughput (req/s):", f"{result['request_throughput']:.2f}"))
+    print(line("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"))
+    print(line("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"))
+    for metric in _metrics(ns):
+        name = metric.upper()
+        print("{s:{c}^50}".format(s=METRICS[metric], c="-"))
+        print(line(f"Mean {name} (ms):", f"{result[f'mean_{metric}_ms']:.2f}"))
+        print(line(f"Median {name} (ms):", f"{result[f'median_{metric}_ms']:.2f}"))
+        for p in _percentiles(ns):
+            key = f"p{_percentile_name(p)}"
+            print(line(f"{key.upper()} {name} (ms):", f"{result[f'{key}_{metric}_ms']:.2f}"))
+    print("=" * 50)
+    errors = Counter(e for e in result["errors"] if e)
+    if errors:
+        print(f"{errors.total()} failed requests; the most frequent errors:")
+        for message, count in errors.most_common(5):
+            print(f"  {count} x {message}")
+
+
+def result_path(result: dict, ns: argparse.Namespace) -> str:
+    """--result-dir / --result-filename, or vLLM's naming: backend, rate, cap, model and date."""
+    name = ns.result_filename
+    if not name:
+        cap = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
+        model = result["model_id"].rstrip("/").split("/")[-1]
+        name = f"{ns.backend}-{result['request_rate']}qps{cap}-{model}-{result['date']}.json"
+    return os.path.join(ns.result_dir or ".", name)
+
+
+def plot_latencies(result: dict, outcomes: list[Outcome], path: str) -> None:
+    """One column per metric: its histogram above, its empirical CDF below, in milliseconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = metric_values(outcomes)
+    fig, axes = plt.subplots(2, len(METRICS), figsize=(4 * len(METRICS), 7), squeeze=False)
+    for column, (metric, title) in enumerate(METRICS.items()):
+        samples = np.sort(np.asarray(values[metric]) * 1000.0)
+        hist, cdf = axes[0][column], axes[1][column]
+        hist.set_title(f"{metric.upper()}: {title}", fontsize=9)
+        cdf.set_xlabel(f"{metric.upper()} (ms)")
+        if samples.size:
+            hist.hist(samples, bins=min(50, max(5, samples.size // 4)))
+            cdf.step(samples, np.arange(1, samples.size + 1) / samples.size, where="post")
+        cdf.set_ylim(0, 1.01)
+        cdf.grid(alpha=0.3)
+    axes[0][0].set_ylabel("requests (ITL: gaps)")
+    axes[1][0].set_ylabel("fraction <= x")
+    fig.suptitle(f"{result['model_id']}: {result['completed']} requests, rate {result['request_rate']}/s, "
+                 f"max concurrency {result['max_concurrency']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+async def _benchmark(ns: argparse.Namespace, requests: list[Request], base_url: str, headers: dict):
+    """One aiohttp session for the whole run (as vLLM's client), with as many connections as requests may be
+    in flight; returns (model, outcomes, duration, peak)."""
+    import aiohttp
+
+    cap = ns.max_concurrency or 0  # 0: no limit in aiohttp
+    connector = aiohttp.TCPConnector(limit=cap, limit_per_host=cap, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=ns.request_timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True) as session:
+        model = ns.model or await fetch_model(session, base_url, headers)
+        url = base_url + "/" + ns.endpoint.lstrip("/")
+        print(f"Benchmarking {model} at {url}: {len(requests)} requests, rate {ns.request_rate}/s, "
+              f"burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}")
+        outcomes, duration, peak = await run_requests(ns, requests, url, model, headers, session)
+    return model, outcomes, duration, peak
+
+
+def main(ns: argparse.Namespace) -> dict:
+    check_arguments(ns)
+    tokenizer = None
+    if ns.tokenizer:
+        from splitserve.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(ns.tokenizer)
+    requests = make_requests(ns, tokenizer, _is_chat(ns.endpoint))
+    base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
+    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model, outcomes, duration, peak = asyncio.run(_benchmark(ns, requests, base_url, headers))
+    _fill_token_counts(outcomes, requests, tokenizer)
+    result = compute_result(ns, outcomes, duration, peak, model, base_url)
+    print_report(result, ns)
+    if ns.save_result:
+        path = result_path(result, ns)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"Result written to {path}")
+    if ns.plot:
+        plot_latencies(result, outcomes, ns.plot)
+        print(f"Latency plots written to {ns.plot}")
+    return result

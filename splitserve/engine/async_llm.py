@@ -1,0 +1,188 @@
+"""AsyncLLM: the front-end an API server worker uses to talk to the engine core process.
+
+Requests go out over a ZMQ DEALER socket; one asyncio task reads the core's outputs, detokenizes
+them and hands each RequestOutput to the queue of the request it belongs to. Tokenization runs in
+a worker thread so that a long prompt does not stall the event loop. If the engine process dies,
+every pending request fails at once with EngineDeadError.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from splitserve.config import ModelConfig
+from splitserve.engine.frontend import FrontEnd
+from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.engine.processor import PromptType
+from splitserve.engine.protocol import AbortRequests, EngineCoreOutputs, Ping, SchedulerStats
+from splitserve.outputs import RequestOutput
+from splitserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_LIVENESS_CHECK_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+class AsyncLLM(FrontEnd):
+    def __init__(self, model_config: ModelConfig, engine_address: str, engine_pid: int, client_index: int = 0):
+        super().__init__(model_config)
+        self.engine_pid = engine_pid
+        self.client_index = client_index
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"api-{client_index}-{os.getpid()}".encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(engine_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats: SchedulerStats | None = None
+        self.sent_since_stats = 0
+        self.dead_reason: str | None = None
+        self.on_stats = None  # callback(SchedulerStats), set by the metrics layer
+        self._output_task: asyncio.Task | None = None
+        self._pings: dict[int, asyncio.Future] = {}
+        self._nonce = itertools.count()
+
+    # --- requests ---------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None,
+                       kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+        """A request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one output).
+        Closing the iterator early, or cancelling the task iterating it, aborts the request."""
+        self._start()
+        self._check_alive()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if isinstance(prompt, str) or "prompt_token_ids" not in prompt:
+            processed = await asyncio.to_thread(self.processor.process_prompt, prompt)
+            prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
+        core_requests = self.prepare_request(request_id, prompt, params, kind, arrival)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            for request in core_requests:
+                await self._send(request)
+            self.sent_since_stats += len(core_requests)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                await self.abort([request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        core_ids = self.output_processor.abort(request_ids)
+        if core_ids and self.dead_reason is None:
+            await self._send(AbortRequests(core_ids))
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting in the engine, as last reported, plus those sent since then."""
+        return (self.stats.num_waiting if self.stats else 0) + self.sent_since_stats
+
+    async def check_health(self, timeout: float) -> bool:
+        """True when the engine process is alive and answers a ping within `timeout` seconds."""
+        self._start()
+        if self.dead_reason is not None or not process_alive(self.engine_pid):
+            return False
+        nonce = next(self._nonce)
+        future = asyncio.get_running_loop().create_future()
+        self._pings[nonce] = future
+        try:
+            await self._send(Ping(nonce))
+            await asyncio.wait_for(future, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._pings.pop(nonce, None)
+
+    async def _send(self, message) -> None:
+        await self.socket.send(self.encoder.encode(message))
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"The engine is not running: {self.dead_reason}")
+
+    # --- outputs ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                if not await self.socket.poll(timeout=int(_LIVENESS_CHECK_S * 1000)):
+                    if not process_alive(self.engine_pid):
+                        self._fail_all("the engine process exited")
+                        return
+                    continue
+                message = self.decoder.decode(await self.socket.recv())
+                if message.engine_dead is not None:
+                    self._fail_all(message.engine_dead)
+                    return
+                await self._handle(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave requests hanging forever
+            logger.exception("Output handling failed")
+            self._fail_all(f"output handling failed: {exc}")
+
+    async def _handle(self, message: EngineCoreOutputs) -> None:
+        if message.stats is not None:
+            self.stats, self.sent_since_stats = message.stats, 0
+            if self.on_stats is not None:
+                self.on_stats(message.stats)
+        if message.pong is not None and message.pong in self._pings:
+            self._pings[message.pong].set_result(True)
+        if not message.outputs:
+            return
+        outputs, stopped = self.output_processor.process_outputs(message.outputs)
+        if stopped:
+            await self._send(AbortRequests(stopped))
+        for output in outputs:
+            queue = self.queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error("Engine is dead (%s): failing %d pending requests", reason, len(self.queues))
+        for queue in self.queues.values():
+            queue.put_nowait(EngineDeadError(f"The engine is not running: {reason}"))
+        self.output_processor.abort(list(self.output_processor.requests))
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.socket.close()

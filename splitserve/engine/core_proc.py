@@ -1,0 +1,186 @@
+"""The EngineCore in its own process: a busy loop around a ZMQ ROUTER socket.
+
+Clients (API server workers) connect DEALER sockets to one IPC path. Each loop iteration drains
+the socket without blocking (adds, aborts, pings), runs one engine step, and sends each client the
+outputs of its own requests together with the scheduler's state. When there is nothing to run the
+loop blocks on the socket instead of spinning. The time spent on messaging is measured and logged,
+so that its cost next to the model step stays visible.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+
+import msgspec
+import zmq
+
+from splitserve.config import EngineConfig
+from splitserve.engine.protocol import (AbortRequests, ClientMessage, EngineCoreOutput, EngineCoreOutputs,
+                                        EngineCoreRequest, Ping)
+
+logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_S = 0.5   # idle clients still hear the engine's state this often
+_LOG_INTERVAL_S = 10.0
+
+
+def new_ipc_address() -> str:
+    return f"ipc://{tempfile.gettempdir()}/splitserve-engine-{uuid.uuid4().hex[:12]}.sock"
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, address: str):
+        from splitserve.engine.engine_core import EngineCore
+
+        self.core = EngineCore(config)
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.owner: dict[str, bytes] = {}   # core request id -> client identity
+        self.clients: set[bytes] = set()
+        self.last_stats = 0.0
+        self.ipc_seconds = 0.0
+        self.step_seconds = 0.0
+        self.steps = 0
+        self.last_log = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            busy = self.core.has_unfinished_requests()
+            start = time.perf_counter()
+            self._drain(block=not busy)
+            mid = time.perf_counter()
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            end = time.perf_counter()
+            self._send(outputs, force_stats=busy and not self.core.has_unfinished_requests())
+            self.ipc_seconds += (mid - start if busy else 0.0) + time.perf_counter() - end
+            if outputs or busy:
+                self.steps += 1
+                self.step_seconds += end - mid
+            self._maybe_log()
+
+    # --- input ------------------------------------------------------------------------------
+    def _drain(self, block: bool) -> None:
+        if block:
+            self.socket.poll(timeout=int(_STATS_INTERVAL_S * 1000))
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.clients.add(identity)
+            self._handle(identity, self.decoder.decode(payload))
+
+    def _handle(self, identity: bytes, msg) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            self.owner[msg.request_id] = identity
+            self.core.add_request(msg)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                self.owner.pop(rid, None)
+        elif isinstance(msg, Ping):
+            self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), pong=msg.nonce))
+
+    # --- output -----------------------------------------------------------------------------
+    def _send(self, outputs: list[EngineCoreOutput], force_stats: bool) -> None:
+        by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            identity = self.owner.get(out.request_id)
+            if identity is None:
+                continue  # aborted by its client while the step ran
+            by_client[identity].append(out)
+            if out.finished:
+                del self.owner[out.request_id]
+        now = time.monotonic()
+        broadcast = force_stats or now - self.last_stats >= _STATS_INTERVAL_S
+        if not by_client and not broadcast:
+            return
+        stats = self.core.stats()
+        for identity in (self.clients if broadcast else by_client):
+            self._send_to(identity, EngineCoreOutputs(by_client.get(identity, []), stats))
+        if broadcast:
+            self.last_stats = now
+
+    def _send_to(self, identity: bytes, message: EngineCoreOutputs) -> None:
+        try:
+            self.socket.send_multipart([identity, self.encoder.encode(message)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("Client %r is not reading its outputs; dropped one message", identity)
+
+    def broadcast_dead(self, reason: str) -> None:
+        for identity in self.clients:
+            self._send_to(identity, EngineCoreOutputs(engine_dead=reason))
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last_log < _LOG_INTERVAL_S or not self.steps:
+            return
+        s = self.core.stats()
+        logger.info("Engine: %d steps in the last %.0f s, %.1f ms/step model, %.0f us/step messaging (%.2f%%); "
+                    "running %d, waiting %d, KV cache %.1f%% used", self.steps, now - self.last_log,
+                    1e3 * self.step_seconds / self.steps, 1e6 * self.ipc_seconds / self.steps,
+                    100 * self.ipc_seconds / max(self.step_seconds, 1e-9), s.num_running, s.num_waiting,
+                    100 * s.kv_cache_usage)
+        self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
+
+
+def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
+    """Entry point of the engine process: build the core, report readiness, loop until killed."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    try:
+        proc = EngineCoreProc(config, address)
+    except Exception as exc:  # report any start-up failure to the parent, then exit
+        logger.exception("Engine start-up failed")
+        ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        return
+    ready_pipe.send({"status": "ready", "num_gpu_blocks": config.cache_config.num_gpu_blocks})
+    try:
+        proc.run()
+    except Exception as exc:
+        logger.exception("Engine core died")
+        proc.broadcast_dead(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+class EngineProcess:
+    """Starts the engine core process and waits until it is ready (or says why it is not)."""
+
+    def __init__(self, config: EngineConfig, address: str | None = None):
+        self.address = address or new_ipc_address()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_engine_core, args=(config, self.address, child),
+                                   name="splitserve-engine", daemon=True)
+        self.process.start()
+        child.close()
+        try:
+            ready = parent.recv()
+        except EOFError:
+            raise RuntimeError("The engine process exited during start-up; see its log above.") from None
+        if ready["status"] != "ready":
+            raise RuntimeError(f"The engine failed to start: {ready['error']}")
+        config.cache_config.num_gpu_blocks = ready["num_gpu_blocks"]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def shutdown(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+        path = self.address.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)

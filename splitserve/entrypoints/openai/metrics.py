@@ -1,0 +1,105 @@
+"""Prometheus metrics, named as vLLM's with the `splitserve:` prefix and a model_name label.
+
+With several API workers, prometheus_client's multiprocess mode aggregates them: request-level
+counters and histograms are recorded by the worker that served the request (and summed), the
+engine's gauges are the most recent value any worker heard from the engine, and the engine's own
+cumulative counters (preemptions, prefix-cache queries and hits) are recorded by worker 0 only,
+so that they are not counted once per worker.
+"""
+from __future__ import annotations
+
+import os
+
+from splitserve.engine.protocol import SchedulerStats
+from splitserve.outputs import RequestOutput
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, client_index: int = 0):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.records_engine_counters = client_index == 0
+        label = {"model_name": model_name}
+        multiproc = os.environ.get(MULTIPROC_ENV) is not None
+        gauge_mode = {"multiprocess_mode": "mostrecent"} if multiproc else {}
+
+        def gauge(name, doc):
+            return Gauge(f"splitserve:{name}", doc, ["model_name"], **gauge_mode).labels(**label)
+
+        def counter(name, doc):
+            return Counter(f"splitserve:{name}", doc, ["model_name"]).labels(**label)
+
+        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(f"splitserve:{name}", doc, ["model_name"], buckets=buckets).labels(**label)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests being computed in the engine.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = Counter("splitserve:request_success", "Finished requests, by finish reason.",
+                                       ["model_name", "finished_reason"])
+        self.model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.")
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.")
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._last: SchedulerStats | None = None
+
+    def record_engine_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        if not self.records_engine_counters:
+            return
+        last = self._last
+        self._last = stats
+        if last is None:
+            last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
+        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+
+    def record_finished(self, output: RequestOutput, num_generated: int, reasons: list[str]) -> None:
+        m = output.metrics
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(num_generated)
+        for reason in reasons:
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            self.decode_time.observe(m.finished_time - m.first_token_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+
+def render_metrics() -> tuple[bytes, str]:
+    """The exposition text of this process, or of all workers in multiprocess mode."""
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    if os.environ.get(MULTIPROC_ENV):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

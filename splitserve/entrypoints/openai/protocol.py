@@ -1,0 +1,629 @@
+"""Request and response bodies of the OpenAI-compatible server: OpenAI's field names plus vLLM's
+extensions, as pydantic v2 models.
+
+Requests refuse what they cannot honour. An unknown field is an error (a misspelt parameter must
+not be silently ignored), and so is a known OpenAI/vLLM parameter that splitserve lacks (tools,
+guided decoding, ...) unless it is null or its harmless default. An explicit null for a parameter
+with a non-null default means "use the default", as in OpenAI's API. Checks that span several
+fields raise `ParameterError`, which names the parameter at fault; `validation_error_message()`
+turns any `pydantic.ValidationError` into the message and parameter of a 400 body (`error_body()`).
+
+Responses are plain models whose optional fields default to None. OpenAI's own nullable fields
+(`finish_reason`, `logprobs`, `stop_reason`, ...) are always serialized, null included, while
+vLLM-style extensions the server did not fill (`token_ids`, `prompt_logprobs`, `reasoning_content`,
+...) are left out of the JSON when None (`Field(exclude_if=...)`, pydantic >= 2.11), so a plain
+`model_dump_json()` gives OpenAI's shapes.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from splitserve.outputs import Logprob
+from splitserve.sampling_params import MAX_N, SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def random_id(prefix: str) -> str:
+    """A fresh response id such as "cmpl-<32 hex digits>"; stream chunks of one request share one."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ParameterError(ValueError):
+    """A request error that names its parameter: pydantic gives a check that spans several fields
+    no location, so the 400 body could not otherwise say which parameter was wrong."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# --- requests --------------------------------------------------------------------------------
+# Known OpenAI/vLLM parameters that splitserve does not implement, with the only values accepted
+# (the ones meaning "feature off"); any other value is refused rather than silently ignored.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None,),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    # chat only
+    "tools": (None,),
+    "functions": (None,),
+    "tool_choice": (None, "none"),
+    "reasoning_effort": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
+
+
+def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    """Let a known-but-unimplemented parameter through only with a value that turns it off."""
+    accepted = _UNSUPPORTED[info.field_name]
+    # The type check keeps 0 from passing as False (0 == False in Python).
+    if any(value == ok and type(value) is type(ok) for ok in accepted):
+        return value
+    allowed = " or ".join(json.dumps(ok) for ok in accepted)
+    raise ValueError(f"'{info.field_name}' is not supported by splitserve (only {allowed} is accepted).")
+
+
+def _accepts_none(field: FieldInfo) -> bool:
+    annotation = field.annotation
+    return annotation is Any or type(None) in getattr(annotation, "__args__", ())
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class RequestModel(BaseModel):
+    """Base of every request body: unknown fields, NaN and infinities are refused, and a null for a
+    field that has a non-null default is dropped so that the default applies (OpenAI reads null as
+    "not given"; clients other than OpenAI's SDK send such nulls)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or _accepts_none(fields[k])}
+
+
+class StreamOptions(RequestModel):
+    """`include_usage`: send a last chunk with the usage (vLLM's default when stream_options is
+    given); `continuous_usage_stats`: put the usage so far in every chunk."""
+
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
+def _check_stop(value: Any) -> Any:
+    """Stop strings: each one is matched against the text after every token, so their number and
+    length are bounded; an empty one would stop generation at once."""
+    if value is None:
+        return value
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("'stop' must be a string or a list of strings.")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}.")
+    if not all(stops):
+        raise ValueError("'stop' strings must not be empty.")
+    if any(len(s) > MAX_STOP_STRING_LEN for s in stops):
+        raise ValueError(f"'stop' strings may be at most {MAX_STOP_STRING_LEN} characters long.")
+    return value
+
+
+class _GenerationRequest(RequestModel):
+    """What /v1/completions and /v1/chat/completions share: sampling, stopping, streaming."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    metadata: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    echo: bool = False
+    user: str | None = None
+    # Known but unsupported: accepted only as "off" (see _UNSUPPORTED).
+    suffix: Any = None
+    use_beam_search: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+
+    _refuse = field_validator("suffix", "use_beam_search", "guided_json", "guided_regex", "guided_choice",
+                              "guided_grammar", "structured_outputs", "response_format", "service_tier",
+                              "store")(_refuse_unsupported)
+    _stop = field_validator("stop", mode="before")(_check_stop)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's limits: keys are token ids, biases lie in [-100, 100] (-100 bans a token)."""
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}.")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}.")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"'logit_bias' values must be in [-100, 100], got {bias} for token {key}.")
+        return value
+
+    @model_validator(mode="after")
+    def _check_generation(self) -> _GenerationRequest:
+        """Resolve the alternative spellings (max_completion_tokens, metadata.min_tokens) into
+        max_tokens and min_tokens, refusing contradictions, and refuse stream_options without stream."""
+        given = self.model_fields_set
+        if self.max_completion_tokens is not None:
+            if "max_tokens" in given and self.max_tokens not in (None, self.max_completion_tokens):
+                raise ParameterError("max_completion_tokens",
+                                     f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' "
+                                     f"({self.max_completion_tokens}) differ; give only one of them.")
+            self.max_tokens = self.max_completion_tokens
+        meta_min_tokens = (self.metadata or {}).get("min_tokens")
+        if meta_min_tokens is not None:
+            if not _is_token_id(meta_min_tokens):
+                raise ParameterError("metadata.min_tokens", "'metadata.min_tokens' must be an integer >= 0, "
+                                     f"got {meta_min_tokens!r}.")
+            if "min_tokens" in given and self.min_tokens != meta_min_tokens:
+                raise ParameterError("min_tokens", f"'min_tokens' ({self.min_tokens}) and 'metadata.min_tokens' "
+                                     f"({meta_min_tokens}) differ; give only one of them.")
+            self.min_tokens = meta_min_tokens
+        if self.stream_options is not None and not self.stream:
+            raise ParameterError("stream_options", "'stream_options' is only allowed when 'stream' is true.")
+        return self
+
+    def _sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
+        """The SamplingParams fields both endpoints fill the same way."""
+        return dict(
+            n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids)
+
+
+_PROMPT_SHAPES = ("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                  "lists of token ids, and not empty.")
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. `max_tokens` defaults to 16 as in OpenAI; an explicit null means "up to
+    the context length" (`to_sampling_params`'s `default_max_tokens`)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        """Checked by hand so that a bad prompt gets one message listing the accepted shapes rather
+        than one error per member of the union."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and (
+                all(isinstance(p, str) for p in value) or all(_is_token_id(t) for t in value)
+                or all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value)):
+            return value
+        raise ValueError(_PROMPT_SHAPES)
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        """splitserve returns every sample it draws, so best_of can only repeat n."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParameterError("best_of", "best_of > n is not supported: splitserve returns every sample "
+                                 f"it draws; set n instead (got best_of={self.best_of}, n={self.n}).")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts, each a text or a list of token ids, whichever shape was sent."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _is_token_id(prompt[0]):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens. Raises
+        ValueError for combinations SamplingParams refuses (e.g. min_tokens > max_tokens)."""
+        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs,
+                              best_of=self.best_of)
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+def _check_content(value: Any) -> Any:
+    """Message content: a string or text parts. Checked by hand so that an image or audio part gets
+    an error naming its type instead of a list of failed union members."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("message 'content' must be a string or a list of content parts.")
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content part type {kind!r} is not supported: splitserve serves text only, "
+                             "so only {'type': 'text', 'text': ...} parts are accepted.")
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise ValueError("a 'text' content part must be exactly {'type': 'text', 'text': <string>}.")
+    return value
+
+
+class ChatMessageParam(RequestModel):
+    """One message of a conversation. `tool_call_id` is accepted (and passed to the template) so
+    that a conversation holding an earlier tool result stays valid."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    _content = field_validator("content", mode="before")(_check_content)
+
+    def text(self) -> str:
+        """The content as one string: text parts joined with newlines."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as chat templates expect it. "developer" (OpenAI's newer name for the system
+        role) becomes "system": templates know only the older name and many raise on unknown roles."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class _ConversationRequest(RequestModel):
+    """What /v1/chat/completions and /tokenize (chat form) share: the messages and the template."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_template_flags(self) -> _ConversationRequest:
+        """Continuing the last message and opening a new assistant turn exclude each other."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ParameterError("continue_final_message", "'continue_final_message' and "
+                                 "'add_generation_prompt' cannot both be true; set add_generation_prompt to false.")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as plain dicts with string content, for the chat template."""
+        return [message.template_dict() for message in self.messages]
+
+
+class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
+    """POST /v1/chat/completions. `max_tokens` (or `max_completion_tokens`) defaults to the rest of
+    the context (`to_sampling_params`'s `default_max_tokens`). `echo` is only carried: the server
+    prepends the last message's content when that message is the assistant's."""
+
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    parallel_tool_calls: bool | None = None  # meaningless without tools, so any value is harmless
+    # Known but unsupported: accepted only as "off" (see _UNSUPPORTED).
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    reasoning_effort: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    _refuse_chat = field_validator("tools", "functions", "tool_choice", "reasoning_effort", "audio",
+                                   "modalities", "prediction", "web_search_options")(_refuse_unsupported)
+
+    @model_validator(mode="after")
+    def _check_top_logprobs(self) -> ChatCompletionRequest:
+        """As in OpenAI, top_logprobs only refines logprobs=true."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParameterError("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The engine's SamplingParams; `default_max_tokens` (the context left after the prompt)
+        replaces a null max_tokens. logprobs=true asks for top_logprobs alternatives (0: only the
+        chosen token)."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=logprobs)
+
+
+class TokenizeCompletionRequest(RequestModel):
+    """POST /tokenize with a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ConversationRequest):
+    """POST /tokenize with messages, rendered by the chat template first."""
+
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+def parse_tokenize_request(data: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """/tokenize takes either form: the one with `messages` is the chat form. Raises
+    pydantic.ValidationError like model_validate."""
+    if isinstance(data, dict) and "messages" in data:
+        return TokenizeChatRequest.model_validate(data)
+    return TokenizeCompletionRequest.model_validate(data)
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- responses -------------------------------------------------------------------------------
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _extension(default: Any = None) -> Any:
+    """A vLLM-style field beyond OpenAI's schema: left out of the JSON while None."""
+    return Field(default, exclude_if=_is_none)
+
+
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = _extension()
+
+
+class CompletionLogProbs(BaseModel):
+    """OpenAI's legacy logprobs: per token its text offset, logprob, text and top alternatives."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = _extension()
+    token_ids: list[int] | None = _extension()
+    prompt_token_ids: list[int] | None = _extension()
+    cum_log_probs: float | None = _extension()
+    sentence_length: int | None = _extension()
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamChoice(CompletionResponseChoice):
+    """A streamed piece of one choice; `arrival_time` is the seconds since the request arrived."""
+
+    arrival_time: float
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = _extension()
+    system_fingerprint: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = _extension()
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = _extension()
+    cum_log_probs: float | None = _extension()
+    sentence_length: int | None = _extension()
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = _extension()
+    prompt_token_ids: list[int] | None = _extension()
+
+
+class DeltaMessage(BaseModel):
+    """The change a stream chunk brings; absent parts are left out (the last chunk's delta is {})."""
+
+    role: str | None = _extension()
+    content: str | None = _extension()
+    reasoning_content: str | None = _extension()
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    """A streamed piece of one choice; `arrival_time` is the seconds since the request arrived."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = _extension()
+    arrival_time: float
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = _extension()
+    system_fingerprint: str | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = 400) -> dict:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
+
+
+def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
+    """A readable message for a 400 and the offending parameter (the first error's location joined
+    by '.', e.g. "messages.0.content"; a ParameterError's own parameter for a cross-field check)."""
+    error = exc.errors()[0]
+    param = ".".join(str(part) for part in error["loc"]) or None
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, ParameterError):
+        return str(cause), cause.param
+    if error["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if error["type"] == "value_error":  # our own checks: the message already names its subject
+        return str(cause) if cause is not None else error["msg"], param
+    return (f"{param}: {error['msg']}" if param else error["msg"]), param
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "splitserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = _extension()
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
