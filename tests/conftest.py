@@ -59,3 +59,19 @@ def make_tiny_model(directory: str, arch: str, tokenizer) -> str:
 def tiny_models(tmp_path_factory, smollm_tokenizer) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model(str(root / arch), arch, smollm_tokenizer) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny random Llama with the whole SmolLM2 vocabulary and chat template: the other tiny
+    models stop at 1024 tokens, which the template's own tokens (a system prompt, role names) exceed."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": len(smollm_tokenizer)}, tie_word_embeddings=False)
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(0)
+    directory = str(tmp_path_factory.mktemp("tiny_chat_model"))
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    smollm_tokenizer.save_pretrained(directory)
+    return directory

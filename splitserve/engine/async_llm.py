@@ -88,7 +88,6 @@ class AsyncLLM(FrontEnd):
         try:
             for request in core_requests:
                 await self._send(request)
-            self.sent_since_stats += len(core_requests)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -105,10 +104,15 @@ class AsyncLLM(FrontEnd):
         if core_ids and self.dead_reason is None:
             await self._send(AbortRequests(core_ids))
 
-    @property
-    def num_queued(self) -> int:
-        """Requests waiting in the engine, as last reported, plus those sent since then."""
-        return (self.stats.num_waiting if self.stats else 0) + self.sent_since_stats
+    def try_reserve_queue_slot(self, limit: int) -> bool:
+        """Admission control: True (and count the request as queued) while fewer than `limit`
+        requests wait in the engine, as last reported, plus those this worker admitted since that
+        report. Checking and counting happen together, so a burst of requests cannot all pass."""
+        queued = (self.stats.num_waiting if self.stats else 0) + self.sent_since_stats
+        if queued >= limit:
+            return False
+        self.sent_since_stats += 1
+        return True
 
     async def check_health(self, timeout: float) -> bool:
         """True when the engine process is alive and answers a ping within `timeout` seconds."""

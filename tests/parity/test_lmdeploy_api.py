@@ -9,7 +9,6 @@ import pytest
 
 from splitserve import LLM, GenerationConfig, PytorchEngineConfig, Response, SamplingParams, TurbomindEngineConfig
 from splitserve import pipeline
-from tests.conftest import _COMMON
 
 PROMPTS = ["Hi, pls intro yourself", "Shanghai is"]
 MAX_NEW = 12
@@ -25,19 +24,8 @@ def _greedy(**changes) -> GenerationConfig:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm_tokenizer) -> str:
-    """A tiny random Llama with the whole SmolLM2 vocabulary: the shared tiny models stop at 1024
-    tokens, which the chat template's own tokens (a system prompt, role names) do not fit in."""
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": len(smollm_tokenizer)}, tie_word_embeddings=False)
-    config.bos_token_id, config.eos_token_id = 1, 2
-    torch.manual_seed(0)
-    directory = str(tmp_path_factory.mktemp("lmdeploy_model"))
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    smollm_tokenizer.save_pretrained(directory)
-    return directory
+def model_dir(tiny_chat_model) -> str:
+    return tiny_chat_model
 
 
 @pytest.fixture(scope="module")

@@ -88,9 +88,9 @@ class OpenAIServing:
         if self.engine.dead_reason is not None:
             raise ServingError(f"The engine is not running: {self.engine.dead_reason}", 503, "service_unavailable")
         limit = self.server_args.max_queued_requests
-        if limit is not None and self.engine.num_queued >= limit:
-            raise ServingError(f"Too many requests are waiting ({self.engine.num_queued}, limit {limit}); "
-                               "retry later.", 429, "rate_limit_exceeded")
+        if limit is not None and not self.engine.try_reserve_queue_slot(limit):
+            raise ServingError(f"Too many requests are waiting (the limit is {limit}); retry later.", 429,
+                               "rate_limit_exceeded")
 
     async def _tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> _Prompt:
         if isinstance(prompt, list):

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible server end to end: real server processes on loopback, driven by the
+official `openai` client and by raw HTTP for what the client hides (status codes, error bodies)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.e2e.server import RemoteServer
+
+API_KEY = "test-key"
+COMMON = ["--dtype", "float32", "--max-model-len", "512", "--block-size", "16", "--num-gpu-blocks-override", "256",
+          "--disable-log-requests"]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    with RemoteServer(tiny_chat_model, *COMMON, "--api-key", API_KEY, "--served-model-name", "tiny") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_chat_model) -> LLM:
+    return LLM(tiny_chat_model, dtype="float32", max_model_len=512, use_tqdm_on_load=False)
+
+
+def _post(server, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=60, **kw)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60, **kw)
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# --- completions and chat -------------------------------------------------------------------------
+def test_completion_matches_offline_greedy(client, offline):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.choices[0].text == expected.outputs[0].text
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert out.object == "text_completion" and out.system_fingerprint
+
+
+def test_model_may_be_default_or_omitted(server):
+    for body in ({"model": "default"}, {}):
+        r = _post(server, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_streamed_chat_equals_non_streamed(client):
+    messages = [{"role": "user", "content": "Hello!"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.choices[0].model_extra["arrival_time"] >= 0 for c in chunks if c.choices)
+
+
+def test_streamed_completion_with_continuous_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6
+
+
+def test_n_samples_and_seeds(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1
+    again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert out.usage.completion_tokens == 24
+
+
+def test_batch_of_prompts(client):
+    out = client.completions.create(model="tiny", prompt=[PROMPT, "Hello", "One two"], max_tokens=3, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    out = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+
+
+def test_logprobs(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)
+
+
+def test_echo_and_stop(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert out.choices[0].text.startswith(PROMPT)
+    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    stop = base[5:8]
+    cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == base[:base.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_vllm_extensions(server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "top_k": -1, "min_tokens": 2, "ignore_eos": True,
+            "repetition_penalty": 1.1, "return_token_ids": True, "prompt_logprobs": 1}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"]
+    assert choice["prompt_logprobs"][0] is None and choice["sentence_length"] == 3
+    meta = _post(server, "/v1/completions", {**body, "min_tokens": None, "metadata": {"min_tokens": 3},
+                                             "max_tokens": 5, "ignore_eos": False, "stop_token_ids": [2]})
+    assert meta.status_code == 200 and len(meta.json()["choices"][0]["token_ids"]) >= 3
+
+
+# --- errors -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "no_such_param": 1}, 400, "no_such_param"),
+    ({"prompt": "x", "n": 129}, 400, "n"),
+    ({"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, 400, None),
+    ({"prompt": "x " * 600}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": [99999999]}, 400, "prompt"),
+])
+def test_completion_errors(server, body, status, param):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == status
+    if param:
+        assert error["param"] == param
+
+
+def test_chat_errors(server):
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                               "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = _post(server, "/v1/chat/completions", {"messages": []})
+    assert r.status_code == 400
+    assert _post(server, "/v1/completions", b"{not json").status_code == 400
+    big = _post(server, "/v1/completions", b'{"prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}')
+    assert big.status_code == 413 and "error" in big.json()
+
+
+def test_api_key(server):
+    assert _post(server, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
+    r = _post(server, "/v1/completions", {"prompt": "x"}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
+
+
+def test_server_survives_bad_requests(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+
+
+# --- other routes -------------------------------------------------------------------------------
+def test_models_tokenize_detokenize_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    tokens = _post(server, "/tokenize", {"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    assert _post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > tokens["count"] - 5
+    version = httpx.get(f"{server.url}/version", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert version.json()["version"]
+
+
+def test_metrics_count_requests(server, client):
+    before = _metric(server, "splitserve:request_success_total")
+    prompt_before = _metric(server, "splitserve:prompt_tokens_total")
+    for _ in range(3):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert _metric(server, "splitserve:request_success_total") == before + 3
+    assert _metric(server, "splitserve:prompt_tokens_total") > prompt_before
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"):
+        assert f"splitserve:{name}" in text, name
+    assert 'model_name="tiny"' in text
+
+
+# --- load and disconnects -----------------------------------------------------------------------
+def test_32_concurrent_streams(server):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, str]:
+        body = {"prompt": f"{PROMPT} {i}", "max_tokens": 12, "stream": True, "ignore_eos": True}
+        text, finish = "", None
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+        return text, finish
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert all(finish == "length" and text for text, finish in results)
+
+
+def _wait_idle(server, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _metric(server, "splitserve:num_requests_running") == 0 and \
+                _metric(server, "splitserve:kv_cache_usage_perc") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine still holds requests or KV blocks")
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    _wait_idle(server)
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    _wait_idle(server)
+
+
+def test_disconnect_of_non_streamed_request_frees_blocks(server):
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    _wait_idle(server)
+
+
+# --- several workers, queue limits, a dying engine ----------------------------------------------
+def test_two_workers_share_the_engine_and_metrics(tiny_chat_model):
+    with RemoteServer(tiny_chat_model, *COMMON, "--workers", "2") as s:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        outs = [c.completions.create(model="default", prompt=PROMPT, max_tokens=4, temperature=0) for _ in range(8)]
+        assert len({o.choices[0].text for o in outs}) == 1
+        assert _metric(s, "splitserve:request_success_total") == 8
+        assert len(s.child_pids()) >= 3  # the engine and two API workers (and spawn's tracker)
+
+
+def test_max_queued_requests_gives_429(tiny_chat_model):
+    with RemoteServer(tiny_chat_model, *COMMON, "--max-num-seqs", "1", "--max-queued-requests", "1") as s:
+        async def fire():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+                return await asyncio.gather(*(http.post(f"{s.url}/v1/completions", json=body) for _ in range(12)))
+
+        codes = [r.status_code for r in asyncio.run(fire())]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+
+
+def test_engine_death_gives_503_not_a_hang(tiny_chat_model):
+    with RemoteServer(tiny_chat_model, *COMMON) as s:
+        os.kill(_engine_pid(s), signal.SIGKILL)
+        time.sleep(2)
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def _engine_pid(server: RemoteServer) -> int:
+    """The engine core process: of the server's spawned children (it and multiprocessing's resource
+    tracker) the one holding the model, i.e. the largest resident memory."""
+    def rss(pid: int) -> int:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1])
+
+    spawned = [p for p in server.child_pids() if "spawn_main" in _cmdline(p)]
+    assert spawned, "no engine process found"
+    return max(spawned, key=rss)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
