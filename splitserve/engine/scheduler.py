@@ -141,7 +141,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = self._chunk(remaining, budget)
-            if not self.kv.allocate_slots(request, n, hits):
+            if not self.kv.allocate_slots(request, n, hits, self._decode_reserve()):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -154,6 +154,13 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, n))
             budget -= n
+
+    def _decode_reserve(self) -> int:
+        """Blocks that new prompts may not take while requests run (FastDeploy's kv_cache_ratio):
+        room for the running requests' outputs to grow into, so they are preempted less."""
+        if not self.running:
+            return 0
+        return int((1.0 - self.config.kv_cache_ratio) * self.kv.pool.num_blocks)
 
     # --- after the model ran ----------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

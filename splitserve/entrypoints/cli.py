@@ -22,6 +22,8 @@ _ENGINE_HELP = {
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts with the same prefix",
     "enable_chunked_prefill": "split long prompts across steps, sharing steps with decodes",
     "tensor_parallel_size": "tensor-parallel ranks (only 1 is supported yet)",
+    "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
+    "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit)",
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.

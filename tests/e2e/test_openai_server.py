@@ -315,3 +315,23 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_fastdeploy_style_flags(tiny_chat_model):
+    """--metrics-port on its own port, the engine socket on --engine-worker-queue-port, an inline
+    --chat-template and a --reasoning-parser, started through `python -m ...api_server`."""
+    from tests.e2e.server import free_port
+
+    metrics_port, queue_port = free_port(), free_port()
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    with RemoteServer(tiny_chat_model, *COMMON, "--metrics-port", str(metrics_port), "--engine-worker-queue-port",
+                      str(queue_port), "--chat-template", template, "--reasoning-parser", "deepseek_r1") as s:
+        tokens = httpx.post(f"{s.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert httpx.post(f"{s.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "<<hi>>"
+        chat = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}).json()
+        message = chat["choices"][0]["message"]
+        # deepseek_r1: with no </think> in the output, all of it is reasoning.
+        assert message["reasoning_content"] and not message["content"]
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        assert "splitserve:request_success_total" in metrics

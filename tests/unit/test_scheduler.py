@@ -412,3 +412,16 @@ def test_prefix_cache_stats_count_each_admission_once():
     step(sched)
     # b reused a's freed blocks tail first (blocks 2 and 1): only a's first block is still cached.
     assert (sched.prefix_cache_stats.queries, sched.prefix_cache_stats.hits) == (27, 4)
+
+
+def test_kv_cache_ratio_keeps_blocks_for_running_requests():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                      kv_cache_ratio=0.5), KVCacheManager(8, 4, True))
+    a, b = req("a", list(range(10, 19)), max_tokens=2), req("b", list(range(30, 39)), max_tokens=2)
+    add(sched, a, b)
+    # a takes 3 of 8 blocks; b would leave 2 free, under the 4 kept for running requests.
+    assert plan(step(sched)) == [("a", 9)]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    while a.status == RequestStatus.RUNNING:
+        step(sched)
+    assert plan(step(sched)) == [("b", 9)]  # alone, a prompt may use the whole pool

@@ -43,6 +43,7 @@ class ServerArgs:
     use_warmup: bool = False
     disable_log_requests: bool = False
     health_timeout: float = 30.0
+    engine_worker_queue_port: int | None = None
     uvicorn_log_level: str = "warning"
 
 
@@ -64,6 +65,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--health-timeout", type=float, default=30.0,
                    help="/health answers 503 when the engine does not answer within this many seconds")
+    g.add_argument("--engine-worker-queue-port", type=int, default=None,
+                   help="loopback TCP port between API workers and the engine (default: an IPC socket file)")
     g.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -139,7 +142,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     metrics_sock = None
     if server_args.metrics_port not in (None, server_args.port):
         metrics_sock = bind_socket(server_args.host, server_args.metrics_port)
-    engine = EngineProcess(config)
+    address = None
+    if server_args.engine_worker_queue_port is not None:
+        address = f"tcp://127.0.0.1:{server_args.engine_worker_queue_port}"
+    engine = EngineProcess(config, address)
     workers: list[multiprocessing.Process] = []
     try:
         if server_args.workers == 1:
