@@ -180,6 +180,8 @@ def test_api_key(server):
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
+    missing = httpx.get(f"{server.url}/v1/nothing", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
 
 
 def test_server_survives_bad_requests(client):
