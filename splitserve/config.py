@@ -3,7 +3,7 @@ LMDeploy-style `pipeline`, the CLI) maps onto. Field names and defaults follow v
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -96,6 +96,31 @@ class SchedulerConfig:
                 f">= max_model_len ({self.max_model_len}) so that any prompt fits in one step.")
 
 
+PD_ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass
+class KVTransferConfig:
+    """Prefill/decode disaggregation: this instance's role and its KV connector's address."""
+
+    pd_role: str = "mixed"
+    kv_host: str = "127.0.0.1"   # the address decode instances use to reach this one's KV server
+    kv_port: int = 0             # 0: any free port (reported to the router in every prefill answer)
+    lease_seconds: float = 60.0  # a prefill instance frees unclaimed KV blocks after this long
+
+    def verify(self) -> None:
+        if self.pd_role not in PD_ROLES:
+            raise ValueError(f"pd_role must be one of {PD_ROLES}, got {self.pd_role!r}.")
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_port must be in 0..65535, got {self.kv_port}.")
+        if self.lease_seconds <= 0:
+            raise ValueError(f"kv_lease_seconds must be > 0, got {self.lease_seconds}.")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.pd_role != "mixed"
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -105,6 +130,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     use_tqdm_on_load: bool = True
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 @dataclass
@@ -139,6 +165,10 @@ class EngineArgs:
     enforce_eager: bool = False
     swap_space: float = 0.0
     preemption_mode: str = "recompute"
+    pd_role: str = "mixed"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_lease_seconds: float = 60.0
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -170,9 +200,11 @@ class EngineArgs:
             kv_cache_ratio=self.kv_cache_ratio,
         )
         scheduler_config.verify()
+        kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
+        kv_transfer_config.verify()
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
-                            use_tqdm_on_load=self.use_tqdm_on_load)
+                            use_tqdm_on_load=self.use_tqdm_on_load, kv_transfer_config=kv_transfer_config)
 
     def _verify_supported(self) -> None:
         """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""

@@ -42,6 +42,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: "RequestMetrics | None" = None
+    kv_transfer_params: dict | None = None  # PD prefill side: where a decode instance pulls the KV from
 
 
 @dataclass

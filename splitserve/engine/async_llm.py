@@ -22,7 +22,7 @@ from splitserve.config import ModelConfig
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
-from splitserve.engine.protocol import AbortRequests, EngineCoreOutputs, Ping, SchedulerStats
+from splitserve.engine.protocol import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 
@@ -72,7 +72,8 @@ class AsyncLLM(FrontEnd):
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None,
-                       kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       kv_transfer: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
         """A request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one output).
         Closing the iterator early, or cancelling the task iterating it, aborts the request."""
         self._start()
@@ -81,7 +82,7 @@ class AsyncLLM(FrontEnd):
         if isinstance(prompt, str) or "prompt_token_ids" not in prompt:
             processed = await asyncio.to_thread(self.processor.process_prompt, prompt)
             prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
-        core_requests = self.prepare_request(request_id, prompt, params, kind, arrival)
+        core_requests = self.prepare_request(request_id, prompt, params, kind, arrival, kv_transfer)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False

@@ -137,10 +137,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = (), keep_free: int = 0) -> bool:
+                       computed_blocks: Sequence[KVBlock] = (), keep_free: int = 0, register: bool = True) -> bool:
         """Reserve room for `num_new_tokens` more tokens (after `computed_blocks`, the prefix-cache
         hits of a request being admitted). Returns False, changing nothing, if that would leave
-        fewer than `keep_free` blocks free."""
+        fewer than `keep_free` blocks free. `register=False` keeps the new blocks out of the prefix
+        cache (their KV arrives later, from another instance: see `cache_blocks`)."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
@@ -152,9 +153,15 @@ class KVCacheManager:
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
         blocks.extend(self.pool.allocate(max(needed, 0)))
-        if self.enable_caching:
+        if self.enable_caching and register:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make the full blocks among a request's first `num_tokens` tokens findable (once their KV
+        is really there)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # Blocks are registered as soon as they are scheduled: within a step every layer writes all

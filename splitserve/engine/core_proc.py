@@ -57,6 +57,7 @@ class EngineCoreProc:
             busy = self.core.has_unfinished_requests()
             start = time.perf_counter()
             self._drain(block=not busy)
+            self.core.poll_connector()
             mid = time.perf_counter()
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             end = time.perf_counter()

@@ -10,7 +10,7 @@ import time
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import KVCacheManager
-from splitserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from splitserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 from splitserve.executor.model_runner import ModelRunner
@@ -30,7 +30,17 @@ class EngineCore:
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+        self.connector = self._make_connector()
         self._warm_up()
+
+    def _make_connector(self):
+        """PD instances move KV blocks between engines. The connector lives in disagg/ and is
+        handed the KV tensors; the engine only calls its narrow interface (leases, pulls)."""
+        if not self.config.kv_transfer_config.is_disaggregated:
+            return None
+        from splitserve.disagg.connector import KVConnector
+
+        return KVConnector(self.config.kv_transfer_config, self.runner.kv_caches)
 
     def _warm_up(self) -> None:
         """Run one tiny request through the model: the first forward pays for thread pools and
@@ -53,6 +63,8 @@ class EngineCore:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.kv_transfer is not None and self.connector is None:
+            raise ValueError("kv_transfer_params need a prefill or decode instance (--pd-role); this one is mixed.")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids) -> None:
@@ -64,9 +76,11 @@ class EngineCore:
 
     # --- the loop body ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        self.poll_connector()
         if not self.scheduler.has_unfinished_requests():
             return []
         sched = self.scheduler.schedule()
+        self._start_pulls(sched.kv_pulls)
         if sched.is_empty:
             return []
         now = time.monotonic()
@@ -79,8 +93,32 @@ class EngineCore:
         outputs = {r.request_id: self._output(r, result) for r in updated}
         for rid, entries in result.prompt_logprobs.items():
             outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries
+        for request in updated:
+            if request.request_id in self.scheduler.leased and request.is_finished():
+                outputs[request.request_id].kv_transfer = self._lease(request)
         self.runner.remove_requests(r.request_id for r in updated if r.is_finished())
         return list(outputs.values())
+
+    # --- prefill/decode disaggregation ---------------------------------------------------------
+    def poll_connector(self) -> None:
+        """Free the blocks of leases that ended, and let requests whose KV arrived run."""
+        if self.connector is None:
+            return
+        for request_id in self.connector.poll_released():
+            self.scheduler.release_lease(request_id)
+        for result in self.connector.poll_pulled():
+            self.scheduler.finish_remote_prefill(result.request_id, result.ok)
+
+    def _start_pulls(self, pulls) -> None:
+        for request, first_block, dest in pulls:
+            self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
+
+    def _lease(self, request: Request) -> KVTransferParams:
+        num_pulls = request.kv_transfer.remote_num_pulls
+        self.connector.add_lease(request.request_id, self.kv_manager.get_block_ids(request.request_id), num_pulls)
+        cfg = self.config.kv_transfer_config
+        return KVTransferParams(remote_host=cfg.kv_host, remote_port=self.connector.port,
+                                remote_request_id=request.request_id, remote_num_pulls=num_pulls)
 
     @staticmethod
     def _output(request: Request, result) -> EngineCoreOutput:
@@ -98,5 +136,6 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
+        kv_stats = self.connector.snapshot_stats() if self.connector is not None else None
         return SchedulerStats(s.num_running, s.num_waiting, self.kv_manager.usage, s.num_preemptions,
-                              s.prefix_cache_stats.queries, s.prefix_cache_stats.hits)
+                              s.prefix_cache_stats.queries, s.prefix_cache_stats.hits, kv_stats)

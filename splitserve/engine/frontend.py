@@ -7,7 +7,7 @@ import time
 from splitserve.config import ModelConfig
 from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
 from splitserve.engine.processor import Processor, PromptType
-from splitserve.engine.protocol import EngineCoreRequest
+from splitserve.engine.protocol import EngineCoreRequest, KVTransferParams
 from splitserve.outputs import RequestMetrics
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import get_tokenizer
@@ -24,7 +24,8 @@ class FrontEnd:
         return self.tokenizer
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                        kind: RequestOutputKind, arrival_time: float | None = None) -> list[EngineCoreRequest]:
+                        kind: RequestOutputKind, arrival_time: float | None = None,
+                        kv_transfer: KVTransferParams | None = None) -> list[EngineCoreRequest]:
         """Validate and register a request; returns the core requests to send (one per sample)."""
         processed = self.processor.process_prompt(prompt)
         self.processor.validate_prompt(processed.prompt_token_ids)
@@ -38,7 +39,8 @@ class FrontEnd:
             child.bad_words_token_ids = params.bad_words_token_ids
             detokenizer = self.output_processor.new_detokenizer(processed.prompt_token_ids, child)
             samples[core_id] = SampleState(i, child, detokenizer)
-            core_requests.append(self.processor.make_request(core_id, processed.prompt_token_ids, child, arrival))
+            core_requests.append(self.processor.make_request(core_id, processed.prompt_token_ids, child, arrival,
+                                                             kv_transfer))
         state = RequestState(request_id, processed.prompt, processed.prompt_token_ids, kind, samples,
                              metrics=RequestMetrics(arrival))
         self.output_processor.add_request(state)

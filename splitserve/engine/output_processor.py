@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 from enum import Enum
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -54,6 +56,7 @@ class RequestState:
     sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,6 +108,8 @@ class OutputProcessor:
             sample = state.samples[out.request_id]
             if out.new_prompt_logprobs:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if out.kv_transfer is not None:
+                state.kv_transfer_params = msgspec.structs.asdict(out.kv_transfer)
             if out.first_scheduled_time is not None:
                 state.metrics.first_scheduled_time = min(out.first_scheduled_time,
                                                          state.metrics.first_scheduled_time or float("inf"))
@@ -185,7 +190,8 @@ class OutputProcessor:
             prompt_logprobs = None
         state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs,
-                             completions, state.finished, state.num_cached_tokens, state.metrics)
+                             completions, state.finished, state.num_cached_tokens, state.metrics,
+                             state.kv_transfer_params)
 
     @staticmethod
     def _completion(sample: SampleState, delta: bool) -> CompletionOutput:

@@ -71,10 +71,11 @@ class Processor:
         return out
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float) -> EngineCoreRequest:
+                     arrival_time: float, kv_transfer=None) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time)
+        return EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time,
+                                 kv_transfer)
 
 
 def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:

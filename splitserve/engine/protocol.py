@@ -13,6 +13,20 @@ from splitserve.sampling_params import SamplingParams
 TokenLogprobs = tuple[list[int], list[float], int]
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True):
+    """Prefill/decode disaggregation, per request. A prefill instance gets do_remote_decode: it
+    computes the prompt, keeps its KV blocks under a lease for `remote_num_pulls` pulls, and
+    answers with where to pull them from. A decode instance gets do_remote_prefill plus that
+    address: it pulls the KV of all prompt tokens but the last, and computes from there."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    remote_num_pulls: int = 1
+
+
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -20,6 +34,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     eos_token_id: int | None
     max_tokens: int
     arrival_time: float
+    kv_transfer: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -42,13 +57,28 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # sent with the finishing output, for queue-time metrics
+    kv_transfer: KVTransferParams | None = None  # prefill side: where the leased KV can be pulled from
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-class SchedulerStats(msgspec.Struct, array_like=True):
+class KVTransferStats(msgspec.Struct, array_like=True):
+    """A PD instance's KV connector counters, cumulative since start."""
+
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    transfer_seconds: float = 0.0     # time spent pulling (decode side)
+    pull_failures: int = 0            # pulls that failed or were refused (decode side)
+    pulls_refused: int = 0            # pulls this prefill instance refused (unknown or expired lease)
+    lease_expiries: int = 0
+    leases_active: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The engine's state after a step; counters are cumulative since start."""
 
     num_running: int
@@ -57,6 +87,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_transfer: KVTransferStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

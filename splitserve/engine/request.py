@@ -12,6 +12,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # blocks allocated, KV being pulled from a prefill instance
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
@@ -19,7 +20,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.WAITING_FOR_REMOTE_KV
 
     @property
     def finish_reason(self) -> str | None:
@@ -51,6 +52,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
     stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
+    kv_transfer: object = None                              # KVTransferParams, for PD disaggregation
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -61,7 +63,15 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, req) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                   req.max_tokens, arrival_time=req.arrival_time)
+                   req.max_tokens, arrival_time=req.arrival_time, kv_transfer=req.kv_transfer)
+
+    @property
+    def wants_remote_prefill(self) -> bool:
+        return self.kv_transfer is not None and self.kv_transfer.do_remote_prefill
+
+    @property
+    def keeps_kv_for_remote_decode(self) -> bool:
+        return self.kv_transfer is not None and self.kv_transfer.do_remote_decode
 
     @property
     def num_prompt_tokens(self) -> int:

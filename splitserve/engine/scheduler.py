@@ -34,6 +34,8 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # PD decode side: (request, first block index in the prefill instance, local destination blocks)
+    kv_pulls: list[tuple[Request, int, list[int]]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -51,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}  # PD decode side: KV being pulled
+        self.leased: dict[str, Request] = {}     # PD prefill side: finished, KV kept for a decode instance
         self.num_preemptions = 0
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -68,8 +72,14 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                request.status = status  # freed once its pull ends: the connector writes into its blocks
+                done.append(request)
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status.is_finished:
+                continue  # leased: only a pull, a release or the lease's expiry frees it
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -78,7 +88,7 @@ class Scheduler:
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
 
     @property
     def num_waiting(self) -> int:
@@ -134,26 +144,71 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(request)
+            if request.wants_remote_prefill and num_cached < request.num_prompt_tokens - 1:
+                if not self._admit_remote_prefill(request, hits, num_cached, out):
+                    break
+                continue
             remaining = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = self._chunk(remaining, budget)
             if not self.kv.allocate_slots(request, n, hits, self._decode_reserve()):
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            if self.kv.enable_caching and request.uses_prefix_cache:
-                self.prefix_cache_stats.queries += request.num_tokens
-                self.prefix_cache_stats.hits += num_cached
+            self._admit(request, num_cached, RequestStatus.RUNNING)
             self.running.append(request)
             out.scheduled.append((request, n))
             budget -= n
+
+    def _admit(self, request: Request, num_cached: int, status: RequestStatus) -> None:
+        self.waiting.popleft()
+        request.status = status
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if self.kv.enable_caching and request.uses_prefix_cache:
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_cached
+
+    def _admit_remote_prefill(self, request: Request, hits, num_cached: int, out: SchedulerOutput) -> bool:
+        """Reserve blocks for all prompt tokens but the last and ask for their KV to be pulled (only
+        the blocks the local prefix cache lacks); the last token is computed here, giving logits."""
+        target = request.num_prompt_tokens - 1
+        if not self.kv.allocate_slots(request, target - num_cached, hits, self._decode_reserve(), register=False):
+            return False
+        self._admit(request, num_cached, RequestStatus.WAITING_FOR_REMOTE_KV)
+        self.receiving[request.request_id] = request
+        bs = self.kv.block_size
+        first = num_cached // bs
+        out.kv_pulls.append((request, first, self.kv.get_block_ids(request.request_id)[first:-(-target // bs)]))
+        return True
+
+    def finish_remote_prefill(self, request_id: str, ok: bool) -> None:
+        """A pull ended. On success the request runs from its last prompt token; on failure it
+        computes its prompt itself, as a plain request."""
+        request = self.receiving.pop(request_id)
+        if request.is_finished():  # aborted while its KV was on the way
+            self._free(request)
+            return
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            return
+        self.kv.free(request)
+        request.kv_transfer = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def release_lease(self, request_id: str) -> None:
+        """PD prefill side: the decode instance has its KV (or the lease expired): free the blocks."""
+        request = self.leased.pop(request_id, None)
+        if request is not None:
+            self._free(request)
 
     def _decode_reserve(self) -> int:
         """Blocks that new prompts may not take while requests run (FastDeploy's kv_cache_ratio):
@@ -175,7 +230,10 @@ class Scheduler:
             request.append_output_token(sampled[request.request_id])
             if request.check_stop(self.config.max_model_len):
                 self.running.remove(request)
-                self._free(request)
+                if request.keeps_kv_for_remote_decode:
+                    self.leased[request.request_id] = request
+                else:
+                    self._free(request)
             updated.append(request)
         return updated
 
@@ -189,6 +247,7 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
-        assert set(self.requests) == {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert set(self.requests) == ({r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+                                      | set(self.receiving) | set(self.leased))
         for r in self.waiting:
             assert r.request_id not in self.kv.req_to_blocks

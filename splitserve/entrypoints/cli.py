@@ -24,6 +24,10 @@ _ENGINE_HELP = {
     "tensor_parallel_size": "tensor-parallel ranks (only 1 is supported yet)",
     "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
     "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit)",
+    "pd_role": "prefill/decode disaggregation role: mixed (default), prefill or decode",
+    "kv_host": "address decode instances use to reach this prefill instance's KV server",
+    "kv_port": "port of this instance's KV server (0: any free port)",
+    "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
@@ -105,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(vLLM's `bench serve`)")
     serve.add_arguments(sv)
     sv.set_defaults(func=lambda ns: serve.main(ns))
+
+    rt = sub.add_parser("ranktable", help="rank tables of a prefill/decode disaggregated deployment")
+    rt_sub = rt.add_subparsers(dest="ranktable_command", required=True)
+    from splitserve.disagg import ranktable
+
+    rt_gen = rt_sub.add_parser("gen", help="this machine's part of the global rank table and its local tables")
+    ranktable.add_gen_arguments(rt_gen)
+    rt_gen.set_defaults(func=ranktable.gen_main)
+    rt_merge = rt_sub.add_parser("merge", help="merge the machines' global rank tables into one, and validate it")
+    ranktable.add_merge_arguments(rt_merge)
+    rt_merge.set_defaults(func=ranktable.merge_main)
     return parser
 
 

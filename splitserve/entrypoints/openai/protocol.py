@@ -171,6 +171,7 @@ class _GenerationRequest(RequestModel):
     return_token_ids: bool = False
     echo: bool = False
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (set by the router)
     # Known but unsupported: accepted only as "off" (see _UNSUPPORTED).
     suffix: Any = None
     use_beam_search: Any = None
@@ -481,6 +482,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = _extension()
 
 
 class CompletionStreamChoice(CompletionResponseChoice):
@@ -540,6 +542,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = _extension()
     prompt_token_ids: list[int] | None = _extension()
+    kv_transfer_params: dict[str, Any] | None = _extension()
 
 
 class DeltaMessage(BaseModel):

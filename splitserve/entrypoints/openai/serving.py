@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from splitserve import __version__
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.engine.protocol import KVTransferParams
 from splitserve.entrypoints.openai import protocol as P
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
 from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -68,6 +70,7 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         self.reasoning = get_reasoning_parser(server_args.reasoning_parser) if server_args.reasoning_parser else None
         self.fingerprint = f"splitserve-{__version__}"
+        self.pd_role = config.kv_transfer_config.pd_role
         engine.output_processor.on_inter_token = metrics.record_inter_token
 
     # --- shared checks ------------------------------------------------------------------------
@@ -128,9 +131,51 @@ class OpenAIServing:
                         params.temperature)
 
     def _streams(self, request_id: str, prompts: list[_Prompt], params: SamplingParams, arrival: float,
-                 kind: RequestOutputKind) -> list[AsyncIterator[RequestOutput]]:
+                 kind: RequestOutputKind, kv: KVTransferParams | None = None) -> list[AsyncIterator[RequestOutput]]:
         return [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
-                                     params, arrival, kind) for i, p in enumerate(prompts)]
+                                     params, arrival, kind, kv) for i, p in enumerate(prompts)]
+
+    # --- prefill/decode disaggregation ----------------------------------------------------------
+    def _kv_transfer(self, req, params: SamplingParams, num_prompts: int) -> KVTransferParams | None:
+        """The router's kv_transfer_params. A prefill answer must be one whole JSON with where its KV
+        waits, so it cannot stream; its n samples become one prefill whose KV is pulled n times."""
+        raw = req.kv_transfer_params
+        if raw is None:
+            return None
+        if self.pd_role == "mixed":
+            raise ServingError("kv_transfer_params need a prefill or decode instance; this one runs with "
+                               "--pd-role mixed.", param="kv_transfer_params")
+        if num_prompts != 1:
+            raise ServingError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
+        try:
+            kv = msgspec.convert(raw, KVTransferParams)
+        except msgspec.ValidationError as exc:
+            raise ServingError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        if kv.do_remote_decode:
+            if req.stream:
+                raise ServingError("A prefill request (do_remote_decode) cannot stream.", param="stream")
+            kv.remote_num_pulls, params.n = params.n, 1
+        if kv.do_remote_prefill and None in (kv.remote_host, kv.remote_port, kv.remote_request_id):
+            raise ServingError("do_remote_prefill needs remote_host, remote_port and remote_request_id.",
+                               param="kv_transfer_params")
+        return kv
+
+    async def _remote_prompt(self, req, kv: KVTransferParams | None) -> _Prompt | None:
+        """A decode request carries the token ids the prefill instance computed: using them (rather
+        than tokenizing again) guarantees the pulled KV belongs to exactly this prompt."""
+        ids = (req.kv_transfer_params or {}).get("prompt_token_ids") if kv and kv.do_remote_prefill else None
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ServingError("kv_transfer_params.prompt_token_ids must be a list of token ids.",
+                               param="kv_transfer_params")
+        return await self._tokenize(ids)
+
+    @staticmethod
+    def _kv_answer(kv: KVTransferParams | None, prompt: _Prompt, output: RequestOutput) -> dict | None:
+        if kv is None or not kv.do_remote_decode or output.kv_transfer_params is None:
+            return None
+        return {**output.kv_transfer_params, "prompt_token_ids": prompt.token_ids}
 
     def _record_finished(self, output: RequestOutput) -> None:
         self.metrics.record_finished(output, sum(len(c.token_ids) for c in output.outputs),
@@ -149,17 +194,21 @@ class OpenAIServing:
         if req.echo and params.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
         self._prepare_params(params)
-        prompts = [await self._tokenize(p) for p in req.prompts()]
+        kv = self._kv_transfer(req, params, len(req.prompts()))
+        remote = await self._remote_prompt(req, kv)
+        prompts = [remote] if remote else [await self._tokenize(p) for p in req.prompts()]
         for p in prompts:
             self._check_lengths(p, params, "prompt")
         request_id = P.random_id("cmpl")
         self._log(request_id, prompts, params)
         if req.stream:
-            streams = self._streams(request_id, prompts, params, arrival, RequestOutputKind.DELTA)
+            streams = self._streams(request_id, prompts, params, arrival, RequestOutputKind.DELTA, kv)
             return _sse(self._completion_stream(req, request_id, prompts, params, streams, arrival))
-        streams = self._streams(request_id, prompts, params, arrival, RequestOutputKind.FINAL_ONLY)
+        streams = self._streams(request_id, prompts, params, arrival, RequestOutputKind.FINAL_ONLY, kv)
         finals = await self._collect(streams, raw)
-        return _json(self._completion_response(req, request_id, prompts, params, finals))
+        response = self._completion_response(req, request_id, prompts, params, finals)
+        response.kv_transfer_params = self._kv_answer(kv, prompts[0], finals[0])
+        return _json(response)
 
     def _completion_response(self, req, request_id, prompts, params, finals) -> P.CompletionResponse:
         choices, completion_tokens, cached = [], 0, 0
@@ -261,22 +310,26 @@ class OpenAIServing:
         req: P.ChatCompletionRequest = self._parse(P.ChatCompletionRequest, body)
         self._check_model(req.model)
         self._check_capacity()
-        prompt = await self._render_chat(req, req.add_generation_prompt, add_special_tokens=False)
         try:
             params = req.to_sampling_params(default_max_tokens=None)
         except ValueError as exc:
             raise ServingError(str(exc)) from None
         self._prepare_params(params)
+        kv = self._kv_transfer(req, params, 1)
+        prompt = await self._remote_prompt(req, kv) or await self._render_chat(
+            req, req.add_generation_prompt, add_special_tokens=False)
         self._check_lengths(prompt, params, "messages")
         request_id = P.random_id("chatcmpl")
         self._log(request_id, [prompt], params)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        stream = self._streams(request_id, [prompt], params, arrival, kind)
+        stream = self._streams(request_id, [prompt], params, arrival, kind, kv)
         echo = self._chat_echo(req)
         if req.stream:
             return _sse(self._chat_stream(req, request_id, prompt, params, stream, arrival, echo))
         (final,) = await self._collect(stream, raw)
-        return _json(self._chat_response(req, request_id, prompt, params, final, echo))
+        response = self._chat_response(req, request_id, prompt, params, final, echo)
+        response.kv_transfer_params = self._kv_answer(kv, prompt, final)
+        return _json(response)
 
     async def _render_chat(self, req, add_generation_prompt: bool, add_special_tokens: bool) -> _Prompt:
         template = req.chat_template or self.server_args.chat_template

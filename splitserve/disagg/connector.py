@@ -1,0 +1,279 @@
+"""The KV connector: moves a request's KV-cache blocks from a prefill instance to a decode instance.
+
+Transport: ZMQ over TCP (works across hosts). It runs in the engine process, beside the engine
+loop, in one thread per side, so that serving or pulling blocks never stalls a model step:
+
+- prefill side (KV server): a ROUTER socket answering pulls of leased blocks. A lease holds a
+  finished prefill request's blocks until its `remote_num_pulls` pulls have been served or it
+  expires; once it has expired a late pull is refused (the blocks may already hold other data).
+- decode side (KV client): pulls blocks into blocks the scheduler allocated, one job at a time,
+  and reports each job's result to the engine loop, which then lets the request run (or, on any
+  failure, computes the prompt itself).
+
+Messages are typed msgspec structs (never pickle). A KV frame carries the request id, the block
+ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match is refused.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from splitserve.config import KVTransferConfig
+from splitserve.engine.protocol import KVTransferStats
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+PULL_TIMEOUT_S = 30.0
+
+
+class PullRequest(msgspec.Struct, tag="pull", array_like=True):
+    request_id: str
+    first_block: int
+    num_blocks: int
+
+
+class Release(msgspec.Struct, tag="release", array_like=True):
+    request_id: str
+
+
+ConnectorMessage = PullRequest | Release
+
+
+class KVFrameHeader(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    first_block: int = 0
+    block_ids: list[int] = []
+    shape: list[int] = []
+    dtype: str = ""
+    checksum: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Lease:
+    block_ids: list[int]
+    expires_at: float
+    pulls_left: int
+
+
+@dataclass
+class PullJob:
+    request_id: str          # the local (decode) request
+    host: str
+    port: int
+    remote_request_id: str
+    first_block: int         # index into the remote request's blocks
+    dest_block_ids: list[int]
+
+
+@dataclass
+class PullResult:
+    request_id: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class KVConnector:
+    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor]):
+        self.config = config
+        self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.stats = KVTransferStats()
+        self._running = True
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[PullJob] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
+        self.port = config.kv_port
+        self._threads = []
+        if config.pd_role == "prefill":
+            server = zmq.Context.instance().socket(zmq.ROUTER)
+            server.setsockopt(zmq.LINGER, 0)
+            if config.kv_port:
+                server.bind(f"tcp://{config.kv_host}:{config.kv_port}")
+            else:
+                self.port = server.bind_to_random_port(f"tcp://{config.kv_host}")
+            self._start(self._serve, server)
+            logger.info("KV server listening on %s:%d (leases expire after %.0f s)", config.kv_host, self.port,
+                        config.lease_seconds)
+        if config.pd_role == "decode":
+            self._start(self._pull_loop)
+
+    def _start(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"kv-{target.__name__.strip('_')}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def shutdown(self) -> None:
+        self._running = False
+
+    def snapshot_stats(self) -> KVTransferStats:
+        with self._lock:
+            self.stats.leases_active = len(self._leases)
+        return msgspec.structs.replace(self.stats)
+
+    # --- prefill side -----------------------------------------------------------------------
+    def add_lease(self, request_id: str, block_ids: list[int], num_pulls: int) -> None:
+        with self._lock:
+            self._leases[request_id] = Lease(list(block_ids), time.monotonic() + self.config.lease_seconds,
+                                             max(num_pulls, 1))
+
+    def poll_released(self) -> list[str]:
+        """Leases that were fully pulled, released or expired: their blocks can be freed now."""
+        out = []
+        while True:
+            try:
+                out.append(self._released.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        decoder, encoder = msgspec.msgpack.Decoder(ConnectorMessage), msgspec.msgpack.Encoder()
+        while self._running:
+            if sock.poll(_POLL_MS):
+                identity, payload = sock.recv_multipart()
+                try:
+                    msg = decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    logger.warning("Refused a malformed KV connector message: %s", exc)
+                    continue
+                if isinstance(msg, Release):
+                    self._end_lease(msg.request_id)
+                else:
+                    header, data = self._read_blocks(msg)
+                    sock.send_multipart([identity, encoder.encode(header), data], copy=False)
+            self._expire()
+
+    def _read_blocks(self, msg: PullRequest) -> tuple[KVFrameHeader, memoryview | bytes]:
+        with self._lock:
+            lease = self._leases.get(msg.request_id)
+            if lease is None or lease.expires_at < time.monotonic():
+                self.stats.pulls_refused += 1
+                return KVFrameHeader(msg.request_id, error="unknown or expired lease"), b""
+            ids = lease.block_ids[msg.first_block:msg.first_block + msg.num_blocks]
+            if msg.first_block < 0 or len(ids) != msg.num_blocks:
+                self.stats.pulls_refused += 1
+                return KVFrameHeader(msg.request_id, error=f"the lease holds {len(lease.block_ids)} blocks, "
+                                     f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked"), b""
+            index = torch.tensor(ids, device=self.kv_caches[0].device)
+            data = torch.stack([cache.index_select(1, index) for cache in self.kv_caches]).cpu().contiguous()
+            lease.pulls_left -= 1
+            if lease.pulls_left == 0:
+                self._end_lease_locked(msg.request_id)
+        raw = data.view(torch.uint8).numpy().data
+        self.stats.blocks_sent += len(ids)
+        self.stats.bytes_sent += raw.nbytes
+        header = KVFrameHeader(msg.request_id, msg.first_block, ids, list(data.shape), _dtype_name(data.dtype),
+                               zlib.crc32(raw))
+        return header, raw
+
+    def _end_lease(self, request_id: str) -> None:
+        with self._lock:
+            self._end_lease_locked(request_id)
+
+    def _end_lease_locked(self, request_id: str) -> None:
+        if self._leases.pop(request_id, None) is not None:
+            self._released.put(request_id)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, lease in self._leases.items() if lease.expires_at < now]
+            for rid in expired:
+                self._end_lease_locked(rid)
+        for rid in expired:
+            self.stats.lease_expiries += 1
+            logger.warning("KV lease of request %s expired before decode pulled it; its blocks are freed", rid)
+
+    # --- decode side ------------------------------------------------------------------------
+    def submit_pull(self, request_id: str, params, first_block: int, dest_block_ids: list[int]) -> None:
+        """Pull blocks first_block.. of the remote request named in `params` (KVTransferParams)
+        into our blocks `dest_block_ids`; the result comes back through poll_pulled()."""
+        self._jobs.put(PullJob(request_id, params.remote_host, params.remote_port, params.remote_request_id,
+                               first_block, list(dest_block_ids)))
+
+    def poll_pulled(self) -> list[PullResult]:
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _pull_loop(self) -> None:
+        sockets: dict[tuple[str, int], zmq.Socket] = {}
+        while self._running:
+            try:
+                job = self._jobs.get(timeout=_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            start = time.perf_counter()
+            error = self._pull(job, sockets)
+            if error is None:
+                self.stats.transfer_seconds += time.perf_counter() - start
+            else:
+                self.stats.pull_failures += 1
+                logger.warning("KV pull for request %s from %s:%d failed (%s); it will compute its prompt itself",
+                               job.request_id, job.host, job.port, error)
+            self._results.put(PullResult(job.request_id, error))
+
+    def _pull(self, job: PullJob, sockets: dict) -> str | None:
+        key = (job.host, job.port)
+        sock = sockets.get(key)
+        if sock is None:
+            sock = sockets[key] = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{job.host}:{job.port}")
+        sock.send(msgspec.msgpack.encode(PullRequest(job.remote_request_id, job.first_block, len(job.dest_block_ids))))
+        if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
+            sock.close()  # a late answer must not be taken for the next job's
+            del sockets[key]
+            return f"no answer within {PULL_TIMEOUT_S:.0f} s"
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) != 2:
+            return f"expected 2 frames, got {len(frames)}"
+        try:
+            header = msgspec.msgpack.decode(frames[0].buffer, type=KVFrameHeader)
+        except msgspec.DecodeError as exc:
+            return f"malformed frame header: {exc}"
+        return self._write(job, header, frames[1].buffer)
+
+    def _write(self, job: PullJob, header: KVFrameHeader, payload: memoryview) -> str | None:
+        if header.error is not None:
+            return f"the prefill instance refused: {header.error}"
+        cache = self.kv_caches[0]
+        expected = [len(self.kv_caches), 2, len(job.dest_block_ids), *cache.shape[2:]]
+        problems = [
+            (header.request_id != job.remote_request_id, f"frame for {header.request_id}"),
+            (header.first_block != job.first_block, f"frame starts at block {header.first_block}"),
+            (len(header.block_ids) != len(job.dest_block_ids), f"{len(header.block_ids)} blocks"),
+            (header.shape != expected, f"shape {header.shape}, expected {expected}"),
+            (header.dtype != _dtype_name(cache.dtype), f"dtype {header.dtype}, expected {_dtype_name(cache.dtype)}"),
+            (zlib.crc32(payload) != header.checksum, "checksum mismatch"),
+        ]
+        for bad, what in problems:
+            if bad:
+                return f"refused a KV frame: {what}"
+        data = torch.frombuffer(payload, dtype=torch.uint8).view(cache.dtype).view(header.shape)
+        index = torch.tensor(job.dest_block_ids, device=cache.device)
+        for layer, layer_cache in enumerate(self.kv_caches):
+            layer_cache.index_copy_(1, index, data[layer].to(cache.device))
+        self.stats.blocks_received += len(job.dest_block_ids)
+        self.stats.bytes_received += payload.nbytes
+        return None

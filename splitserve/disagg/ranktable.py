@@ -1,0 +1,447 @@
+"""Rank tables: the cluster topology of a prefill/decode (PD) disaggregated deployment, in the MindIE format,
+and the start-up environment that points an engine or the router at them.
+
+A rank table is JSON with three server groups: "0" the scheduler (the router, one server, no devices), "1" the
+prefill instances and "2" the decode instances. Each entry of a group's server_list is one instance (one
+engine), named by its server_ip and its device ids; several instances may share a server_ip with disjoint
+devices. Every number is written as a string, as in the MindIE specification:
+
+    {"version": "1.0", "status": "completed", "server_group_list": [
+      {"group_id": "0", "server_count": "1", "server_list": [{"server_id": "10.0.0.1", "server_ip": "10.0.0.1"}]},
+      {"group_id": "1", "server_count": "1", "server_list": [{"server_id": "10.0.0.1", "server_ip": "10.0.0.1",
+        "device": [{"device_id": "4", "device_ip": "10.0.0.1", "rank_id": "0"}, ...]}]},
+      {"group_id": "2", ...}]}
+
+Each machine runs `splitserve ranktable gen` for its own instances, giving its part of the global table and one
+local table per instance (plus a host table for the router). `splitserve ranktable merge` joins the machines'
+parts into the global table. At start-up, GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH and NODE_PORTS
+(one port per instance, in global order: every prefill instance, then every decode instance) tell a process
+which role it plays; see resolve_pd_environment.
+
+A table that breaks a rule is refused with a RankTableError (a ValueError) whose message starts with
+"[rule: NAME]", NAME being one of RULES.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_GROUP, PREFILL_GROUP, DECODE_GROUP = "0", "1", "2"
+GROUP_IDS = (SCHEDULER_GROUP, PREFILL_GROUP, DECODE_GROUP)
+ROLE_OF_GROUP = {SCHEDULER_GROUP: "router", PREFILL_GROUP: "prefill", DECODE_GROUP: "decode"}
+VERSION, STATUS = "1.0", "completed"
+GLOBAL_ENV, LOCAL_ENV, PORTS_ENV = "GLOBAL_RANK_TABLE_FILE_PATH", "RANK_TABLE_FILE_PATH", "NODE_PORTS"
+MERGED_FILE_NAME = "global_ranktable_merge.json"
+RULES = {
+    "format": "the JSON has the specification's keys and types; numbers are strings of decimal digits",
+    "version-status": "version and status are present (and equal across merged tables)",
+    "groups": 'exactly the three groups "0", "1" and "2"',
+    "server-count": "server_count equals the length of server_list",
+    "scheduler": "group 0 has exactly one server (at most one in a machine's part), without devices",
+    "devices": "every prefill or decode instance has at least one device",
+    "rank-ids": 'the rank_ids of an instance are "0" .. "n-1" in order',
+    "unique-devices": "a device id is used once per server_ip, across all instances",
+    "complete": "a global table has at least one prefill and one decode instance",
+    "local-shape": "a local table holds exactly one instance, or only the scheduler",
+    "local-in-global": "the local table's instance appears in the global table, in the same group",
+    "node-ports-integers": "NODE_PORTS is a comma-separated list of integers",
+    "node-ports-count": "NODE_PORTS lists one port per instance of the global table",
+    "node-ports-distinct": "NODE_PORTS has no port twice",
+    "node-ports-range": "every port of NODE_PORTS is in 1..65535",
+}
+_NUMBER = re.compile(r"0|[1-9][0-9]*")
+
+
+class RankTableError(ValueError):
+    """A rank table or NODE_PORTS broke `rule` (a key of RULES); a ValueError so that the CLI reports it."""
+
+    def __init__(self, rule: str, message: str, source: str = "") -> None:
+        self.rule = rule
+        where = f"{source}: " if source else ""
+        super().__init__(f"[rule: {rule}] {where}{message} (rule: {RULES[rule]})")
+
+
+@dataclass
+class Device:
+    """One accelerator of an instance: the CUDA device on NVIDIA machines, a core on CPU."""
+
+    device_id: int
+    device_ip: str
+    rank_id: int
+
+    def to_json(self) -> dict:
+        return {"device_id": str(self.device_id), "device_ip": self.device_ip, "rank_id": str(self.rank_id)}
+
+
+@dataclass
+class Instance:
+    """One server_list entry: one engine (or, in group 0, the router), on server_ip, using `devices`."""
+
+    server_id: str
+    server_ip: str
+    devices: list[Device] = field(default_factory=list)
+
+    @property
+    def device_ids(self) -> list[int]:
+        return [d.device_id for d in self.devices]
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        """What names an instance across tables: its machine and its devices in rank order."""
+        return self.server_ip, tuple(self.device_ids)
+
+    def to_json(self) -> dict:
+        """The scheduler has no "device" key at all, as in the specification's example."""
+        out = {"server_id": self.server_id, "server_ip": self.server_ip}
+        if self.devices:
+            out["device"] = [d.to_json() for d in self.devices]
+        return out
+
+
+@dataclass
+class ServerGroup:
+    """A group as written: server_count is kept as read so that validation can compare it with the list."""
+
+    group_id: str
+    server_count: int
+    server_list: list[Instance] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"group_id": self.group_id, "server_count": str(self.server_count),
+                "server_list": [s.to_json() for s in self.server_list]}
+
+
+@dataclass
+class RankTable:
+    """A whole table (global, a machine's part of it, or local), mirroring the JSON; see validate_ranktable."""
+
+    version: str
+    status: str
+    server_group_list: list[ServerGroup]
+
+    def group(self, group_id: str) -> ServerGroup:
+        """The group with this id; a table without it breaks the "groups" rule."""
+        for g in self.server_group_list:
+            if g.group_id == group_id:
+                return g
+        raise RankTableError("groups", f"no group {group_id!r}")
+
+    def instances(self) -> list[tuple[str, Instance]]:
+        """(group id, instance) of every engine in global order: all prefill instances, then all decode ones.
+        NODE_PORTS and PDLaunch.instance_index count in this order."""
+        return [(gid, inst) for gid in (PREFILL_GROUP, DECODE_GROUP) for inst in self.group(gid).server_list]
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "status": self.status,
+                "server_group_list": [g.to_json() for g in self.server_group_list]}
+
+
+def make_ranktable(scheduler: Sequence[Instance] = (), prefill: Sequence[Instance] = (),
+                   decode: Sequence[Instance] = ()) -> RankTable:
+    """A table with the three groups in order and server_count computed, as gen and merge write them."""
+    lists = {SCHEDULER_GROUP: list(scheduler), PREFILL_GROUP: list(prefill), DECODE_GROUP: list(decode)}
+    return RankTable(VERSION, STATUS, [ServerGroup(gid, len(lists[gid]), lists[gid]) for gid in GROUP_IDS])
+
+
+# ---------------------------------------------------------------- parsing
+def _expect(obj: Mapping, key: str, kind: type, where: str, source: str):
+    """obj[key], which must be a `kind`; a missing key or a wrong type breaks the "format" rule."""
+    if not isinstance(obj, Mapping) or key not in obj:
+        raise RankTableError("format", f"{where} has no {key!r}", source)
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise RankTableError("format", f"{where}.{key} must be a {kind.__name__}, not {value!r}", source)
+    return value
+
+
+def _number(obj: Mapping, key: str, where: str, source: str) -> int:
+    """A specification number: a string of decimal digits without leading zeros, so it writes back unchanged."""
+    text = _expect(obj, key, str, where, source)
+    if not _NUMBER.fullmatch(text):
+        raise RankTableError("format", f"{where}.{key} must be a string of decimal digits, not {text!r}", source)
+    return int(text)
+
+
+def _instance_from_json(obj: Mapping, where: str, source: str) -> Instance:
+    devices = _expect(obj, "device", list, where, source) if isinstance(obj, Mapping) and "device" in obj else []
+    return Instance(
+        server_id=_expect(obj, "server_id", str, where, source),
+        server_ip=_expect(obj, "server_ip", str, where, source),
+        devices=[Device(_number(d, "device_id", f"{where}.device[{j}]", source),
+                        _expect(d, "device_ip", str, f"{where}.device[{j}]", source),
+                        _number(d, "rank_id", f"{where}.device[{j}]", source)) for j, d in enumerate(devices)])
+
+
+def ranktable_from_json(obj: object, source: str = "") -> RankTable:
+    """The typed table of parsed JSON; only the shape is checked here, the rules by validate_ranktable."""
+    if not isinstance(obj, Mapping):
+        raise RankTableError("format", "a rank table must be a JSON object", source)
+    groups = []
+    for i, g in enumerate(_expect(obj, "server_group_list", list, "table", source)):
+        where = f"server_group_list[{i}]"
+        servers = _expect(g, "server_list", list, where, source)
+        groups.append(ServerGroup(_expect(g, "group_id", str, where, source), _number(g, "server_count", where, source),
+                                  [_instance_from_json(s, f"{where}.server_list[{j}]", source)
+                                   for j, s in enumerate(servers)]))
+    version, status = obj.get("version", ""), obj.get("status", "")  # when missing: the version-status rule
+    if not isinstance(version, str) or not isinstance(status, str):
+        raise RankTableError("format", f"version and status must be strings, not {version!r} and {status!r}", source)
+    return RankTable(version, status, groups)
+
+
+def load_ranktable(path: str | os.PathLike, *, complete: bool = False) -> RankTable:
+    """Read and validate a table; complete=True for a global table that a deployment will run from."""
+    source = str(path)
+    try:
+        obj = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise RankTableError("format", f"not JSON: {exc}", source) from exc
+    table = ranktable_from_json(obj, source)
+    validate_ranktable(table, complete=complete, source=source)
+    return table
+
+
+def write_ranktable(table: RankTable, path: str | os.PathLike) -> Path:
+    """Write the table as indented JSON and return the path, creating its directory when missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table.to_json(), indent=2) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- validation
+def validate_ranktable(table: RankTable, *, complete: bool = True, source: str = "") -> None:
+    """Check every rule of one table. complete=False is for a machine's part of the global table or a local
+    table, which may lack the scheduler or a role; a merged table, or one a deployment runs from, is complete."""
+    if not table.version or not table.status:
+        raise RankTableError("version-status", "version and status must both be present and non-empty", source)
+    ids = [g.group_id for g in table.server_group_list]
+    if sorted(ids) != sorted(GROUP_IDS):
+        raise RankTableError("groups", f"the group ids are {ids}", source)
+    for g in table.server_group_list:
+        if g.server_count != len(g.server_list):
+            raise RankTableError("server-count", f"group {g.group_id!r} says server_count {g.server_count} "
+                                                 f"but lists {len(g.server_list)} servers", source)
+    scheduler = table.group(SCHEDULER_GROUP).server_list
+    if len(scheduler) > 1 or (complete and not scheduler) or any(s.devices for s in scheduler):
+        raise RankTableError("scheduler", f"group 0 holds {len(scheduler)} servers, "
+                                          f"with {sum(len(s.devices) for s in scheduler)} devices", source)
+    used: set[tuple[str, int]] = set()
+    for gid, inst in table.instances():
+        _check_instance(gid, inst, used, source)
+    if complete and not (table.group(PREFILL_GROUP).server_list and table.group(DECODE_GROUP).server_list):
+        raise RankTableError("complete", "a prefill or a decode instance is missing", source)
+
+
+def _check_instance(gid: str, inst: Instance, used: set[tuple[str, int]], source: str) -> None:
+    """The per-instance rules; `used` collects (server_ip, device_id) across the instances seen so far."""
+    name = f"{ROLE_OF_GROUP[gid]} instance on {inst.server_ip}"
+    if not inst.devices:
+        raise RankTableError("devices", f"the {name} has no device", source)
+    ranks = [d.rank_id for d in inst.devices]
+    if ranks != list(range(len(ranks))):
+        raise RankTableError("rank-ids", f"the {name} has rank_ids {ranks}", source)
+    for d in inst.devices:
+        if (inst.server_ip, d.device_id) in used:
+            raise RankTableError("unique-devices", f"device {d.device_id} is used twice on {inst.server_ip}", source)
+        used.add((inst.server_ip, d.device_id))
+
+
+def validate_local_ranktable(local: RankTable, global_table: RankTable, source: str = "") -> tuple[str, Instance]:
+    """(group id, instance) that a local table describes, after checking that the global table has it in the
+    same group; for the host table the group is "0" and the instance the scheduler."""
+    validate_ranktable(local, complete=False, source=source)
+    scheduler = local.group(SCHEDULER_GROUP).server_list
+    entries = scheduler + [inst for _, inst in local.instances()]
+    if len(entries) != 1:
+        raise RankTableError("local-shape", f"it holds {len(entries)} servers", source)
+    gid = SCHEDULER_GROUP if scheduler else local.instances()[0][0]
+    entry = entries[0]
+    if entry.key not in {s.key for s in global_table.group(gid).server_list}:
+        raise RankTableError("local-in-global", f"the {ROLE_OF_GROUP[gid]} server {entry.server_ip} with devices "
+                                                f"{entry.device_ids} is not in group {gid!r} of the global table",
+                             source)
+    return gid, entry
+
+
+def parse_node_ports(value: str, global_table: RankTable) -> list[int]:
+    """NODE_PORTS as one port per instance of the global table, in global order (prefill, then decode)."""
+    try:
+        ports = [int(p) for p in value.split(",")]
+    except ValueError as exc:
+        raise RankTableError("node-ports-integers", f"{PORTS_ENV}={value!r}", PORTS_ENV) from exc
+    count = len(global_table.instances())
+    if len(ports) != count:
+        raise RankTableError("node-ports-count", f"{len(ports)} ports for {count} instances", PORTS_ENV)
+    if len(set(ports)) != len(ports):
+        raise RankTableError("node-ports-distinct", f"{PORTS_ENV}={value!r}", PORTS_ENV)
+    if not all(1 <= p <= 65535 for p in ports):
+        raise RankTableError("node-ports-range", f"{PORTS_ENV}={value!r}", PORTS_ENV)
+    return ports
+
+
+# ---------------------------------------------------------------- gen and merge
+def parse_server_list(text: str | None) -> list[list[int]]:
+    """The device ids of each instance: "4,5" is one instance of two devices, "0;1" two of one; empty: none."""
+    text = (text or "").strip()
+    if not text:
+        return []
+    instances = []
+    for part in text.split(";"):
+        ids = [s.strip() for s in part.split(",")]
+        if not all(_NUMBER.fullmatch(s) for s in ids):
+            raise ValueError(f"bad device list {part!r} in {text!r}: expected comma-separated device ids "
+                             f"(non-negative integers), instances separated by ';'")
+        instances.append([int(s) for s in ids])
+    return instances
+
+
+def default_server_ip() -> str:
+    """This machine's address as its hostname resolves (what other machines would use), or 127.0.0.1 when the
+    hostname does not resolve to an IPv4 address. A loopback result (Debian maps the hostname to 127.0.1.1)
+    is kept but warned about: other machines cannot reach it, so pass --server-ip for a multi-machine table."""
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if ipaddress.ip_address(ip).is_loopback:
+            logger.warning("this machine's hostname resolves to %s, a loopback address; "
+                           "pass --server-ip for a table that other machines use", ip)
+        return ip
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
+def _instance(server_ip: str, device_ids: Sequence[int]) -> Instance:
+    return Instance(server_ip, server_ip, [Device(d, server_ip, rank) for rank, d in enumerate(device_ids)])
+
+
+def generate_ranktables(server_ip: str, prefill: Sequence[Sequence[int]], decode: Sequence[Sequence[int]],
+                        api_server: bool) -> dict[str, RankTable]:
+    """File name -> table for one machine: its part of the global table, one local table per instance, and
+    the host table with api_server. Refuses a bad IP, no instance and no api server, a device used twice and
+    two instances whose file names would collide (device ids 1,23 and 12,3 both give "123")."""
+    try:
+        ipaddress.ip_address(server_ip)
+    except ValueError as exc:
+        raise ValueError(f"--server-ip {server_ip!r} is not an IP address") from exc
+    if not (prefill or decode or api_server):
+        raise ValueError("nothing to generate: give --prefill-server-list, --decode-server-list or --api-server")
+    scheduler = [Instance(server_ip, server_ip)] if api_server else []
+    roles = {PREFILL_GROUP: [_instance(server_ip, ids) for ids in prefill],
+             DECODE_GROUP: [_instance(server_ip, ids) for ids in decode]}
+    part = make_ranktable(scheduler, roles[PREFILL_GROUP], roles[DECODE_GROUP])
+    validate_ranktable(part, complete=False)
+    tables = {f"global_ranktable_{server_ip}.json": part}
+    if api_server:
+        tables[f"local_ranktable_{server_ip}_host.json"] = make_ranktable(scheduler)
+    for gid, inst in part.instances():
+        name = f"local_ranktable_{server_ip}_{''.join(map(str, inst.device_ids))}.json"
+        if name in tables:
+            raise ValueError(f"two instances on {server_ip} would both write {name}; renumber their devices")
+        tables[name] = make_ranktable(prefill=[inst] if gid == PREFILL_GROUP else [],
+                                      decode=[inst] if gid == DECODE_GROUP else [])
+    return tables
+
+
+def merge_ranktables(tables: Sequence[RankTable], source: str = "") -> RankTable:
+    """One global table from the machines' parts: each group's servers concatenated in the given order, counts
+    recomputed, then validated as complete."""
+    if not tables:
+        raise ValueError("no rank table to merge")
+    versions = {t.version for t in tables}
+    if len(versions) > 1:
+        raise RankTableError("version-status", f"the tables have different versions {sorted(versions)}", source)
+    merged = make_ranktable(*([inst for t in tables for inst in t.group(gid).server_list] for gid in GROUP_IDS))
+    merged.version = tables[0].version
+    validate_ranktable(merged, complete=True, source=source)
+    return merged
+
+
+def add_gen_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-server-list", default="",
+                        help="device ids of this machine's prefill instances: comma-separated within an instance, "
+                             "';' between instances (e.g. '4,5' or '0;1'); empty: none")
+    parser.add_argument("--decode-server-list", default="", help="the same for the decode instances")
+    parser.add_argument("--api-server", action="store_true", help="this machine also runs the router (group 0)")
+    parser.add_argument("--save-dir", required=True, help="directory for the tables (created if missing)")
+    parser.add_argument("--server-ip", default=None,
+                        help="this machine's IP (default: its hostname's address, or 127.0.0.1 if that does not "
+                             "resolve; a loopback result is only usable on one machine)")
+
+
+def gen_main(ns: argparse.Namespace) -> list[Path]:
+    """`splitserve ranktable gen`: write and print this machine's tables."""
+    tables = generate_ranktables(ns.server_ip or default_server_ip(), parse_server_list(ns.prefill_server_list),
+                                 parse_server_list(ns.decode_server_list), ns.api_server)
+    paths = [write_ranktable(table, Path(ns.save_dir) / name) for name, table in tables.items()]
+    for path in paths:
+        print(path)
+    return paths
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--global-ranktable-list", nargs="+", required=True,
+                        help="the machines' global_ranktable_<ip>.json files, in the order their instances take")
+    parser.add_argument("--save-dir", required=True, help=f"directory for {MERGED_FILE_NAME} (created if missing)")
+
+
+def merge_main(ns: argparse.Namespace) -> Path:
+    """`splitserve ranktable merge`: write and print global_ranktable_merge.json."""
+    merged = merge_ranktables([load_ranktable(p) for p in ns.global_ranktable_list], source=MERGED_FILE_NAME)
+    path = write_ranktable(merged, Path(ns.save_dir) / MERGED_FILE_NAME)
+    print(path)
+    return path
+
+
+# ---------------------------------------------------------------- start-up
+@dataclass(frozen=True)
+class PDLaunch:
+    """What a process of a PD deployment is: an engine ("prefill"/"decode") on device_ids, instance_index
+    counting in global order; or the "router" (instance_index None), with the URLs of every instance."""
+
+    role: str
+    server_ip: str
+    device_ids: list[int]
+    instance_index: int | None
+    global_ranktable: RankTable
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+
+
+def _url(server_ip: str, port: int) -> str:
+    host = f"[{server_ip}]" if ":" in server_ip else server_ip  # an IPv6 address needs brackets in a URL
+    return f"http://{host}:{port}"
+
+
+def resolve_pd_environment(env: Mapping[str, str] = os.environ) -> PDLaunch | None:
+    """The PD role of this process from GLOBAL_RANK_TABLE_FILE_PATH (None when unset: no disaggregation),
+    RANK_TABLE_FILE_PATH (the local table, whose content decides the role) and NODE_PORTS (required by the
+    router; checked for engines too when set, so that a wrong deployment fails at every start)."""
+    global_path = env.get(GLOBAL_ENV)
+    if not global_path:
+        return None
+    local_path = env.get(LOCAL_ENV)
+    if not local_path:
+        raise ValueError(f"{LOCAL_ENV} (the local rank table) must be set when {GLOBAL_ENV} is")
+    global_table = load_ranktable(global_path, complete=True)
+    gid, entry = validate_local_ranktable(load_ranktable(local_path), global_table, source=local_path)
+    ports_text = env.get(PORTS_ENV)
+    if gid == SCHEDULER_GROUP and not ports_text:
+        raise ValueError(f"{PORTS_ENV} (one port per instance, prefill then decode) must be set for the router")
+    ports = parse_node_ports(ports_text, global_table) if ports_text else []
+    instances = global_table.instances()
+    if gid != SCHEDULER_GROUP:
+        index = [inst.key for _, inst in instances].index(entry.key)
+        return PDLaunch(ROLE_OF_GROUP[gid], entry.server_ip, entry.device_ids, index, global_table)
+    urls = {g: [_url(inst.server_ip, port) for (ig, inst), port in zip(instances, ports) if ig == g]
+            for g in (PREFILL_GROUP, DECODE_GROUP)}
+    return PDLaunch("router", entry.server_ip, [], None, global_table, urls[PREFILL_GROUP], urls[DECODE_GROUP])
