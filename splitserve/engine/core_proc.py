@@ -26,6 +26,7 @@ from splitserve.engine.protocol import (AbortRequests, ClientMessage, EngineCore
 
 logger = logging.getLogger(__name__)
 
+CPU_CORES_ENV = "SPLITSERVE_CPU_CORES"  # cores a PD launcher gave this instance ("0,1")
 _STATS_INTERVAL_S = 0.5   # idle clients still hear the engine's state this often
 _LOG_INTERVAL_S = 10.0
 
@@ -134,9 +135,22 @@ class EngineCoreProc:
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 
+def _apply_cpu_cores() -> None:
+    """Stay on the CPU cores a PD launcher gave this instance, one torch thread per core, so that
+    instances sharing a machine do not fight over the same cores."""
+    cores = os.environ.get(CPU_CORES_ENV)
+    if cores:
+        import torch
+
+        ids = {int(c) for c in cores.split(",")}
+        os.sched_setaffinity(0, ids)
+        torch.set_num_threads(len(ids))
+
+
 def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
     """Entry point of the engine process: build the core, report readiness, loop until killed."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    _apply_cpu_cores()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
         proc = EngineCoreProc(config, address)

@@ -71,9 +71,10 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> None:
-    from splitserve.entrypoints.openai.api_server import run_server, split_args
+    from splitserve.disagg.launch import serve
+    from splitserve.entrypoints.openai.api_server import split_args
 
-    run_server(*split_args(ns))
+    serve(*split_args(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     api_server.make_arg_parser(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    from splitserve.disagg import router
+
+    rt = sub.add_parser("router", help="the prefill/decode disaggregation router (an OpenAI-compatible front "
+                                       "for prefill and decode instances)")
+    router.add_arguments(rt)
+    rt.set_defaults(func=router.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

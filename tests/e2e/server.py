@@ -18,15 +18,20 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`python -m splitserve.entrypoints.openai.api_server ARGS` on a free port; waits for /health."""
+    """`python -m splitserve.entrypoints.openai.api_server --model MODEL ARGS` (or, with
+    model=None, `splitserve ARGS`, e.g. the router) on a free port; waits for /health."""
 
-    def __init__(self, model: str, *args: str, startup_timeout: float = 180.0):
-        self.port = free_port()
+    def __init__(self, model: str | None, *args: str, env: dict | None = None, port: int | None = None,
+                 startup_timeout: float = 180.0):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        if model is None:
+            cmd = [sys.executable, "-m", "splitserve.entrypoints.cli", *args]
+        else:
+            cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--model", model, *args]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     start_new_session=True)
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:

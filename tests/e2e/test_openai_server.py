@@ -45,7 +45,9 @@ def _post(server, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Res
 
 
 def _metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    """The sum of a metric's series, from a server (or a base URL)."""
+    url = server if isinstance(server, str) else server.url
+    text = httpx.get(f"{url}/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):

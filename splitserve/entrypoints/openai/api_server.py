@@ -44,6 +44,8 @@ class ServerArgs:
     disable_log_requests: bool = False
     health_timeout: float = 30.0
     engine_worker_queue_port: int | None = None
+    pd: str | None = None
+    policy: str = "round_robin"
     uvicorn_log_level: str = "warning"
 
 
@@ -67,6 +69,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="/health answers 503 when the engine does not answer within this many seconds")
     g.add_argument("--engine-worker-queue-port", type=int, default=None,
                    help="loopback TCP port between API workers and the engine (default: an IPC socket file)")
+    g.add_argument("--pd", default=None, metavar="XpYd",
+                   help="one-command PD deployment: X prefill and Y decode instances behind a router on --port")
+    g.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load", "prefix_aware"],
+                   help="how the PD router picks instances")
     g.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -242,8 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ns = make_arg_parser().parse_args(argv)
     try:
-        engine_args, server_args = split_args(ns)
-        run_server(engine_args, server_args)
+        from splitserve.disagg.launch import serve
+
+        serve(*split_args(ns))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("%s", exc)
         sys.exit(2)

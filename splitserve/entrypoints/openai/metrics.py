@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from splitserve.engine.protocol import SchedulerStats
+from splitserve.engine.protocol import KVTransferStats, SchedulerStats
 from splitserve.outputs import RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -19,6 +19,19 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
+
+
+# Prefill/decode KV connector counters (KVTransferStats fields), exported as splitserve:kv_transfer_*_total.
+_KV_COUNTERS = {
+    "blocks_sent": "KV blocks this prefill instance served to decode instances.",
+    "bytes_sent": "KV bytes this prefill instance served.",
+    "blocks_received": "KV blocks this decode instance pulled.",
+    "bytes_received": "KV bytes this decode instance pulled.",
+    "transfer_seconds": "Seconds this decode instance spent pulling KV.",
+    "pull_failures": "KV pulls that failed (the request then computed its prompt itself).",
+    "pulls_refused": "KV pulls this prefill instance refused (unknown or expired lease).",
+    "lease_expiries": "KV leases that expired before a decode instance pulled them.",
+}
 
 
 class Metrics:
@@ -56,7 +69,10 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.kv_transfer = {name: counter(f"kv_transfer_{name}", doc) for name, doc in _KV_COUNTERS.items()}
+        self.kv_leases_active = gauge("kv_transfer_leases_active", "KV leases waiting for a decode instance's pull.")
         self._last: SchedulerStats | None = None
+        self._last_kv = KVTransferStats()
 
     def record_engine_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -71,6 +87,14 @@ class Metrics:
         self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        if stats.kv_transfer is not None:
+            self._record_kv(stats.kv_transfer)
+
+    def _record_kv(self, kv: KVTransferStats) -> None:
+        self.kv_leases_active.set(kv.leases_active)
+        for name, counter in self.kv_transfer.items():
+            counter.inc(max(getattr(kv, name) - getattr(self._last_kv, name), 0))
+        self._last_kv = kv
 
     def record_finished(self, output: RequestOutput, num_generated: int, reasons: list[str]) -> None:
         m = output.metrics

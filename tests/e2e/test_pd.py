@@ -1,0 +1,171 @@
+"""Prefill/decode disaggregation end to end: real instances and routers on loopback.
+
+Greedy outputs through the router must be token for token those of a single mixed engine; faults
+(a killed prefill or decode engine, client aborts) must end every request and leak no block."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.e2e.server import RemoteServer, free_port
+from tests.e2e.test_openai_server import _engine_pid, _metric
+
+COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256",
+          "--disable-log-requests"]
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived a dragon who " * 3,
+           "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_chat_model) -> LLM:
+    return LLM(tiny_chat_model, dtype="float32", max_model_len=512, use_tqdm_on_load=False)
+
+
+def _expected(offline: LLM, prompt: str, n: int = 12) -> str:
+    return offline.generate([prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].outputs[0].text
+
+
+def _stream_text(url: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def _check_parity(url: str, offline: LLM) -> None:
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        expected = _expected(offline, prompt)
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == expected
+        assert _stream_text(url, body) == expected
+
+
+def _wait(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _idle(url: str) -> bool:
+    return (_metric(url, "splitserve:kv_cache_usage_perc") == 0
+            and _metric(url, "splitserve:num_requests_running") == 0
+            and _metric(url, "splitserve:kv_transfer_leases_active") == 0)
+
+
+# --- one command ------------------------------------------------------------------------------
+def test_one_command_1p1d_matches_a_mixed_instance(tiny_chat_model, offline):
+    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d") as router:
+        _check_parity(router.url, offline)
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+        chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=8, temperature=0)
+        direct = offline.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=8),
+                              use_tqdm=False)[0].outputs[0].text
+        assert chat.choices[0].message.content == direct
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert 'role="prefill"' in metrics and "splitserve_router:fallbacks_total 0.0" in metrics
+
+
+def test_one_command_2p2d_matches_a_mixed_instance(tiny_chat_model, offline):
+    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "2p2d", "--policy", "least_load") as router:
+        _check_parity(router.url, offline)
+
+
+# --- instances started by hand, with a separate router ----------------------------------------
+@pytest.fixture
+def pd_cluster(tiny_chat_model):
+    """Two prefill instances, one decode instance (short leases), and a router."""
+    prefill = [RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "prefill", "--kv-lease-seconds", "3")
+               for _ in range(2)]
+    decode = RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "decode")
+    router = RemoteServer(None, "router", *sum((["--prefill", p.url] for p in prefill), []), "--decode", decode.url,
+                          "--health-interval", "0.5")
+    try:
+        yield prefill, decode, router
+    finally:
+        for server in (router, decode, *prefill):
+            server.close()
+
+
+def test_prefix_cache_hits_pull_only_missing_blocks(pd_cluster, offline):
+    prefill, decode, router = pd_cluster
+    prompt = PROMPTS[1]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    received = _metric(decode.url, "splitserve:kv_transfer_blocks_received_total")
+    assert received > 0
+    second = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    # The decode instance now holds the prompt's full blocks: nothing (or only the partial tail) moves.
+    assert _metric(decode.url, "splitserve:kv_transfer_blocks_received_total") - received < received
+    assert first == second == _expected(offline, prompt, 4)
+
+
+def test_killed_prefill_engine_is_survived(pd_cluster, offline):
+    prefill, decode, router = pd_cluster
+    os.kill(_engine_pid(prefill[0]), signal.SIGKILL)
+    for prompt in PROMPTS:  # retried on the other prefill instance, or decoded from scratch
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _expected(offline, prompt)
+
+
+def test_killed_decode_engine_fails_requests_and_frees_prefill_blocks(pd_cluster):
+    prefill, decode, router = pd_cluster
+    os.kill(_engine_pid(decode), signal.SIGKILL)
+    r = httpx.post(f"{router.url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}, timeout=60)
+    assert r.status_code >= 500 and r.json()["error"]["message"]
+    # Whatever the prefill side leased for the dead decode instance expires and is freed.
+    for p in prefill:
+        _wait(lambda: _idle(p.url), what=f"{p.url} to free its blocks")
+
+
+def test_client_aborts_free_both_sides(pd_cluster):
+    prefill, decode, router = pd_cluster
+    for _ in range(4):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{router.url}/v1/completions", timeout=0.3,
+                       json={"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True})
+    for server in (decode, *prefill):
+        _wait(lambda: _idle(server.url), what=f"{server.url} to free its blocks")
+
+
+# --- the rank-table environment -----------------------------------------------------------------
+def test_rank_table_environment_startup(tmp_path, tiny_chat_model, offline):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two CPU cores: one for the prefill instance, one for the decode instance")
+    save = tmp_path / "tables"
+    subprocess.run(["splitserve", "ranktable", "gen", "--prefill-server-list", str(cores[0]),
+                    "--decode-server-list", str(cores[-1]), "--api-server", "--server-ip", "127.0.0.1",
+                    "--save-dir", str(save)], check=True)
+    glob_env = {"GLOBAL_RANK_TABLE_FILE_PATH": str(save / "global_ranktable_127.0.0.1.json")}
+    ports = [free_port(), free_port()]
+    servers = []
+    try:
+        for device, port in zip((cores[0], cores[-1]), ports):
+            env = {**glob_env, "RANK_TABLE_FILE_PATH": str(save / f"local_ranktable_127.0.0.1_{device}.json"),
+                   "NODE_PORTS": f"{ports[0]},{ports[1]}"}
+            servers.append(RemoteServer(tiny_chat_model, *COMMON, env=env, port=port))
+        env = {**glob_env, "RANK_TABLE_FILE_PATH": str(save / "local_ranktable_127.0.0.1_host.json"),
+               "NODE_PORTS": f"{ports[0]},{ports[1]}"}
+        servers.append(RemoteServer(tiny_chat_model, *COMMON, env=env))
+        body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        out = httpx.post(f"{servers[-1].url}/v1/completions", json=body, timeout=120).json()
+        assert out["choices"][0]["text"] == _expected(offline, PROMPTS[0])
+        assert _metric(servers[1].url, "splitserve:kv_transfer_blocks_received_total") > 0
+    finally:
+        for server in servers:
+            server.close()
