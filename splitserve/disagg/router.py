@@ -304,7 +304,7 @@ def describe_error(exc: BaseException, timeout: float | None = None) -> str:
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "it closed the connection"
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return "its answer broke off mid-way"
+        return "the connection closed before the answer was complete"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
@@ -727,18 +727,23 @@ class Router:
         """The decode instance's SSE bytes as they arrive. If the stream breaks, the client gets an
         error event and [DONE] (its own SDK then raises instead of waiting). If the client leaves,
         Starlette cancels this generator and `finally` closes the upstream connection."""
+        ended = False
         try:
             if first:
                 yield first
             async for chunk in upstream.resp.content.iter_any():
                 yield chunk
+            ended = True
         except _UPSTREAM_ERRORS as exc:
-            reason = f"the stream broke off: {describe_error(exc, self.config.request_timeout)}"
+            ended = True
+            reason = f"the stream broke off ({describe_error(exc, self.config.request_timeout)})"
             self._failed(upstream.instance, reason)
             trace.notes.append(f"decode {reason}")
             yield sse_error_event(f"The decode instance failed mid-stream: {reason}.")
             yield _DONE_EVENT
         finally:
+            if not ended:
+                trace.notes.append("the client disconnected mid-stream (upstream request closed)")
             upstream.release()
 
     # --- other routes ------------------------------------------------------------------------
