@@ -317,6 +317,12 @@ def _status_reason(status: int, data: bytes) -> str:
     return f"answered HTTP {status}" + (f" ({message})" if message else "")
 
 
+def _is_batch(body: dict) -> bool:
+    """A completion request holding several prompts (a list of texts or of token-id lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
 def _kv_params(data: bytes) -> dict | None:
     try:
         parsed = json.loads(data)
@@ -618,7 +624,11 @@ class Router:
         body = parse_json_object(await read_body(request))
         trace = _Trace(request.headers.get("x-request-id") or uuid.uuid4().hex, path)
         try:
-            prefilled = await self._prefill(request, path, body, trace)
+            if _is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
+                trace.fallback = "a batch of prompts is decoded without remote prefill"
+                prefilled = None
+            else:
+                prefilled = await self._prefill(request, path, body, trace)
             if isinstance(prefilled, Response):
                 return self._finish(trace, prefilled)
             if prefilled is None:
@@ -660,6 +670,9 @@ class Router:
             except _UPSTREAM_ERRORS as exc:
                 reason = describe_error(exc, self.config.request_timeout)
             else:
+                if status == 429:  # this instance is full, not the request invalid: try another one
+                    reasons.append(f"{inst.url}: busy (429)")
+                    continue
                 if 400 <= status < 500:
                     trace.prefill = inst.url
                     trace.notes.append("the prefill instance refused the request")

@@ -121,6 +121,9 @@ class FakeInstance:
                                                 "param": None, "code": 500}}, status=500)
         if self.mode == "400":
             return self._json(BAD_REQUEST, 400)
+        if self.mode == "429":
+            return self._json({"error": {"message": "busy", "type": "rate_limit_exceeded", "param": None,
+                                         "code": 429}}, 429)
         if self.role == PREFILL:
             answer = {"id": f"cmpl-{self.name}", "object": "text_completion",
                       "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
@@ -361,6 +364,23 @@ def test_prefill_4xx_is_returned_as_is_and_decode_not_called(cluster):
     assert d.bodies == []
     assert server.metric("splitserve_router:fallbacks_total") == 0
     assert server.router.instances[PREFILL][0].healthy  # the request was bad, not the instance
+
+
+def test_prefill_429_tries_another_prefill_instance(cluster):
+    server, [busy, free], [d], _ = cluster(2, 1, policy="round_robin")
+    busy.mode = "429"
+    for _ in range(2):  # whichever the policy picks first, the request ends prefilled by the free one
+        assert server.client.post("/v1/completions", json=COMPLETION).status_code == 200
+    assert free.count == 2 and all("kv_transfer_params" in body for _, body in d.bodies)
+    assert server.router.instances[PREFILL][0].healthy  # busy is not down
+
+
+def test_batch_of_prompts_is_decoded_without_remote_prefill(cluster):
+    server, [p], [d], _ = cluster(1, 1)
+    body = {**COMPLETION, "prompt": ["one", "two"]}
+    assert server.client.post("/v1/completions", json=body).status_code == 200
+    assert p.bodies == [] and d.bodies[0][1] == body
+    assert server.metric("splitserve_router:fallbacks_total") == 1
 
 
 def test_decode_retry_on_another_instance(cluster):
