@@ -67,14 +67,14 @@ def engine_flags(args: EngineArgs) -> list[str]:
     return flags
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 @dataclasses.dataclass
-class _Instance:
+class Instance:
     role: str
     url: str
     process: subprocess.Popen
@@ -90,7 +90,7 @@ def launch_local(engine_args: EngineArgs, server_args, spec: str) -> None:
     try:
         for role, env in zip(roles, split_devices(len(roles))):
             instances.append(_start_instance(engine_args, server_args, role, env))
-        _wait_healthy(instances)
+        wait_healthy(instances)
         config = RouterConfig(prefill_urls=[i.url for i in instances if i.role == "prefill"],
                               decode_urls=[i.url for i in instances if i.role == "decode"],
                               policy=server_args.policy, api_key=server_args.api_key)
@@ -106,8 +106,8 @@ def launch_local(engine_args: EngineArgs, server_args, spec: str) -> None:
                 instance.process.kill()
 
 
-def _start_instance(engine_args: EngineArgs, server_args, role: str, env: dict[str, str]) -> _Instance:
-    port = _free_port()
+def _start_instance(engine_args: EngineArgs, server_args, role: str, env: dict[str, str]) -> Instance:
+    port = free_port()
     cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", *engine_flags(engine_args),
            "--pd-role", role, "--host", "127.0.0.1", "--port", str(port)]
     for flag in ("chat_template", "reasoning_parser", "max_queued_requests"):
@@ -118,10 +118,10 @@ def _start_instance(engine_args: EngineArgs, server_args, role: str, env: dict[s
         cmd.append("--disable-log-requests")
     logger.info("Starting %s instance on port %d (%s)", role, port, ", ".join(f"{k}={v}" for k, v in env.items()))
     process = subprocess.Popen(cmd, env={**os.environ, **env})
-    return _Instance(role, f"http://127.0.0.1:{port}", process)
+    return Instance(role, f"http://127.0.0.1:{port}", process)
 
 
-def _wait_healthy(instances: list[_Instance]) -> None:
+def wait_healthy(instances: list[Instance]) -> None:
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     pending = list(instances)
     while pending:

@@ -76,7 +76,7 @@ class RouterConfig:
     max_retries: int = 2                  # further instances tried after a failure, per role
     health_interval: float = 2.0          # seconds between health checks
     request_timeout: float = 3600.0       # seconds for a whole upstream request, stream included
-    health_timeout: float = 2.0           # seconds for one /health (and one /metrics) check
+    health_timeout: float = 10.0          # seconds for one /health (and one /metrics) check: busy CPUs answer late
     connect_timeout: float = 10.0         # seconds to open a connection, so a dead host fails fast
 
     def __post_init__(self) -> None:
@@ -499,8 +499,12 @@ class Router:
         return [i for i in self.instances[role] if i.healthy]
 
     def pick(self, role: str, request_body: dict, exclude: Sequence[Instance] = ()) -> Instance | None:
-        """The policy's choice among the up instances not tried yet for this request."""
+        """The policy's choice among the up instances not tried yet for this request. With no decode
+        instance up, the down ones are tried anyway: a health mark is a hint (a busy instance can miss
+        a check), and a failed attempt costs less than refusing the request; prefill has its fallback."""
         candidates = [i for i in self.instances[role] if i.healthy and i not in exclude]
+        if not candidates and role == DECODE:
+            candidates = [i for i in self.instances[role] if i not in exclude]
         return self.policies[role].choose(candidates, request_body) if candidates else None
 
     # --- lifecycle ---------------------------------------------------------------------------

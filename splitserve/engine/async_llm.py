@@ -64,6 +64,7 @@ class AsyncLLM(FrontEnd):
         self.stats: SchedulerStats | None = None
         self.sent_since_stats = 0
         self.dead_reason: str | None = None
+        self.last_heard = 0.0  # when the engine last sent anything (time.monotonic)
         self.on_stats = None  # callback(SchedulerStats), set by the metrics layer
         self._output_task: asyncio.Task | None = None
         self._pings: dict[int, asyncio.Future] = {}
@@ -116,10 +117,14 @@ class AsyncLLM(FrontEnd):
         return True
 
     async def check_health(self, timeout: float) -> bool:
-        """True when the engine process is alive and answers a ping within `timeout` seconds."""
+        """True when the engine process is alive and has spoken within `timeout` seconds, or answers
+        a ping within them. The engine answers between steps, so a long step delays a ping; hearing
+        from it recently is proof enough that it is not stuck."""
         self._start()
         if self.dead_reason is not None or not process_alive(self.engine_pid):
             return False
+        if time.monotonic() - self.last_heard < timeout:
+            return True
         nonce = next(self._nonce)
         future = asyncio.get_running_loop().create_future()
         self._pings[nonce] = future
@@ -153,6 +158,7 @@ class AsyncLLM(FrontEnd):
                         return
                     continue
                 message = self.decoder.decode(await self.socket.recv())
+                self.last_heard = time.monotonic()
                 if message.engine_dead is not None:
                     self._fail_all(message.engine_dead)
                     return

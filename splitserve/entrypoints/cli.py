@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(sv)
     sv.set_defaults(func=lambda ns: serve.main(ns))
 
+    from splitserve.benchmarks import pd
+
+    pdb = bench_sub.add_parser("pd", help="a PD deployment against one mixed instance, same workload, one run")
+    pd.add_arguments(pdb)
+    pdb.set_defaults(func=lambda ns: pd.main(ns))
+
     rt = sub.add_parser("ranktable", help="rank tables of a prefill/decode disaggregated deployment")
     rt_sub = rt.add_subparsers(dest="ranktable_command", required=True)
     from splitserve.disagg import ranktable
