@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import hmac
 import itertools
 import json
 import logging
@@ -43,6 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve import __version__
+from splitserve.entrypoints.openai.http import (ApiKeyMiddleware, error_response, install_error_handlers, read_body,
+                                                read_json_body)
 from splitserve.entrypoints.openai.protocol import error_body
 
 logger = logging.getLogger("splitserve.router")
@@ -50,9 +51,7 @@ logger = logging.getLogger("splitserve.router")
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
 POLICIES = ("round_robin", "least_load", "prefix_aware")
-MAX_BODY_BYTES = 8 * 1024 * 1024
 PREFIX_CHARS = 512  # how much of the prompt prefix_aware hashes
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
 _DISCONNECT_POLL_S = 0.5
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _LOAD_METRICS = {"splitserve:num_requests_running": "running", "splitserve:num_requests_waiting": "waiting",
@@ -270,22 +269,8 @@ def fallback_request_body(body: dict) -> dict:
 
 
 # --- errors and small helpers ------------------------------------------------------------------
-class RouterError(Exception):
-    """An error the router answers itself, with OpenAI's error body."""
-
-    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
-                 param: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.err_type, self.param = message, status, err_type, param
-
-
 class ClientGone(Exception):
     """The client closed its connection while the router waited on an instance."""
-
-
-def error_response(message: str, status: int, err_type: str = "invalid_request_error",
-                   param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, param, status), status_code=status)
 
 
 def sse_error_event(message: str) -> bytes:
@@ -330,31 +315,6 @@ def _kv_params(data: bytes) -> dict | None:
         return None
     kv = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
     return kv if isinstance(kv, dict) else None
-
-
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed the limit (the
-    declared length, or the bytes so far), before it is all buffered."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(f"The request body is larger than {limit} bytes.", 413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(f"The request body is larger than {limit} bytes.", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_json_object(data: bytes) -> dict:
-    try:
-        body = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RouterError(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RouterError("The request body must be a JSON object.")
-    return body
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable):
@@ -625,7 +585,7 @@ class Router:
 
     # --- completions and chat ----------------------------------------------------------------
     async def handle_generation(self, request: Request, path: str) -> Response:
-        body = parse_json_object(await read_body(request))
+        body = await read_json_body(request)
         trace = _Trace(request.headers.get("x-request-id") or uuid.uuid4().hex, path)
         try:
             if _is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
@@ -812,26 +772,6 @@ async def _first_chunk(resp: aiohttp.ClientResponse) -> bytes:
 
 
 # --- the application ---------------------------------------------------------------------------
-class ApiKeyMiddleware:
-    """Clients must send `Authorization: Bearer KEY` on every route but /health and /metrics (for
-    load balancers and Prometheus). Pure ASGI, so that streamed responses and their disconnects pass
-    through untouched (BaseHTTPMiddleware would buffer them in a task)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.api_key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and not self._authorized(scope):
-            response = error_response("Missing or invalid API key.", 401, "authentication_error")
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-
 def build_router_app(config: RouterConfig) -> FastAPI:
     """The router's FastAPI app; its lifespan opens the shared HTTP session and runs the health
     checks. `app.state.router` is the Router (instances, metrics), for tests and embedding."""
@@ -848,18 +788,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="splitserve router", version=__version__, lifespan=lifespan)
     app.state.router = router
 
-    @app.exception_handler(RouterError)
-    async def router_error(_: Request, exc: RouterError):
-        return error_response(exc.message, exc.status, exc.err_type, exc.param)
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, _exc):
-        return error_response(f"{request.method} {request.url.path} is not a route of this router.", 404,
-                              "not_found_error")
-
-    @app.exception_handler(405)
-    async def bad_method(request: Request, _exc):
-        return error_response(f"{request.method} is not allowed on {request.url.path}.", 405)
+    install_error_handlers(app, "router")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -893,8 +822,8 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def metrics():
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_key:  # load balancers and Prometheus need no key
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=("/health", "/metrics"))
     return app
 
 

@@ -22,6 +22,7 @@ from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.protocol import KVTransferParams
 from splitserve.entrypoints.openai import protocol as P
+from splitserve.entrypoints.openai.http import APIError
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
 from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -31,13 +32,6 @@ logger = logging.getLogger("splitserve.api_server")
 
 _DISCONNECT_POLL_S = 0.5
 _DEFAULT_MODEL_ALIASES = (None, "default")
-
-
-class ServingError(Exception):
-    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
-                 param: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
 
 @dataclass
@@ -80,26 +74,26 @@ class OpenAIServing:
             return model.model_validate(body)
         except ValidationError as exc:
             message, param = P.validation_error_message(exc)
-            raise ServingError(message, param=param) from None
+            raise APIError(message, param=param) from None
 
     def _check_model(self, name: str | None) -> None:
         if name not in _DEFAULT_MODEL_ALIASES and name != self.served_name:
-            raise ServingError(f"The model {name!r} does not exist; this server serves {self.served_name!r}.",
+            raise APIError(f"The model {name!r} does not exist; this server serves {self.served_name!r}.",
                                404, "not_found_error", "model")
 
     def _check_capacity(self) -> None:
         if self.engine.dead_reason is not None:
-            raise ServingError(f"The engine is not running: {self.engine.dead_reason}", 503, "service_unavailable")
+            raise APIError(f"The engine is not running: {self.engine.dead_reason}", 503, "service_unavailable")
         limit = self.server_args.max_queued_requests
         if limit is not None and not self.engine.try_reserve_queue_slot(limit):
-            raise ServingError(f"Too many requests are waiting (the limit is {limit}); retry later.", 429,
+            raise APIError(f"Too many requests are waiting (the limit is {limit}); retry later.", 429,
                                "rate_limit_exceeded")
 
     async def _tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> _Prompt:
         if isinstance(prompt, list):
             bad = [t for t in prompt if t >= self.vocab_size]
             if bad:
-                raise ServingError(f"Prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).",
+                raise APIError(f"Prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).",
                                    param="prompt")
             return _Prompt(None, prompt)
         ids = await asyncio.to_thread(lambda: self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
@@ -108,12 +102,12 @@ class OpenAIServing:
     def _check_lengths(self, prompt: _Prompt, params: SamplingParams, param: str) -> None:
         n = len(prompt.token_ids)
         if n == 0:
-            raise ServingError("The prompt is empty: it must have at least one token.", param=param)
+            raise APIError("The prompt is empty: it must have at least one token.", param=param)
         if n >= self.max_model_len:
-            raise ServingError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
                                f"has {n} tokens, leaving no room for output.", param=param)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ServingError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                f"requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} "
                                "in the completion). Reduce the prompt or max_tokens.", param="max_tokens")
 
@@ -122,7 +116,7 @@ class OpenAIServing:
         try:
             self.engine.processor.prepare_params(params)
         except ValueError as exc:
-            raise ServingError(str(exc)) from None
+            raise APIError(str(exc)) from None
 
     def _log(self, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> None:
         if not self.server_args.disable_log_requests:
@@ -143,20 +137,20 @@ class OpenAIServing:
         if raw is None:
             return None
         if self.pd_role == "mixed":
-            raise ServingError("kv_transfer_params need a prefill or decode instance; this one runs with "
+            raise APIError("kv_transfer_params need a prefill or decode instance; this one runs with "
                                "--pd-role mixed.", param="kv_transfer_params")
         if num_prompts != 1:
-            raise ServingError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
+            raise APIError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
         try:
             kv = msgspec.convert(raw, KVTransferParams)
         except msgspec.ValidationError as exc:
-            raise ServingError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
+            raise APIError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
         if kv.do_remote_decode:
             if req.stream:
-                raise ServingError("A prefill request (do_remote_decode) cannot stream.", param="stream")
+                raise APIError("A prefill request (do_remote_decode) cannot stream.", param="stream")
             kv.remote_num_pulls, params.n = params.n, 1
         if kv.do_remote_prefill and None in (kv.remote_host, kv.remote_port, kv.remote_request_id):
-            raise ServingError("do_remote_prefill needs remote_host, remote_port and remote_request_id.",
+            raise APIError("do_remote_prefill needs remote_host, remote_port and remote_request_id.",
                                param="kv_transfer_params")
         return kv
 
@@ -167,7 +161,7 @@ class OpenAIServing:
         if ids is None:
             return None
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ServingError("kv_transfer_params.prompt_token_ids must be a list of token ids.",
+            raise APIError("kv_transfer_params.prompt_token_ids must be a list of token ids.",
                                param="kv_transfer_params")
         return await self._tokenize(ids)
 
@@ -182,15 +176,19 @@ class OpenAIServing:
                                      [c.finish_reason for c in output.outputs if c.finish_reason])
 
     # --- /v1/completions ----------------------------------------------------------------------
-    async def create_completion(self, body: dict, raw: Request):
-        arrival = time.monotonic()
-        req: P.CompletionRequest = self._parse(P.CompletionRequest, body)
+    def _accept(self, model: type[BaseModel], body: dict):
+        """Parse a generation request, check its model and the queue, make its SamplingParams."""
+        req = self._parse(model, body)
         self._check_model(req.model)
         self._check_capacity()
         try:
-            params = req.to_sampling_params(default_max_tokens=None)
+            return req, req.to_sampling_params(default_max_tokens=None)
         except ValueError as exc:
-            raise ServingError(str(exc)) from None
+            raise APIError(str(exc)) from None
+
+    async def create_completion(self, body: dict, raw: Request):
+        arrival = time.monotonic()
+        req, params = self._accept(P.CompletionRequest, body)
         if req.echo and params.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
         self._prepare_params(params)
@@ -307,13 +305,7 @@ class OpenAIServing:
     # --- /v1/chat/completions -----------------------------------------------------------------
     async def create_chat_completion(self, body: dict, raw: Request):
         arrival = time.monotonic()
-        req: P.ChatCompletionRequest = self._parse(P.ChatCompletionRequest, body)
-        self._check_model(req.model)
-        self._check_capacity()
-        try:
-            params = req.to_sampling_params(default_max_tokens=None)
-        except ValueError as exc:
-            raise ServingError(str(exc)) from None
+        req, params = self._accept(P.ChatCompletionRequest, body)
         self._prepare_params(params)
         kv = self._kv_transfer(req, params, 1)
         prompt = await self._remote_prompt(req, kv) or await self._render_chat(
@@ -338,7 +330,7 @@ class OpenAIServing:
                 apply_chat_template, self.tokenizer, req.template_messages(), template, add_generation_prompt,
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
-            raise ServingError(f"The chat template could not render these messages: {exc}", param="messages") from None
+            raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
         return await self._tokenize(text, add_special_tokens=add_special_tokens)
 
     @staticmethod
@@ -434,7 +426,7 @@ class OpenAIServing:
             req = P.parse_tokenize_request(body)
         except ValidationError as exc:
             message, param = P.validation_error_message(exc)
-            raise ServingError(message, param=param) from None
+            raise APIError(message, param=param) from None
         self._check_model(req.model)
         if isinstance(req, P.TokenizeChatRequest):
             prompt = await self._render_chat(req, req.add_generation_prompt, req.add_special_tokens)
@@ -449,7 +441,7 @@ class OpenAIServing:
         self._check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise ServingError(f"Token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).",
+            raise APIError(f"Token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).",
                                param="tokens")
         text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
         return _json(P.DetokenizeResponse(prompt=text))
@@ -477,12 +469,12 @@ class OpenAIServing:
                 if not task.done() and await raw.is_disconnected():
                     task.cancel()
                     logger.info("Client disconnected: request aborted")
-                    raise ServingError("The client disconnected.", 499, "client_closed_request")
+                    raise APIError("The client disconnected.", 499, "client_closed_request")
             task.result()
         except EngineDeadError as exc:
-            raise ServingError(str(exc), 503, "service_unavailable") from None
+            raise APIError(str(exc), 503, "service_unavailable") from None
         except ValueError as exc:
-            raise ServingError(str(exc)) from None
+            raise APIError(str(exc)) from None
         finally:
             if not task.done():
                 task.cancel()

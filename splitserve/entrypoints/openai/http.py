@@ -1,0 +1,101 @@
+"""HTTP pieces that the API server and the PD router share: OpenAI-style errors, the API-key
+check, and reading a bounded JSON body."""
+from __future__ import annotations
+
+import hmac
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from splitserve.entrypoints.openai.protocol import error_body
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.err_type, self.param = message, status, err_type, param
+
+
+def error_response(message: str, status: int, err_type: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, param, status), status_code=status)
+
+
+def install_error_handlers(app: FastAPI, what: str) -> None:
+    """APIError, unknown routes and wrong methods all answer with OpenAI's error body."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return error_response(exc.message, exc.status, exc.err_type, exc.param)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _exc):
+        return error_response(f"{request.method} {request.url.path} is not a route of this {what}.", 404,
+                              "not_found_error")
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, _exc):
+        return error_response(f"{request.method} is not allowed on {request.url.path}.", 405)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on every route but `open_paths`; `path_keys` give some paths a
+    key of their own (e.g. /metrics). Keys are compared in constant time. Pure ASGI, so streamed
+    responses and their disconnects pass through untouched."""
+
+    def __init__(self, app, api_key: str | None, open_paths=(), path_keys: dict[str, str] | None = None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.open_paths = set(open_paths)
+        self.path_keys = {path: key.encode() for path, key in (path_keys or {}).items() if key}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            key = self.path_keys.get(path) or (None if path in self.open_paths else self.api_key)
+            if key is not None and not _bearer_matches(scope, key):
+                name = "metrics API key" if path in self.path_keys else "API key"
+                return await error_response(f"Missing or invalid {name}.", 401, "authentication_error")(
+                    scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _bearer_matches(scope, key: bytes) -> bool:
+    header = dict(scope.get("headers") or []).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> dict:
+    return parse_json_object(await read_body(request, limit))
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body; one over the limit is refused (413) as soon as that is known, from its
+    declared length or the bytes so far, before it is all buffered."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(f"The request body is larger than {limit} bytes.", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"The request body is larger than {limit} bytes.", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(data: bytes) -> dict:
+    try:
+        body = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError("The request body must be a JSON object.")
+    return body
