@@ -32,6 +32,7 @@ from splitserve.engine.protocol import KVTransferStats
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_BLOCK_DIM = 2  # of a layer's cache [2, num_kv_heads, num_blocks, block_size, head_dim]
 PULL_TIMEOUT_S = 30.0
 
 
@@ -92,7 +93,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class KVConnector:
     def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor]):
         self.config = config
-        self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches = kv_caches  # per layer [2, num_kv_heads, num_blocks, block_size, head_dim]
         self.stats = KVTransferStats()
         self._running = True
         self._lock = threading.Lock()
@@ -172,7 +173,7 @@ class KVConnector:
                 return KVFrameHeader(msg.request_id, error=f"the lease holds {len(lease.block_ids)} blocks, "
                                      f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked"), b""
             index = torch.tensor(ids, device=self.kv_caches[0].device)
-            data = torch.stack([cache.index_select(1, index) for cache in self.kv_caches]).cpu().contiguous()
+            data = torch.stack([cache.index_select(_BLOCK_DIM, index) for cache in self.kv_caches]).cpu().contiguous()
             lease.pulls_left -= 1
             if lease.pulls_left == 0:
                 self._end_lease_locked(msg.request_id)
@@ -258,7 +259,8 @@ class KVConnector:
         if header.error is not None:
             return f"the prefill instance refused: {header.error}"
         cache = self.kv_caches[0]
-        expected = [len(self.kv_caches), 2, len(job.dest_block_ids), *cache.shape[2:]]
+        expected = [len(self.kv_caches), *cache.shape]
+        expected[1 + _BLOCK_DIM] = len(job.dest_block_ids)
         problems = [
             (header.request_id != job.remote_request_id, f"frame for {header.request_id}"),
             (header.first_block != job.first_block, f"frame starts at block {header.first_block}"),
@@ -273,7 +275,7 @@ class KVConnector:
         data = torch.frombuffer(payload, dtype=torch.uint8).view(cache.dtype).view(header.shape)
         index = torch.tensor(job.dest_block_ids, device=cache.device)
         for layer, layer_cache in enumerate(self.kv_caches):
-            layer_cache.index_copy_(1, index, data[layer].to(cache.device))
+            layer_cache.index_copy_(_BLOCK_DIM, index, data[layer].to(cache.device))
         self.stats.blocks_received += len(job.dest_block_ids)
         self.stats.bytes_received += payload.nbytes
         return None

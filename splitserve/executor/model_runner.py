@@ -80,7 +80,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
+        shape = (2, mc.num_kv_heads, num_blocks, self.block_size, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache

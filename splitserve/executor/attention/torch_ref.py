@@ -1,5 +1,9 @@
-"""The reference attention backend: plain torch (index_copy + scaled_dot_product_attention).
-It runs on CPU and on CUDA, and is the ground truth that faster kernels are checked against."""
+"""The reference attention backend: plain torch (index_copy + matmuls / SDPA).
+It runs on CPU and on CUDA, and is the ground truth that faster kernels are checked against.
+
+A layer's cache is [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]: gathering a
+request's blocks yields [heads, tokens, head_dim] directly, ready for batched matmuls.
+"""
 from __future__ import annotations
 
 import torch
@@ -26,36 +30,39 @@ class TorchAttentionBackend(AttentionBackend):
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """k, v: [T, num_kv_heads, head_dim] into the slots (block * block_size + offset) of each token."""
+    heads, dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[R, num_blocks * block_size, H, D]: each request's cached K (or V), in order."""
-    blocks = cache[block_tables[:, :num_blocks]]  # [R, nb, bs, H, D]
-    return blocks.flatten(1, 2)
+    """[num_kv_heads, R, num_blocks * block_size, head_dim]: each request's cached K (or V), in order."""
+    blocks = cache[:, block_tables[:, :num_blocks]]  # [H, R, nb, bs, D]
+    return blocks.flatten(2, 3)
 
 
 def _decode(layer, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     """One query token per request, all requests at once over a padded gather of their blocks.
     Plain batched matmuls: for a single query row they beat SDPA's CPU kernel by far."""
     nd = meta.num_decodes
-    max_len = max(meta.seq_lens[:nd])
-    num_blocks = -(-max_len // meta.block_size)
+    num_blocks = -(-max(meta.seq_lens[:nd]) // meta.block_size)
+    max_len = num_blocks * meta.block_size  # whole blocks: slicing would make matmul copy them again
     tables = meta.block_tables[:nd]
     group = layer.num_heads // layer.num_kv_heads
-    keys = gather_kv(k_cache, tables, num_blocks)[:, :max_len].permute(0, 2, 3, 1)   # [B, Hkv, D, L]
-    values = gather_kv(v_cache, tables, num_blocks)[:, :max_len].transpose(1, 2)     # [B, Hkv, L, D]
-    queries = q.view(nd, layer.num_kv_heads, group, layer.head_dim)                  # [B, Hkv, G, D]
-    scores = torch.matmul(queries, keys).float() * layer.scale                       # [B, Hkv, G, L]
+    keys = gather_kv(k_cache, tables, num_blocks)                                     # [Hkv, B, L, D]
+    values = gather_kv(v_cache, tables, num_blocks)
+    queries = q.view(nd, layer.num_kv_heads, group, layer.head_dim).transpose(0, 1)    # [Hkv, B, G, D]
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scale      # [Hkv, B, G, L]
     key_pos = torch.arange(max_len, device=q.device)
     seq_lens = meta.seq_lens_tensor[:nd, None]
     visible = key_pos[None, :] < seq_lens
     if layer.sliding_window:
         visible &= key_pos[None, :] >= seq_lens - layer.sliding_window
-    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(nd, layer.num_heads, layer.head_dim)
+    out = torch.matmul(probs, values)                                                  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(nd, layer.num_heads, layer.head_dim)
 
 
 def _prefill(layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int) -> torch.Tensor:
@@ -64,13 +71,15 @@ def _prefill(layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int) 
     context_len = seq_len - q_len
     gqa = layer.num_heads != layer.num_kv_heads
     if context_len == 0 and not layer.sliding_window:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, scale=layer.scale, enable_gqa=gqa)
-        return out.transpose(0, 1)
+        # A 4-D call takes SDPA's fused CPU kernel; 3-D inputs fall back to a slower path.
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=layer.scale,
+                                             enable_gqa=gqa)
+        return out[0].transpose(0, 1)
     num_blocks = -(-seq_len // meta.block_size)
     table = meta.block_tables[i:i + 1]
-    keys = gather_kv(k_cache, table, num_blocks)[0, :seq_len].transpose(0, 1)
-    values = gather_kv(v_cache, table, num_blocks)[0, :seq_len].transpose(0, 1)
+    keys = gather_kv(k_cache, table, num_blocks)[:, 0, :seq_len]                      # [Hkv, L, D]
+    values = gather_kv(v_cache, table, num_blocks)[:, 0, :seq_len]
     q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
     key_pos = torch.arange(seq_len, device=q.device)[None, :]
     mask = key_pos <= q_pos
