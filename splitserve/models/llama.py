@@ -13,7 +13,7 @@ from torch import nn
 
 from splitserve.layers.attention import Attention
 from splitserve.layers.basic import Embedding, Linear, RMSNorm, silu_and_mul
-from splitserve.layers.rotary import RotaryEmbedding
+from splitserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 # checkpoint projection name -> (fused module name, shard index)
 _STACKED = {
@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                               sliding_window=_sliding_window(config, layer_idx))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -85,8 +85,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,8 +101,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, meta)
+            x = layer(x, cos_sin, meta)
         return self.norm(x)
 
 
