@@ -160,6 +160,7 @@ class KVConnector:
                     header, data = self._read_blocks(msg)
                     sock.send_multipart([identity, encoder.encode(header), data], copy=False)
             self._expire()
+        sock.close()
 
     def _read_blocks(self, msg: PullRequest) -> tuple[KVFrameHeader, memoryview | bytes]:
         with self._lock:
@@ -233,6 +234,8 @@ class KVConnector:
                 logger.warning("KV pull for request %s from %s:%d failed (%s); it will compute its prompt itself",
                                job.request_id, job.host, job.port, error)
             self._results.put(PullResult(job.request_id, error))
+        for sock in sockets.values():
+            sock.close()
 
     def _pull(self, job: PullJob, sockets: dict) -> str | None:
         key = (job.host, job.port)

@@ -1,0 +1,129 @@
+"""The KV connector between two in-process connectors over loopback TCP: blocks arrive intact, and
+frames that do not match (wrong request, shape, dtype, checksum) or leases that ended are refused."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import torch
+
+from splitserve.config import KVTransferConfig
+from splitserve.disagg import connector as C
+from splitserve.engine.protocol import KVTransferParams
+
+LAYERS, HEADS, BLOCKS, BS, DIM = 2, 2, 8, 4, 8
+
+
+def _caches(fill: bool) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    make = (lambda: torch.randn(2, HEADS, BLOCKS, BS, DIM, generator=gen)) if fill else \
+        (lambda: torch.zeros(2, HEADS, BLOCKS, BS, DIM))
+    return [make() for _ in range(LAYERS)]
+
+
+@pytest.fixture
+def pair():
+    prefill = C.KVConnector(KVTransferConfig("prefill", "127.0.0.1", 0, lease_seconds=30), _caches(True))
+    decode = C.KVConnector(KVTransferConfig("decode"), _caches(False))
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def _params(prefill: C.KVConnector, request_id: str = "p1") -> KVTransferParams:
+    return KVTransferParams(remote_host="127.0.0.1", remote_port=prefill.port, remote_request_id=request_id)
+
+
+def _result(connector: C.KVConnector, timeout: float = 10.0) -> C.PullResult:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        results = connector.poll_pulled()
+        if results:
+            return results[0]
+        time.sleep(0.01)
+    raise AssertionError("no pull result")
+
+
+def _released(connector: C.KVConnector, timeout: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        released = connector.poll_released()
+        if released:
+            return released
+        time.sleep(0.01)
+    return []
+
+
+def test_blocks_arrive_intact_and_the_lease_ends(pair):
+    prefill, decode = pair
+    prefill.add_lease("p1", [5, 2, 7], num_pulls=1)
+    decode.submit_pull("d1", _params(prefill), first_block=1, dest_block_ids=[0, 3])
+    assert _result(decode).ok
+    for src, dst in zip(prefill.kv_caches, decode.kv_caches):
+        assert torch.equal(dst[:, :, 0], src[:, :, 2]) and torch.equal(dst[:, :, 3], src[:, :, 7])
+        assert torch.count_nonzero(dst[:, :, 1]) == 0  # nothing else was written
+    assert _released(prefill) == ["p1"]  # its one pull was served: the blocks can be freed
+    stats = decode.snapshot_stats()
+    assert stats.blocks_received == 2 and stats.bytes_received == LAYERS * 2 * HEADS * 2 * BS * DIM * 4
+    assert prefill.snapshot_stats().blocks_sent == 2
+
+
+def test_a_lease_serves_n_pulls(pair):
+    prefill, decode = pair
+    prefill.add_lease("p1", [1, 2], num_pulls=2)
+    for _ in range(2):
+        decode.submit_pull("d", _params(prefill), 0, [4, 5])
+        assert _result(decode).ok
+    decode.submit_pull("d", _params(prefill), 0, [4, 5])
+    assert "unknown or expired lease" in _result(decode).error
+
+
+def test_expired_lease_is_refused_and_freed(pair):
+    prefill, decode = pair
+    prefill.config.lease_seconds = 0.2
+    prefill.add_lease("p1", [1], num_pulls=1)
+    assert _released(prefill) == ["p1"]
+    decode.submit_pull("d1", _params(prefill), 0, [0])
+    result = _result(decode)
+    assert not result.ok and "expired" in result.error
+    assert prefill.snapshot_stats().lease_expiries == 1 and prefill.snapshot_stats().pulls_refused == 1
+    assert decode.snapshot_stats().pull_failures == 1
+
+
+def test_asking_past_the_lease_is_refused(pair):
+    prefill, decode = pair
+    prefill.add_lease("p1", [1, 2], num_pulls=1)
+    decode.submit_pull("d1", _params(prefill), 1, [0, 1])
+    assert "blocks 1..2 asked" in _result(decode).error
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("request_id", "other", "frame for other"),
+    ("shape", [1, 2, 3], "shape"),
+    ("dtype", "bfloat16", "dtype"),
+    ("checksum", 12345, "checksum mismatch"),
+])
+def test_frames_that_do_not_match_are_refused(pair, monkeypatch, field, value, message):
+    prefill, decode = pair
+    real = C.KVConnector._read_blocks
+
+    def tampered(self, msg):
+        header, data = real(self, msg)
+        return msgspec.structs.replace(header, **{field: value}), data
+
+    monkeypatch.setattr(C.KVConnector, "_read_blocks", tampered)
+    prefill.add_lease("p1", [3], num_pulls=1)
+    decode.submit_pull("d1", _params(prefill), 0, [6])
+    result = _result(decode)
+    assert not result.ok and message in result.error
+    assert torch.count_nonzero(decode.kv_caches[0]) == 0  # nothing was written
+
+
+def test_no_answer_is_a_clean_failure(pair, monkeypatch):
+    _, decode = pair
+    monkeypatch.setattr(C, "PULL_TIMEOUT_S", 0.3)
+    dead = KVTransferParams(remote_host="127.0.0.1", remote_port=1, remote_request_id="x")
+    decode.submit_pull("d1", dead, 0, [0])
+    result = _result(decode)
+    assert not result.ok and "no answer" in result.error
