@@ -17,6 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _session_members(sid: int) -> list[int]:
+    """Processes of session `sid` (the server was started as a session leader), read from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:  # after "pid (comm)": state, ppid, pgrp, session
+                members.append(int(entry))
+    return members
+
+
 class RemoteServer:
     """`python -m splitserve.entrypoints.openai.api_server --model MODEL ARGS` (or, with
     model=None, `splitserve ARGS`, e.g. the router) on a free port; waits for /health."""
@@ -50,8 +65,7 @@ class RemoteServer:
 
     def child_pids(self) -> list[int]:
         """Processes started by the server (the engine core, API workers)."""
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split() if int(p) != self.proc.pid]
+        return [pid for pid in _session_members(self.proc.pid) if pid != self.proc.pid]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -148,7 +149,7 @@ def test_rank_table_environment_startup(tmp_path, tiny_chat_model, offline):
     if len(cores) < 2:
         pytest.skip("needs two CPU cores: one for the prefill instance, one for the decode instance")
     save = tmp_path / "tables"
-    subprocess.run(["splitserve", "ranktable", "gen", "--prefill-server-list", str(cores[0]),
+    subprocess.run([sys.executable, "-m", "splitserve.entrypoints.cli", "ranktable", "gen", "--prefill-server-list", str(cores[0]),
                     "--decode-server-list", str(cores[-1]), "--api-server", "--server-ip", "127.0.0.1",
                     "--save-dir", str(save)], check=True)
     glob_env = {"GLOBAL_RANK_TABLE_FILE_PATH": str(save / "global_ranktable_127.0.0.1.json")}
