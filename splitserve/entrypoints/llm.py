@@ -41,7 +41,13 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self._add(prompt, sp))
+        except Exception:  # one bad prompt refuses the whole call; the ones before it must not linger
+            self.llm_engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],

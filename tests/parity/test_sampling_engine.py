@@ -144,5 +144,10 @@ def test_invalid_input_is_refused_with_clear_errors(llm):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+    # A bad prompt in a batch refuses the whole call and leaves nothing behind in the engine.
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([PROMPT, {"prompt_token_ids": [99999]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert not llm.llm_engine.engine_core.has_unfinished_requests()
     # The engine still works after refusing bad input.
     assert len(_greedy(llm, 3).token_ids) == 3

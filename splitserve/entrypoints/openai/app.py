@@ -17,7 +17,7 @@ from splitserve.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("splitserve.api_server")
 
-_OPEN_PATHS = ("/health", "/ping")
+_OPEN_PATHS = ("/health",)
 
 
 def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 0) -> FastAPI:
