@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_arguments(rt)
     rt.set_defaults(func=router.main)
 
+    from splitserve.benchmarks import perplexity
+
+    ppl = sub.add_parser("perplexity", help="the model's perplexity on a text (sliding windows)")
+    add_engine_args(ppl)
+    perplexity.add_arguments(ppl)
+    ppl.set_defaults(func=lambda ns: perplexity.main(ns, engine_args_from(ns)))
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from splitserve.benchmarks import serve, throughput

@@ -1,0 +1,43 @@
+"""`splitserve perplexity` against transformers' own computation of the same sliding windows."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from splitserve import LLM
+from splitserve.benchmarks.perplexity import BUILTIN_TEXT, compute_perplexity, windows
+from tests.parity.hf_reference import load_hf_model
+
+
+def _hf_perplexity(model, ids: list[int], max_length: int, stride: int) -> float:
+    nll, count = 0.0, 0
+    for begin, end, targets in windows(len(ids), max_length, stride):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids[begin:end]])).logits[0].float()
+        logprobs = torch.log_softmax(logits[:-1], -1)
+        window = ids[begin:end]
+        for pos in range(len(window) - targets, len(window)):
+            nll -= float(logprobs[pos - 1, window[pos]])
+        count += targets
+    return math.exp(nll / count)
+
+
+def test_windows_score_every_token_once():
+    spans = windows(10, 4, 2)
+    assert spans == [(0, 4, 3), (2, 6, 2), (4, 8, 2), (6, 10, 2)]
+    assert sum(t for *_, t in spans) == 9  # all but the first token
+    assert windows(3, 8, 4) == [(0, 3, 2)]
+    with pytest.raises(ValueError):
+        windows(10, 4, 5)
+
+
+@pytest.mark.parametrize("max_length, stride", [(512, 256), (48, 16)])
+def test_perplexity_matches_transformers(tiny_chat_model, max_length, stride):
+    llm = LLM(tiny_chat_model, dtype="float32", max_model_len=512, use_tqdm_on_load=False)
+    ids = llm.get_tokenizer()(BUILTIN_TEXT).input_ids[:200]
+    ours = compute_perplexity(llm, ids, max_length, stride)
+    reference = _hf_perplexity(load_hf_model(tiny_chat_model), ids, max_length, stride)
+    assert ours.num_tokens_scored == len(ids) - 1
+    assert ours.perplexity == pytest.approx(reference, rel=1e-4)
