@@ -2,16 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-_SAMPLING_EPS = 1e-5
 MAX_N = 128
-
-
-class SamplingType(Enum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 @dataclass
@@ -94,12 +86,6 @@ class SamplingParams:
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
         check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
               "allowed_token_ids must not be empty.")
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
     def max_stop_str_len(self) -> int:

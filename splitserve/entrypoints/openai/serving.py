@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import Request
@@ -24,7 +24,7 @@ from splitserve.engine.protocol import KVTransferParams
 from splitserve.entrypoints.openai import protocol as P
 from splitserve.entrypoints.openai.http import APIError
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
-from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
+from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
 
@@ -46,10 +46,8 @@ class _ChoiceState:
 
     text: str = ""
     num_tokens: int = 0
-    cumulative_logprob: float | None = None
     finished: bool = False
     started: bool = False
-    reasoning_text: str = field(default="", repr=False)
 
 
 class OpenAIServing:
