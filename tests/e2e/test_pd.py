@@ -136,9 +136,9 @@ def test_killed_decode_engine_fails_requests_and_frees_prefill_blocks(pd_cluster
 def test_client_aborts_free_both_sides(pd_cluster):
     prefill, decode, router = pd_cluster
     for _ in range(4):
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{router.url}/v1/completions", timeout=0.3,
-                       json={"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True})
+        with pytest.raises(httpx.TimeoutException):  # 400 tokens take far longer than 0.15 s
+            httpx.post(f"{router.url}/v1/completions", timeout=0.15,
+                       json={"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True})
     for server in (decode, *prefill):
         _wait(lambda: _idle(server.url), what=f"{server.url} to free its blocks")
 
