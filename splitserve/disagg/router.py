@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -613,20 +613,26 @@ class Router:
         self.metrics.latency.observe(time.monotonic() - trace.started)
         logger.info("%s", trace.line(status))
 
+    def _attempts(self, role: str, body: dict, trace: _Trace | None = None) -> Iterator[Instance]:
+        """The instances to try for one request, in the policy's order: at most 1 + max_retries,
+        each tried once; for completions (with a trace) every attempt after the first counts as a retry."""
+        tried: list[Instance] = []
+        for attempt in range(self.config.max_retries + 1):
+            inst = self.pick(role, body, exclude=tried)
+            if inst is None:
+                return
+            if attempt and trace is not None:
+                self.metrics.retries.labels(role=role).inc()
+                trace.retries += 1
+            tried.append(inst)
+            yield inst
+
     async def _prefill(self, request: Request, path: str, body: dict, trace: _Trace) -> dict | Response | None:
         """The prefill's kv_transfer_params; or the instance's 4xx answer to pass on; or None when no
         prefill instance could do it (then the request is decoded without remote prefill)."""
         prefill_body = prefill_request_body(body)
-        tried: list[Instance] = []
         reasons: list[str] = []
-        for attempt in range(self.config.max_retries + 1):
-            inst = self.pick(PREFILL, body, exclude=tried)
-            if inst is None:
-                break
-            if attempt:
-                self.metrics.retries.labels(role=PREFILL).inc()
-                trace.retries += 1
-            tried.append(inst)
+        for inst in self._attempts(PREFILL, body, trace):
             started = time.monotonic()
             try:
                 status, data, content_type = await self._exchange(request, inst, "POST", path, json_body=prefill_body,
@@ -658,16 +664,8 @@ class Router:
     async def _decode(self, request: Request, path: str, body: dict, trace: _Trace) -> Response:
         """The decode instance's answer: passed through as it comes. Failures before the first byte
         reached the client are retried on another decode instance; a 503 when none is left."""
-        tried: list[Instance] = []
         reasons: list[str] = []
-        for attempt in range(self.config.max_retries + 1):
-            inst = self.pick(DECODE, body, exclude=tried)
-            if inst is None:
-                break
-            if attempt:
-                self.metrics.retries.labels(role=DECODE).inc()
-                trace.retries += 1
-            tried.append(inst)
+        for inst in self._attempts(DECODE, body, trace):
             trace.decode = inst.url
             upstream = _Upstream(inst)
             handed_over = False
@@ -729,13 +727,8 @@ class Router:
         serve the same model); retried on another one on a connection error or 5xx."""
         data = await read_body(request) if method == "POST" else None
         content_type = request.headers.get("content-type") if method == "POST" else None
-        tried: list[Instance] = []
         reasons: list[str] = []
-        for _ in range(self.config.max_retries + 1):
-            inst = self.pick(DECODE, {}, exclude=tried)
-            if inst is None:
-                break
-            tried.append(inst)
+        for inst in self._attempts(DECODE, {}):
             try:
                 status, body, ctype = await self._exchange(request, inst, method, path, data=data,
                                                            content_type=content_type)
