@@ -29,6 +29,7 @@ class ModelConfig:
     gguf_file: str | None = None
     trust_remote_code: bool = False
     served_model_name: str = ""
+    quant_config: object | None = None  # splitserve.quantization.linear.QuantizationConfig
 
     @property
     def architecture(self) -> str:
@@ -54,6 +55,10 @@ class ModelConfig:
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+# int8 / fp8 / int4: quantized with a scale per token and KV head (splitserve/quantization/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -69,9 +74,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported yet; only 'auto' "
-                             "(the model's dtype) is. Quantized KV caches are tracked by the quantization issue.")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (auto: the model's dtype; fp8 is "
+                             f"fp8_e4m3), got {self.cache_dtype!r}.")
 
 
 @dataclass
@@ -211,7 +216,6 @@ class EngineArgs:
         unsupported = {
             "tensor_parallel_size": (self.tensor_parallel_size, 1),
             "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
-            "quantization": (self.quantization, None),
             "swap_space": (self.swap_space, 0.0),
         }
         for name, (value, supported) in unsupported.items():

@@ -50,6 +50,15 @@ class Result:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["splitserve"],
                         help="engines to run, one after the other; with both, the ratio is printed")
+    add_workload_arguments(parser)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--hf-max-batch-size", type=int, default=None,
+                        help="transformers baseline batch size (default: all prompts in one batch)")
+    parser.add_argument("--output-json", help="write the results to this file")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The random workload of vLLM's `bench throughput` (token ids drawn from the vocabulary)."""
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -59,10 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-input-len", type=int)
     parser.add_argument("--min-output-len", type=int, help="with --max-output-len: output lengths uniform in range")
     parser.add_argument("--max-output-len", type=int)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--hf-max-batch-size", type=int, default=None,
-                        help="transformers baseline batch size (default: all prompts in one batch)")
-    parser.add_argument("--output-json", help="write the results to this file")
 
 
 def _lengths(rng: random.Random, n: int, base: int, ratio: float, lo: int | None, hi: int | None) -> list[int]:

@@ -12,6 +12,8 @@ loop, in one thread per side, so that serving or pulling blocks never stalls a m
 
 Messages are typed msgspec structs (never pickle). A KV frame carries the request id, the block
 ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match is refused.
+With a quantized KV cache (--kv-cache-dtype) the blocks' scales travel in a third frame, and both
+instances must store the same kv_cache_dtype.
 """
 from __future__ import annotations
 
@@ -55,8 +57,10 @@ class KVFrameHeader(msgspec.Struct, array_like=True, omit_defaults=True):
     block_ids: list[int] = []
     shape: list[int] = []
     dtype: str = ""
-    checksum: int = 0
+    checksum: int = 0                # CRC-32 of the data frame, continued over the scales frame if any
     error: str | None = None
+    kv_cache_dtype: str = "auto"
+    scale_shape: list[int] = []      # a quantized cache's scales (float32); [] when none travel
 
 
 @dataclass
@@ -90,10 +94,39 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _gather(tensors: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Blocks `index` of every layer's tensor: one CPU tensor [layers, 2, heads, len(index), block_size, last]."""
+    return torch.stack([t.index_select(_BLOCK_DIM, index) for t in tensors]).cpu().contiguous()
+
+
+def _scatter(tensors: list[torch.Tensor], index: torch.Tensor, data: torch.Tensor) -> None:
+    """The inverse of _gather: data's blocks into blocks `index` of every layer's tensor."""
+    for tensor, blocks in zip(tensors, data):
+        if tensor.element_size() == 1:  # int8, fp8, packed int4: CPU index_copy_ has no float8 kernel
+            tensor, blocks = tensor.view(torch.uint8), blocks.view(torch.uint8)
+        tensor.index_copy_(_BLOCK_DIM, index, blocks.to(tensor.device))
+
+
+def _frame_shape(tensors: list[torch.Tensor], num_blocks: int) -> list[int]:
+    shape = [len(tensors), *tensors[0].shape]
+    shape[1 + _BLOCK_DIM] = num_blocks
+    return shape
+
+
+def _crc32(buffers) -> int:
+    checksum = 0
+    for buffer in buffers:
+        checksum = zlib.crc32(buffer, checksum)
+    return checksum
+
+
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor]):
+    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor],
+                 kv_scales: list[torch.Tensor] | None = None, kv_cache_dtype: str = "auto"):
         self.config = config
-        self.kv_caches = kv_caches  # per layer [2, num_kv_heads, num_blocks, block_size, head_dim]
+        self.kv_caches = kv_caches  # per layer [2, num_kv_heads, num_blocks, block_size, head_dim (int4: / 2)]
+        self.kv_scales = kv_scales  # per layer [2, num_kv_heads, num_blocks, block_size, fields], or None
+        self.kv_cache_dtype = kv_cache_dtype  # the canonical name (KVCacheSpec.name): both sides must agree
         self.stats = KVTransferStats()
         self._running = True
         self._lock = threading.Lock()
@@ -157,33 +190,36 @@ class KVConnector:
                 if isinstance(msg, Release):
                     self._end_lease(msg.request_id)
                 else:
-                    header, data = self._read_blocks(msg)
-                    sock.send_multipart([identity, encoder.encode(header), data], copy=False)
+                    header, payloads = self._read_blocks(msg)
+                    sock.send_multipart([identity, encoder.encode(header), *payloads], copy=False)
             self._expire()
         sock.close()
 
-    def _read_blocks(self, msg: PullRequest) -> tuple[KVFrameHeader, memoryview | bytes]:
+    def _read_blocks(self, msg: PullRequest) -> tuple[KVFrameHeader, list[memoryview | bytes]]:
+        """The header and the payload frames: the blocks' data, then their scales if the cache has any."""
         with self._lock:
             lease = self._leases.get(msg.request_id)
             if lease is None or lease.expires_at < time.monotonic():
                 self.stats.pulls_refused += 1
-                return KVFrameHeader(msg.request_id, error="unknown or expired lease"), b""
+                return KVFrameHeader(msg.request_id, error="unknown or expired lease"), [b""]
             ids = lease.block_ids[msg.first_block:msg.first_block + msg.num_blocks]
             if msg.first_block < 0 or len(ids) != msg.num_blocks:
                 self.stats.pulls_refused += 1
                 return KVFrameHeader(msg.request_id, error=f"the lease holds {len(lease.block_ids)} blocks, "
-                                     f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked"), b""
+                                     f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked"), [b""]
             index = torch.tensor(ids, device=self.kv_caches[0].device)
-            data = torch.stack([cache.index_select(_BLOCK_DIM, index) for cache in self.kv_caches]).cpu().contiguous()
+            data = _gather(self.kv_caches, index)
+            scales = None if self.kv_scales is None else _gather(self.kv_scales, index)
             lease.pulls_left -= 1
             if lease.pulls_left == 0:
                 self._end_lease_locked(msg.request_id)
-        raw = data.view(torch.uint8).numpy().data
+        raws = [t.view(torch.uint8).numpy().data for t in (data, scales) if t is not None]
         self.stats.blocks_sent += len(ids)
-        self.stats.bytes_sent += raw.nbytes
+        self.stats.bytes_sent += sum(raw.nbytes for raw in raws)
         header = KVFrameHeader(msg.request_id, msg.first_block, ids, list(data.shape), _dtype_name(data.dtype),
-                               zlib.crc32(raw))
-        return header, raw
+                               _crc32(raws), kv_cache_dtype=self.kv_cache_dtype,
+                               scale_shape=[] if scales is None else list(scales.shape))
+        return header, raws
 
     def _end_lease(self, request_id: str) -> None:
         with self._lock:
@@ -250,35 +286,42 @@ class KVConnector:
             del sockets[key]
             return f"no answer within {PULL_TIMEOUT_S:.0f} s"
         frames = sock.recv_multipart(copy=False)
-        if len(frames) != 2:
-            return f"expected 2 frames, got {len(frames)}"
+        if len(frames) < 2:
+            return f"expected a header and payload frames, got {len(frames)} frames"
         try:
             header = msgspec.msgpack.decode(frames[0].buffer, type=KVFrameHeader)
         except msgspec.DecodeError as exc:
             return f"malformed frame header: {exc}"
-        return self._write(job, header, frames[1].buffer)
+        return self._write(job, header, [frame.buffer for frame in frames[1:]])
 
-    def _write(self, job: PullJob, header: KVFrameHeader, payload: memoryview) -> str | None:
+    def _write(self, job: PullJob, header: KVFrameHeader, payloads: list[memoryview]) -> str | None:
         if header.error is not None:
             return f"the prefill instance refused: {header.error}"
+        if header.kv_cache_dtype != self.kv_cache_dtype:
+            return (f"refused a KV frame: the prefill instance's KV cache is {header.kv_cache_dtype}, this "
+                    f"instance's is {self.kv_cache_dtype}: start both with the same --kv-cache-dtype")
+        targets = [self.kv_caches] if self.kv_scales is None else [self.kv_caches, self.kv_scales]
+        if len(payloads) != len(targets):
+            return f"refused a KV frame: {len(payloads)} payload frames, expected {len(targets)}"
+        shapes = [_frame_shape(tensors, len(job.dest_block_ids)) for tensors in targets]
+        scale_shape = shapes[1] if self.kv_scales is not None else []
         cache = self.kv_caches[0]
-        expected = [len(self.kv_caches), *cache.shape]
-        expected[1 + _BLOCK_DIM] = len(job.dest_block_ids)
         problems = [
             (header.request_id != job.remote_request_id, f"frame for {header.request_id}"),
             (header.first_block != job.first_block, f"frame starts at block {header.first_block}"),
             (len(header.block_ids) != len(job.dest_block_ids), f"{len(header.block_ids)} blocks"),
-            (header.shape != expected, f"shape {header.shape}, expected {expected}"),
+            (header.shape != shapes[0], f"shape {header.shape}, expected {shapes[0]}"),
+            (header.scale_shape != scale_shape, f"scale shape {header.scale_shape}, expected {scale_shape}"),
             (header.dtype != _dtype_name(cache.dtype), f"dtype {header.dtype}, expected {_dtype_name(cache.dtype)}"),
-            (zlib.crc32(payload) != header.checksum, "checksum mismatch"),
+            (_crc32(payloads) != header.checksum, "checksum mismatch"),
         ]
         for bad, what in problems:
             if bad:
                 return f"refused a KV frame: {what}"
-        data = torch.frombuffer(payload, dtype=torch.uint8).view(cache.dtype).view(header.shape)
         index = torch.tensor(job.dest_block_ids, device=cache.device)
-        for layer, layer_cache in enumerate(self.kv_caches):
-            layer_cache.index_copy_(_BLOCK_DIM, index, data[layer].to(cache.device))
+        for tensors, shape, payload in zip(targets, shapes, payloads):
+            dtype = tensors[0].dtype
+            _scatter(tensors, index, torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape))
         self.stats.blocks_received += len(job.dest_block_ids)
-        self.stats.bytes_received += payload.nbytes
+        self.stats.bytes_received += sum(payload.nbytes for payload in payloads)
         return None

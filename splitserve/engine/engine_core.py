@@ -40,7 +40,8 @@ class EngineCore:
             return None
         from splitserve.disagg.connector import KVConnector
 
-        return KVConnector(self.config.kv_transfer_config, self.runner.kv_caches)
+        runner = self.runner
+        return KVConnector(self.config.kv_transfer_config, runner.kv_caches, runner.kv_scales, runner.kv_spec.name)
 
     def _warm_up(self) -> None:
         """Run one tiny request through the model: the first forward pays for thread pools and

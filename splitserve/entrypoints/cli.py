@@ -15,6 +15,8 @@ _ENGINE_HELP = {
     "load_format": "auto, safetensors, pt, gguf, or dummy (random weights from the config, for benchmarks)",
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
     "block_size": "tokens per KV-cache block",
+    "kv_cache_dtype": "KV-cache storage: auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 or int4, "
+                      "quantized with a scale per token and KV head",
     "kv_cache_memory_bytes": "bytes for the KV cache (default: 4 GiB on CPU, or $SPLITSERVE_CPU_KVCACHE_SPACE GiB)",
     "num_gpu_blocks_override": "exact number of KV-cache blocks, overriding every memory budget",
     "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
@@ -22,6 +24,9 @@ _ENGINE_HELP = {
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts with the same prefix",
     "enable_chunked_prefill": "split long prompts across steps, sharing steps with decodes",
     "tensor_parallel_size": "tensor-parallel ranks (only 1 is supported yet)",
+    "quantization": "weight quantization: awq, gptq, weight_only_int8, smooth_quant or fp8 (default: what the "
+                    "checkpoint's quantization_config says; weight_only_int8 and fp8 also quantize an "
+                    "unquantized model while loading)",
     "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
     "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit)",
     "pd_role": "prefill/decode disaggregation role: mixed (default), prefill or decode",
@@ -32,7 +37,7 @@ _ENGINE_HELP = {
 _ALIASES = {"tensor_parallel_size": ["-tp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
 _HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "pipeline_parallel_size", "swap_space",
-                       "preemption_mode", "device", "quantization", "enforce_eager", "use_tqdm_on_load"}
+                       "preemption_mode", "device", "enforce_eager", "use_tqdm_on_load"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_arguments(ppl)
     ppl.set_defaults(func=lambda ns: perplexity.main(ns, engine_args_from(ns)))
 
+    from splitserve.quantization import tool as quantize_tool
+
+    qt = sub.add_parser("quantize", help="quantize a model offline (weight_only_int8, smooth_quant, awq, gptq) "
+                                         "into a Hugging Face directory")
+    quantize_tool.add_arguments(qt)
+    qt.set_defaults(func=quantize_tool.main)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from splitserve.benchmarks import serve, throughput
@@ -124,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(vLLM's `bench serve`)")
     serve.add_arguments(sv)
     sv.set_defaults(func=lambda ns: serve.main(ns))
+
+    from splitserve.benchmarks import quant
+
+    qb = bench_sub.add_parser("quant", help="quantized variants of a model against the base, one run: "
+                                            "perplexity, weight memory, prefill / decode throughput")
+    add_engine_args(qb)
+    quant.add_arguments(qb)
+    qb.set_defaults(func=lambda ns: quant.main(ns, engine_args_from(ns)))
 
     from splitserve.benchmarks import pd
 

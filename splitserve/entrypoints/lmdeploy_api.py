@@ -176,6 +176,7 @@ def _common_engine_args(config, model_path: str, block_size: int, device: str, *
     kwargs = dict(
         model=model_path,
         dtype=config.dtype,
+        kv_cache_dtype=_kv_cache_dtype(config),
         revision=config.revision,
         max_model_len=config.session_len,
         block_size=block_size,
@@ -192,8 +193,19 @@ def _common_engine_args(config, model_path: str, block_size: int, device: str, *
     return EngineArgs(**kwargs)
 
 
+_QUANT_POLICY_KV_CACHE_DTYPES = {0: "auto", 8: "int8", 4: "int4"}
+
+
+def _kv_cache_dtype(config) -> str:
+    """LMDeploy's quant_policy as a kv_cache_dtype: 0 none, 8 int8, 4 int4. Like LMDeploy's, both
+    quantize per token and KV head with no calibration (int8 symmetric here, int4 asymmetric)."""
+    if config.quant_policy not in _QUANT_POLICY_KV_CACHE_DTYPES:
+        raise ValueError(f"{type(config).__name__}.quant_policy must be 0 (no KV-cache quantization), 8 (int8 KV "
+                         f"cache) or 4 (int4 KV cache), got {config.quant_policy!r}.")
+    return _QUANT_POLICY_KV_CACHE_DTYPES[config.quant_policy]
+
+
 _TP_WHY = "tensor parallelism is not implemented yet."
-_QUANT_WHY = "quantized weights and KV caches are not implemented yet."
 _DOWNLOAD_WHY = "models are cached where huggingface_hub puts them (set HF_HUB_CACHE to move it)."
 
 
@@ -205,7 +217,8 @@ class PytorchEngineConfig:
     (None: splitserve's default); block_size -> block_size; num_gpu_blocks > 0 ->
     num_gpu_blocks_override; max_prefill_token_num -> max_num_batched_tokens (the step budget,
     which decodes share); cache_max_entry_count -> the KV-cache budget (see `_kv_cache_kwargs`);
-    eager_mode -> enforce_eager; dtype, revision, enable_prefix_caching keep their names.
+    eager_mode -> enforce_eager; quant_policy 0 / 8 / 4 -> kv_cache_dtype auto / int8 / int4;
+    dtype, revision, enable_prefix_caching keep their names.
     device_type 'cuda' runs on CUDA when it is there and on the CPU otherwise (refusing would
     break every LMDeploy example on a CPU machine); 'cpu' forces the CPU.
     prefill_interval is accepted (>= 1): the chunked-prefill scheduler admits waiting prompts on
@@ -239,7 +252,6 @@ class PytorchEngineConfig:
             "num_cpu_blocks": (0, "KV blocks are never swapped to host memory (preempted requests are recomputed)."),
             "eviction_type": ("recompute", "preempted requests are recomputed, never copied to host memory."),
             "adapters": (None, "LoRA adapters are not implemented yet."),
-            "quant_policy": (0, _QUANT_WHY),
             "download_dir": (None, _DOWNLOAD_WHY),
         })
         _check_range(self, "prefill_interval", self.prefill_interval >= 1, ">= 1")
@@ -249,12 +261,18 @@ class PytorchEngineConfig:
             num_gpu_blocks_override=self.num_gpu_blocks or None, enforce_eager=self.eager_mode)
 
 
+# LMDeploy's model_format -> splitserve's quantization (None: as the checkpoint says)
+_MODEL_FORMATS = {None: None, "hf": None, "awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+
+
 @dataclass
 class TurbomindEngineConfig:
     """LMDeploy's TurboMind-backend settings, served by splitserve's engine like PytorchEngineConfig
     (cache_block_seq_len -> block_size; the other shared fields map the same way). The engine runs
-    on CUDA when it is there and on the CPU otherwise. TurboMind-only features (AWQ/GPTQ formats,
-    RoPE scaling and log-n attention overrides, the iteration knobs) are refused."""
+    on CUDA when it is there and on the CPU otherwise. model_format 'awq' / 'gptq' / 'fp8' ->
+    quantization (the checkpoint must be in that format; None or 'hf' take whatever the checkpoint's
+    quantization_config says). TurboMind-only features (RoPE scaling and log-n attention overrides,
+    the iteration knobs) are refused."""
 
     dtype: str = "auto"
     model_format: str | None = None
@@ -274,19 +292,19 @@ class TurbomindEngineConfig:
     max_prefill_iters: int = 1
 
     def to_engine_args(self, model_path: str) -> EngineArgs:
-        if self.model_format not in (None, "hf"):
-            raise ValueError(f"TurbomindEngineConfig.model_format={self.model_format!r} is not supported by "
-                             "splitserve: only Hugging Face checkpoints (None or 'hf') are. Leave it at None.")
+        if self.model_format not in _MODEL_FORMATS:
+            raise ValueError(f"TurbomindEngineConfig.model_format must be one of {sorted(_MODEL_FORMATS, key=str)}, "
+                             f"got {self.model_format!r}.")
         _refuse_unsupported(self, {
             "tp": (1, _TP_WHY),
-            "quant_policy": (0, _QUANT_WHY),
             "rope_scaling_factor": (0.0, "RoPE scaling comes from the model's config.json only."),
             "use_logn_attn": (False, "log-n attention scaling is not implemented."),
             "download_dir": (None, _DOWNLOAD_WHY),
             "num_tokens_per_iter": (0, "the step budget is max_prefill_token_num; there is no separate one."),
             "max_prefill_iters": (1, "long prompts are chunked by the step budget, not by an iteration count."),
         })
-        return _common_engine_args(self, model_path, self.cache_block_seq_len, "auto")
+        return _common_engine_args(self, model_path, self.cache_block_seq_len, "auto",
+                                   quantization=_MODEL_FORMATS[self.model_format])
 
 
 def _device(device_type: str) -> str:

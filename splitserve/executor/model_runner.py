@@ -14,6 +14,7 @@ from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from splitserve.loader.weights import load_model
+from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,14 @@ class ModelRunner:
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
 
     # --- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         mc = self.config.model_config
-        elem = torch.empty((), dtype=mc.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * self.kv_spec.bytes_per_vector(mc.head_dim)
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -79,14 +81,21 @@ class ModelRunner:
         return min(budget // self.kv_bytes_per_block(), useful)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.config.model_config
+        mc, spec = self.config.model_config, self.kv_spec
         # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
-        shape = (2, mc.num_kv_heads, num_blocks, self.block_size, mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
-        for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
-            layer.kv_cache = cache
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30))
+        shape = (2, mc.num_kv_heads, num_blocks, self.block_size, spec.packed_head_dim(mc.head_dim))
+        self.kv_caches = [torch.zeros(shape, dtype=spec.storage_dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
+        if spec.quantized:
+            # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
+            self.kv_scales = [torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device)
+                              for _ in range(mc.num_layers)]
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.kv_cache = self.kv_caches[i]
+            layer.kv_scales = self.kv_scales[i] if spec.quantized else None  # None: the unquantized path
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, self.block_size,
+                    num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30),
+                    spec.describe())
 
     # --- requests ---------------------------------------------------------------------------
     def remove_requests(self, request_ids) -> None:

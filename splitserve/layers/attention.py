@@ -17,6 +17,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None  # [2, num_kv_heads, num_blocks, block_size, head_dim]
+        self.kv_scales: torch.Tensor | None = None  # per token and KV head, when the cache is quantized
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""

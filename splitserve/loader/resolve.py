@@ -117,21 +117,24 @@ def _resolve_load_format(load_format: str, path: str) -> str:
 
 def load_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
     from splitserve.models.registry import get_model_class
+    from splitserve.quantization.linear import quantization_config_for
 
     path = resolve_model_path(args.model, args.revision)
     hf_config = load_hf_config(path, args.trust_remote_code)
     get_model_class(hf_config)
     tokenizer = args.tokenizer if args.tokenizer is None else resolve_model_path(args.tokenizer, args.revision)
     served = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    load_format = _resolve_load_format(args.load_format, path)
     return ModelConfig(
         model=path,
         tokenizer=tokenizer or path,
         hf_config=hf_config,
         dtype=resolve_dtype(args.dtype, _config_dtype(hf_config), device),
         max_model_len=_max_model_len(hf_config, args.max_model_len),
-        load_format=_resolve_load_format(args.load_format, path),
+        load_format=load_format,
         seed=args.seed,
         gguf_file=split_gguf(path)[1],
         trust_remote_code=args.trust_remote_code,
         served_model_name=served,
+        quant_config=quantization_config_for(hf_config, args.quantization, load_format),
     )

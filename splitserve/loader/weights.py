@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from splitserve.config import ModelConfig
 from splitserve.models.registry import get_model_class
+from splitserve.quantization.linear import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +33,20 @@ def load_model(model_config: ModelConfig, device: torch.device, show_progress: b
     start = time.perf_counter()
     cls = get_model_class(model_config.hf_config)
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype, model_config.max_model_len)
+        model = cls(model_config.hf_config, model_config.dtype, model_config.max_model_len,
+                    quant_config=model_config.quant_config)
     if model_config.load_format == "dummy":
         _fill_dummy(model, model_config.seed)
     else:
         weights = _weight_iterator(model_config)
         model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", disable=not show_progress,
                                 total=_count_tensors(model_config)))
+    model.process_weights_after_loading()
     model.eval()
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("Loaded %s (%s, %.1fM parameters, %s) from %s in %.1f s", type(model).__name__,
-                model_config.load_format, n_params / 1e6, model_config.dtype, model_config.model,
-                time.perf_counter() - start)
+    quant = f", {model_config.quant_config}" if model_config.quant_config is not None else ""
+    logger.info("Loaded %s (%s, %s%s, weights %.1f MiB) from %s in %.1f s", type(model).__name__,
+                model_config.load_format, model_config.dtype, quant, weight_bytes(model) / (1 << 20),
+                model_config.model, time.perf_counter() - start)
     return model
 
 

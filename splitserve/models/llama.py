@@ -34,17 +34,22 @@ def _sliding_window(config, layer_idx: int) -> int | None:
     return window
 
 
+def _method(quant_config, prefix: str):
+    return quant_config.linear_method(prefix) if quant_config is not None else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, quant_config=None, prefix: str = ""):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias, dtype=dtype)
+        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias, dtype=dtype,
+                               quant_method=_method(quant_config, f"{prefix}.qkv_proj"))
         self.o_proj = Linear(q_size, [config.hidden_size], bias=getattr(config, "attention_bias", False),
-                             dtype=dtype)
+                             dtype=dtype, quant_method=_method(quant_config, f"{prefix}.o_proj"))
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
@@ -65,11 +70,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype):
+    def __init__(self, config, dtype: torch.dtype, quant_config=None, prefix: str = ""):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias, dtype=dtype)
+        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype,
+                                   quant_method=_method(quant_config, f"{prefix}.gate_up_proj"))
+        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias, dtype=dtype,
+                                quant_method=_method(quant_config, f"{prefix}.down_proj"))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
 
@@ -78,10 +85,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, quant_config=None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -91,10 +99,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, max_position: int):
+    def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, quant_config)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
@@ -108,10 +117,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, max_position: int):
+    """`quant_config` (a QuantizationConfig, or None) picks the method of every decoder-layer
+    linear; embeddings and the LM head stay in the model dtype."""
+
+    def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, max_position)
+        self.model = LlamaModel(config, dtype, max_position, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], dtype=dtype)
@@ -130,11 +142,17 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be filled."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         missing = {key for name in params for key in self._load_keys(name)}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             target, shard = _target_name(name)
+            module_name, _, suffix = target.rpartition(".")
+            method = getattr(modules.get(module_name), "quant_method", None)
+            if method is not None and method.takes(suffix):
+                method.load(modules[module_name], suffix, shard or 0, tensor)
+                continue
             if target not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
             dest = params[target].data
@@ -147,6 +165,13 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
             raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}.")
+
+    def process_weights_after_loading(self) -> None:
+        """Let quantized linears turn what they loaded into their kernels' form."""
+        for module in self.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
 
     def _owner(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])

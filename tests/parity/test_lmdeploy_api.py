@@ -273,7 +273,7 @@ def test_logprobs(pipe):
 # --- engine configuration --------------------------------------------------------------------
 @pytest.mark.parametrize("config, field", [
     (PytorchEngineConfig(num_cpu_blocks=8), "num_cpu_blocks"),
-    (PytorchEngineConfig(quant_policy=8), "quant_policy"),
+    (PytorchEngineConfig(quant_policy=2), "quant_policy"),
     (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
     (PytorchEngineConfig(tp=2), "tp"),
     (PytorchEngineConfig(adapters={"a": "/x"}), "adapters"),
@@ -283,9 +283,9 @@ def test_logprobs(pipe):
     (PytorchEngineConfig(cache_max_entry_count=1.5), "cache_max_entry_count"),
     (PytorchEngineConfig(max_prefill_token_num=0), "max_prefill_token_num"),
     (PytorchEngineConfig(max_batch_size=0), "max_batch_size"),
-    (TurbomindEngineConfig(model_format="awq"), "model_format"),
+    (TurbomindEngineConfig(model_format="int3"), "model_format"),
     (TurbomindEngineConfig(tp=2), "tp"),
-    (TurbomindEngineConfig(quant_policy=4), "quant_policy"),
+    (TurbomindEngineConfig(quant_policy=3), "quant_policy"),
     (TurbomindEngineConfig(rope_scaling_factor=2.0), "rope_scaling_factor"),
     (TurbomindEngineConfig(use_logn_attn=True), "use_logn_attn"),
     (TurbomindEngineConfig(num_tokens_per_iter=8), "num_tokens_per_iter"),

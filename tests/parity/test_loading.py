@@ -89,7 +89,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, smollm_toke
 
 def test_refused_engine_settings(tiny_models):
     for kwargs, field in [({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-                          ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+                          ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
                           ({"quantization": "awq"}, "quantization"),
                           ({"max_model_len": 100000}, "max_model_len")]:
         with pytest.raises(ValueError, match=field):

@@ -3,6 +3,13 @@ It runs on CPU and on CUDA, and is the ground truth that faster kernels are chec
 
 A layer's cache is [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]: gathering a
 request's blocks yields [heads, tokens, head_dim] directly, ready for batched matmuls.
+
+A quantized cache (`layer.kv_scales` is not None) stores the quantized data in the same layout
+(int4: head_dim / 2 bytes) and each cached vector's scale fields in layer.kv_scales
+[2, num_kv_heads, num_blocks, block_size, fields]. New k/v are quantized as they are written.
+Prefill over cached context dequantizes the blocks it gathers to the model's dtype; decode applies
+the scales to its scores and probabilities instead (see _decode). A fresh prompt's attention uses
+its unquantized k/v, as vLLM's does.
 """
 from __future__ import annotations
 
@@ -10,21 +17,24 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.executor.attention.backend import AttentionBackend, AttentionMetadata
+from splitserve.quantization.kv_cache import dequantize_kv, quantize_kv, stored_values
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = layer.kv_cache[0], layer.kv_cache[1]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if layer.kv_scales is None:
+            write_kv(layer.kv_cache[0], layer.kv_cache[1], k, v, meta.slot_mapping)
+        else:
+            write_quantized_kv(layer.kv_cache, layer.kv_scales, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = _decode(layer, q[:nd], k_cache, v_cache, meta)
+            out[:nd] = _decode(layer, q[:nd], meta)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i)
+            out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], meta, i)
         return out
 
 
@@ -36,6 +46,30 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+def write_quantized_kv(cache: torch.Tensor, scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Quantize k, v [T, num_kv_heads, head_dim] per token and head, and write data and scales into
+    the tokens' slots; K and V go through one quantize call and one copy each for data and scales."""
+    data, scale = quantize_kv(torch.stack((k, v)), cache.dtype)  # [2, T, H, packed], [2, T, H, fields]
+    heads = cache.shape[1]
+    # Through uint8 views: CPU index_copy_ has no float8 kernel, and a copy only moves bytes anyway.
+    cache.view(torch.uint8).view(2, heads, -1, cache.shape[-1]).index_copy_(
+        2, slot_mapping, data.view(torch.uint8).transpose(1, 2))
+    scales.view(2, heads, -1, scales.shape[-1]).index_copy_(2, slot_mapping, scale.transpose(1, 2))
+
+
+def read_kv(layer, block_tables: torch.Tensor, num_blocks: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [num_kv_heads, R, num_blocks * block_size, head_dim] of the requests' blocks,
+    dequantized to `dtype` when the cache is quantized."""
+    cache, scales = layer.kv_cache, layer.kv_scales
+    keys, values = gather_kv(cache[0], block_tables, num_blocks), gather_kv(cache[1], block_tables, num_blocks)
+    if scales is None:
+        return keys, values
+    return (dequantize_kv(keys, gather_kv(scales[0], block_tables, num_blocks), dtype),
+            dequantize_kv(values, gather_kv(scales[1], block_tables, num_blocks), dtype))
+
+
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[num_kv_heads, R, num_blocks * block_size, head_dim]: each request's cached K (or V), in order.
     (index_select on flat ids is three times faster than advanced indexing with the 2-D table.)"""
@@ -44,30 +78,52 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
     return blocks.view(cache.shape[0], ids.shape[0], -1, cache.shape[-1])
 
 
-def _decode(layer, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+def _decode(layer, q, meta: AttentionMetadata) -> torch.Tensor:
     """One query token per request, all requests at once over a padded gather of their blocks.
-    Plain batched matmuls: for a single query row they beat SDPA's CPU kernel by far."""
+    Plain batched matmuls: for a single query row they beat SDPA's CPU kernel by far.
+
+    A quantized cache's blocks are not dequantized: a cached vector is x = s * x' (+ m for int4)
+    with a scalar s (and m) per token and head, so the scales can multiply the scores and the
+    probabilities [Hkv, B, G, L] instead of every element of the blocks [Hkv, B, L, D]:
+        q . x = s (q . x') + m sum(q),    sum_t p_t x_t = (p s) . x' + p . m
+    which rounds to the model's dtype at the same points as dequantizing first would."""
     nd = meta.num_decodes
     num_blocks = -(-max(meta.seq_lens[:nd]) // meta.block_size)
     max_len = num_blocks * meta.block_size  # whole blocks: slicing would make matmul copy them again
     tables = meta.block_tables[:nd]
     group = layer.num_heads // layer.num_kv_heads
-    keys = gather_kv(k_cache, tables, num_blocks)                                     # [Hkv, B, L, D]
-    values = gather_kv(v_cache, tables, num_blocks)
+    fields = layer.kv_scales
+    keys = gather_kv(layer.kv_cache[0], tables, num_blocks)                            # [Hkv, B, L, D]
+    values = gather_kv(layer.kv_cache[1], tables, num_blocks)
     queries = q.view(nd, layer.num_kv_heads, group, layer.head_dim).transpose(0, 1)    # [Hkv, B, G, D]
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scale      # [Hkv, B, G, L]
+    if fields is None:
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scale  # [Hkv, B, G, L]
+    else:
+        keys, values = stored_values(keys, q.dtype), stored_values(values, q.dtype)
+        k_fields = gather_kv(fields[0], tables, num_blocks).transpose(-1, -2)         # [Hkv, B, F, L]
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * k_fields[:, :, :1]
+        if k_fields.shape[2] == 2:  # int4's min
+            scores += queries.float().sum(-1, keepdim=True) * k_fields[:, :, 1:]
+        scores *= layer.scale
     key_pos = torch.arange(max_len, device=q.device)
     seq_lens = meta.seq_lens_tensor[:nd, None]
     visible = key_pos[None, :] < seq_lens
     if layer.sliding_window:
         visible &= key_pos[None, :] >= seq_lens - layer.sliding_window
     scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)                                                  # [Hkv, B, G, D]
+    if fields is None:
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)                                              # [Hkv, B, G, D]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+        v_fields = gather_kv(fields[1], tables, num_blocks).transpose(-1, -2)         # [Hkv, B, F, L]
+        out = torch.matmul((probs * v_fields[:, :, :1]).to(values.dtype), values)
+        if v_fields.shape[2] == 2:
+            out += torch.matmul(probs, v_fields[:, :, 1:].transpose(-1, -2))          # [Hkv, B, G, 1]
     return out.transpose(0, 1).reshape(nd, layer.num_heads, layer.head_dim)
 
 
-def _prefill(layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int) -> torch.Tensor:
+def _prefill(layer, q, k, v, meta: AttentionMetadata, i: int) -> torch.Tensor:
     """A prompt chunk of one request: causal attention over its cached context plus the chunk."""
     seq_len, q_len = meta.seq_lens[i], q.shape[0]
     context_len = seq_len - q_len
@@ -80,8 +136,8 @@ def _prefill(layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int) 
         return out[0].transpose(0, 1)
     num_blocks = -(-seq_len // meta.block_size)
     table = meta.block_tables[i:i + 1]
-    keys = gather_kv(k_cache, table, num_blocks)[:, 0, :seq_len]                      # [Hkv, L, D]
-    values = gather_kv(v_cache, table, num_blocks)[:, 0, :seq_len]
+    keys, values = read_kv(layer, table, num_blocks, q.dtype)
+    keys, values = keys[:, 0, :seq_len], values[:, 0, :seq_len]                        # [Hkv, L, D]
     q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
     key_pos = torch.arange(seq_len, device=q.device)[None, :]
     mask = key_pos <= q_pos

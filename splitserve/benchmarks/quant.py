@@ -1,0 +1,124 @@
+"""`splitserve bench quant`: what each quantization costs in quality and gains in memory and speed,
+measured one variant after the other in one run, against the first variant.
+
+A variant is `base` (the model as given), the name of a method that quantizes while loading
+(`weight_only_int8`, `fp8`), or the directory of a quantized checkpoint (`splitserve quantize`
+output, an AutoAWQ / GPTQ checkpoint); `label=variant` names it in the table. For each:
+  - perplexity on a text (`splitserve perplexity`'s sliding windows),
+  - weight memory (every parameter and buffer of the loaded model),
+  - prefill throughput: the workload's prompts with one output token each, prompt tokens/s,
+  - throughput: the whole workload (`bench throughput`), output tokens/s,
+  - single-stream decode: one request of the workload's lengths alone, output tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from splitserve.benchmarks import perplexity, throughput
+from splitserve.config import EngineArgs
+from splitserve.quantization.linear import ONLINE_METHODS, weight_bytes
+
+
+@dataclass
+class QuantResult:
+    label: str
+    quantization: str
+    perplexity: float
+    weight_mib: float
+    prefill_tokens_per_s: float
+    output_tokens_per_s: float
+    single_stream_tokens_per_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", nargs="+", required=True,
+                        help="base, a method quantizing while loading (weight_only_int8, fp8), or a quantized "
+                             "checkpoint directory; optionally label=variant. The first is the baseline.")
+    throughput.add_workload_arguments(parser)
+    parser.add_argument("--text-file", help="perplexity text (default: splitserve perplexity's built-in text)")
+    parser.add_argument("--max-length", type=int, default=256, help="perplexity window in tokens")
+    parser.add_argument("--output-json", help="write the results to this file")
+
+
+def _engine_args(args: EngineArgs, variant: str) -> EngineArgs:
+    if variant == "base":
+        return args
+    if variant in ONLINE_METHODS:
+        return dataclasses.replace(args, quantization=variant)
+    if os.path.isdir(variant):
+        return dataclasses.replace(args, model=variant, tokenizer=args.tokenizer or args.model, load_format="auto")
+    raise ValueError(f"Variant {variant!r} is not 'base', one of {ONLINE_METHODS}, or a directory.")
+
+
+def _timed_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, int]:
+    from splitserve import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def measure(label: str, args: EngineArgs, workload: throughput.Workload, text_ids: list[int],
+            max_length: int) -> QuantResult:
+    from splitserve import LLM
+
+    llm = LLM(**dataclasses.asdict(args))
+    model_config = llm.llm_engine.model_config
+    quant = model_config.quant_config.method if model_config.quant_config is not None else "none"
+    mib = weight_bytes(llm.llm_engine.engine_core.runner.model) / (1 << 20)
+    ppl = perplexity.compute_perplexity(llm, text_ids, max_length, max_length // 2).perplexity
+    _timed_generate(llm, [workload.prompts[0][:8]], [4])  # warm-up
+    prefill_s, _ = _timed_generate(llm, workload.prompts, [1] * len(workload.prompts))
+    total_s, produced = _timed_generate(llm, workload.prompts, workload.output_lens)
+    single_s, single = _timed_generate(llm, workload.prompts[:1], workload.output_lens[:1])
+    del llm
+    gc.collect()
+    return QuantResult(label, quant, ppl, mib, workload.num_prompt_tokens / prefill_s, produced / total_s,
+                       single / single_s)
+
+
+def main(ns: argparse.Namespace, args: EngineArgs) -> list[QuantResult]:
+    from splitserve.config import resolve_device
+    from splitserve.loader.resolve import load_model_config
+    from splitserve.tokenizer import get_tokenizer
+
+    config = load_model_config(args, resolve_device(args.device))
+    tokenizer = get_tokenizer(config.tokenizer)
+    workload = throughput.make_workload(ns, config.vocab_size, set(tokenizer.all_special_ids))
+    if ns.text_file:
+        with open(ns.text_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = perplexity.BUILTIN_TEXT
+    text_ids = tokenizer(text).input_ids
+    variants = [v.split("=", 1) if "=" in v else (v, v) for v in ns.variants]
+    runs = [(label, _engine_args(args, spec)) for label, spec in variants]  # all checked before any runs
+    results = [measure(label, run_args, workload, text_ids, ns.max_length) for label, run_args in runs]
+    report(results, ns)
+    return results
+
+
+def report(results: list[QuantResult], ns: argparse.Namespace) -> None:
+    base = results[0]
+    print(f"\n{ns.num_prompts} prompts, input {ns.input_len} / output {ns.output_len} tokens; "
+          f"ratios against {base.label}")
+    print(f"{'variant':<22}{'perplexity':>18}{'weights MiB':>18}{'prefill tok/s':>20}{'output tok/s':>20}"
+          f"{'single-stream tok/s':>24}")
+    for r in results:
+        cells = [(r.perplexity, base.perplexity, ".3f"), (r.weight_mib, base.weight_mib, ".1f"),
+                 (r.prefill_tokens_per_s, base.prefill_tokens_per_s, ".0f"),
+                 (r.output_tokens_per_s, base.output_tokens_per_s, ".1f"),
+                 (r.single_stream_tokens_per_s, base.single_stream_tokens_per_s, ".1f")]
+        widths = (18, 18, 20, 20, 24)
+        row = "".join(f"{f'{v:{fmt}} ({v / b:.2f}x)':>{w}}" for (v, b, fmt), w in zip(cells, widths))
+        print(f"{r.label:<22}{row}")
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=2)

@@ -1,0 +1,218 @@
+"""The calibrated quantization algorithms of `splitserve quantize`: SmoothQuant's smoothing, AWQ's
+activation-aware scale search, and GPTQ's error-compensating rounding.
+
+SmoothQuant and AWQ both rescale the input channels of a group of linears that read the same
+input: W' = W diag(s), with 1/s folded into the op that produces that input, so that the float
+model computes exactly the same function and only the quantization error changes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from splitserve.quantization.calibration import InputStats
+from splitserve.quantization.packing import Int4Weight, int4_params, quantize_int4_groupwise
+
+AWQ_GRID = 20           # ratios 0, 0.05, ..., 0.95
+GPTQ_BLOCK_SIZE = 128   # columns whose error updates are applied lazily, as one matmul
+
+
+@dataclass
+class InputGroup:
+    """Linears that read the same input, and `prev`, the op before them whose output is that input:
+    an RMSNorm (scaled through its weight), a linear (through its output rows), or None when no
+    exact fold exists."""
+    kind: str                      # "qkv", "o", "gate_up" or "down"
+    linears: dict[str, nn.Linear]  # checkpoint name -> module
+    prev: nn.Module | None
+
+    @property
+    def site(self) -> str:
+        """The name under which the group's shared input is recorded (its first linear's)."""
+        return next(iter(self.linears))
+
+    def weight(self) -> torch.Tensor:
+        """The group's weights stacked along the output dim: [sum of out, in]."""
+        return torch.cat([m.weight.detach().float() for m in self.linears.values()])
+
+
+def decoder_groups(model: nn.Module) -> list[list[InputGroup]]:
+    """The input groups of each decoder layer of a Llama-style transformers model."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers: not a Llama-style decoder.")
+    config = model.config
+    heads = config.num_attention_heads
+    mha = (getattr(config, "num_key_value_heads", None) or heads) == heads
+    result = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        result.append([
+            InputGroup("qkv", _named(i, attn, "self_attn", "q_proj", "k_proj", "v_proj"), layer.input_layernorm),
+            # Output row j of v_proj is input channel j of o_proj only without GQA; with GQA each
+            # v row feeds several heads' channels, which one scale per channel cannot undo exactly.
+            InputGroup("o", _named(i, attn, "self_attn", "o_proj"), attn.v_proj if mha else None),
+            InputGroup("gate_up", _named(i, mlp, "mlp", "gate_proj", "up_proj"), layer.post_attention_layernorm),
+            # down_proj reads silu(gate) * up, which is linear in up_proj's output rows.
+            InputGroup("down", _named(i, mlp, "mlp", "down_proj"), mlp.up_proj),
+        ])
+    return result
+
+
+def _named(layer: int, module: nn.Module, kind: str, *names: str) -> dict[str, nn.Linear]:
+    return {f"model.layers.{layer}.{kind}.{n}": getattr(module, n) for n in names}
+
+
+@torch.no_grad()
+def fold_scales(group: InputGroup, s: torch.Tensor) -> None:
+    """W <- W diag(s) for the group's linears and the input divided by s in `prev`: the float
+    model's outputs do not change."""
+    prev = group.prev
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s[:, None].to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.div_(s.to(prev.bias.dtype))
+    else:
+        prev.weight.div_(s.to(prev.weight.dtype))
+    for linear in group.linears.values():
+        linear.weight.mul_(s[None, :].to(linear.weight.dtype))
+
+
+# --- SmoothQuant ----------------------------------------------------------------------------------
+def smoothquant_scales(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s_j = max|X_j|^alpha / max|W_j|^(1 - alpha): moves part of the activation outliers (hard for
+    per-token int8) into the weights (easy for per-channel int8). Dead channels keep s = 1."""
+    w_absmax = weight.abs().amax(dim=0)
+    s = act_absmax.pow(alpha) / w_absmax.pow(1.0 - alpha)
+    alive = (act_absmax > 0) & (w_absmax > 0)
+    return torch.where(alive, s, torch.ones_like(s)).clamp(min=1e-5)
+
+
+def smooth_model(model: nn.Module, stats: dict[str, InputStats], alpha: float) -> int:
+    """Smooth every group with an exact fold; returns how many were smoothed."""
+    smoothed = 0
+    for groups in decoder_groups(model):
+        for group in groups:
+            # o_proj is not smoothed: with GQA the scales cannot fold exactly into v_proj, and
+            # without it the gain is small; o_proj is quantized per channel as it is.
+            if group.kind == "o" or group.prev is None:
+                continue
+            fold_scales(group, smoothquant_scales(stats[group.site].absmax, group.weight(), alpha))
+            smoothed += 1
+    return smoothed
+
+
+# --- AWQ ------------------------------------------------------------------------------------------
+@dataclass
+class AwqSearch:
+    scale: torch.Tensor   # [in] the best s
+    ratio: float          # its exponent a in s = mean|X|^a
+    losses: list[float]   # the objective at each ratio of the grid, a = 0 first
+
+
+def awq_objective(moment: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, group_size: int) -> float:
+    """Mean squared error between the float outputs x W^T and those of the scaled, fake-quantized
+    weights, (x / s) Q(W diag(s))^T, over the calibration inputs x, whose second moment
+    E[x^T x] is `moment` [in, in]."""
+    error = quantize_int4_groupwise(weight * s, group_size, sym=False).dequantize() / s - weight
+    return ((error @ moment) * error).sum().item() / weight.shape[0]
+
+
+def awq_search(moment: torch.Tensor, act_absmean: torch.Tensor, weight: torch.Tensor, group_size: int,
+               grid: int = AWQ_GRID) -> AwqSearch:
+    """Grid search of s = mean|X|^a (normalized so that max(s) * min(s) = 1) minimizing
+    `awq_objective`. a = 0 (s = 1, plain round-to-nearest) is on the grid, so the result is never
+    worse than no scaling on this objective."""
+    candidates, losses = [], []
+    for k in range(grid):
+        s = act_absmean.pow(k / grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        candidates.append(s)
+        losses.append(awq_objective(moment, weight, s, group_size))
+    best = min(range(grid), key=losses.__getitem__)
+    return AwqSearch(candidates[best], best / grid, losses)
+
+
+def awq_scale_model(model: nn.Module, stats: dict[str, InputStats], group_size: int) -> list[float]:
+    """Search and fold AWQ's scales for every group with an exact fold; returns the chosen ratios."""
+    ratios = []
+    for groups in tqdm(decoder_groups(model), desc="AWQ scale search", unit="layer"):
+        for group in groups:
+            if group.prev is None:
+                continue
+            st = stats[group.site]
+            found = awq_search(st.second_moment(), st.absmean, group.weight(), group_size)
+            fold_scales(group, found.scale)
+            ratios.append(found.ratio)
+    return ratios
+
+
+# --- GPTQ -----------------------------------------------------------------------------------------
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool = True,
+                  desc_act: bool = False, damp_percent: float = 0.01,
+                  block_size: int = GPTQ_BLOCK_SIZE) -> Int4Weight:
+    """GPTQ: quantize the columns one at a time, each time spreading the rounding error over the
+    columns not yet quantized so as to minimize ||X W^T - X Q^T||^2, with H = 2 X^T X / n.
+    Rows are independent given H, so linears sharing an input can go through together.
+    A group's scale and zero are taken when its first column is reached, from the weights as the
+    earlier errors have updated them. With `desc_act`, columns go in order of decreasing H_jj
+    (the most active inputs first) and the groups follow that order: `g_idx` records them."""
+    w = weight.detach().float().clone()
+    h = hessian.detach().float().clone()
+    out_features, in_features = w.shape
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = torch.argsort(h.diagonal(), descending=True) if desc_act else None
+    if perm is not None:
+        w, h = w[:, perm], h[perm][:, perm]
+    h.diagonal().add_(damp_percent * h.diagonal().mean())
+    try:
+        # Upper Cholesky factor of H^-1: row i gives the update of columns i.. for column i's error.
+        u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except torch.linalg.LinAlgError as exc:
+        raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even with dampening; "
+                           "use more calibration data (--num-samples, --seq-len).") from exc
+
+    q = torch.zeros(out_features, in_features, dtype=torch.int32)
+    scales, zeros = [], []
+    # Blocks hold whole groups, so a group's columns are all up to date when it is entered.
+    block = max(group_size, block_size // group_size * group_size)
+    for b0 in range(0, in_features, block):
+        b1 = min(b0 + block, in_features)
+        wb = w[:, b0:b1].clone()
+        err = torch.zeros_like(wb)
+        ub = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            if (b0 + i) % group_size == 0:
+                scale, zero = (t[:, 0] for t in int4_params(wb[:, i:i + group_size], group_size, sym))
+                scales.append(scale)
+                zeros.append(zero)
+            col = wb[:, i]
+            levels = torch.round(col / scale + zero).clamp(0, 15)
+            err[:, i] = (col - (levels - zero) * scale) / ub[i, i]
+            wb[:, i + 1:] -= err[:, i:i + 1] * ub[i:i + 1, i + 1:]
+            q[:, b0 + i] = levels.to(torch.int32)
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+
+    scale, zero = torch.stack(scales, dim=1), torch.stack(zeros, dim=1).to(torch.int32)
+    if perm is None:
+        return Int4Weight(q, scale, zero, group_size)
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // group_size
+    q_orig = torch.empty_like(q)
+    q_orig[:, perm] = q
+    return Int4Weight(q_orig, scale, zero, group_size, g_idx)
+
+
+def split_rows(weight: Int4Weight, sizes: list[int]) -> list[Int4Weight]:
+    """An Int4Weight of stacked linears back into one per linear."""
+    parts, start = [], 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        parts.append(Int4Weight(weight.q[rows], weight.scale[rows], weight.zero[rows], weight.group_size,
+                                weight.g_idx))
+        start += size
+    return parts

@@ -1,0 +1,149 @@
+"""Quantized weight formats and kernels against straightforward references: the packers against
+the word-by-word layouts of tests/quant_layouts.py, and every quantized matmul against a float
+matmul with the dequantized weight."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.layers.basic import Linear
+from splitserve.quantization.linear import QuantizationConfig, quantize_per_token
+from splitserve.quantization.packing import (
+    Int4Weight,
+    pack_awq,
+    pack_gptq,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    unpack_awq,
+    unpack_gptq,
+)
+from tests.quant_layouts import awq_tensors, gptq_tensors, rtn_int4
+
+OUT, IN, GROUP = 96, 128, 32
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    return torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0))
+
+
+def _reference_int4(w: torch.Tensor, g_idx=None) -> Int4Weight:
+    q, scale, zero, g, _ = rtn_int4(w, GROUP, g_idx)
+    return Int4Weight(torch.tensor(q, dtype=torch.int32), torch.tensor(scale, dtype=torch.float32),
+                      torch.tensor(zero, dtype=torch.int32), GROUP, None if g_idx is None else torch.tensor(g, dtype=torch.int32))
+
+
+def test_awq_layout_matches_autoawq_word_order(weight):
+    layout, deq = awq_tensors(weight, GROUP)
+    unpacked = unpack_awq(layout["qweight"], layout["qzeros"], layout["scales"], GROUP)
+    torch.testing.assert_close(unpacked.dequantize(), deq, rtol=0, atol=1e-6)
+    repacked = pack_awq(unpacked)
+    for name in ("qweight", "qzeros", "scales"):
+        assert torch.equal(repacked[name], layout[name]), name
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_layout_matches_reference(weight, act_order):
+    layout, deq = gptq_tensors(weight, GROUP, act_order_seed=3 if act_order else None)
+    unpacked = unpack_gptq(layout["qweight"], layout["qzeros"], layout["scales"], layout["g_idx"], GROUP)
+    assert (unpacked.g_idx is not None) == act_order
+    torch.testing.assert_close(unpacked.dequantize(), deq, rtol=0, atol=1e-6)
+    repacked = pack_gptq(unpacked)
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        assert torch.equal(repacked[name], layout[name]), name
+
+
+def test_round_to_nearest_error_bounds(weight):
+    q, scale = quantize_int8_per_channel(weight)
+    assert ((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
+    int4 = quantize_int4_groupwise(weight, GROUP)
+    step = int4.scale.repeat_interleave(GROUP, dim=1)
+    assert ((int4.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def _quantized_linear(method: str, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                      group_size: int = GROUP) -> Linear:
+    """A Linear whose method quantizes the given dense weight, as loading an unquantized checkpoint does."""
+    layer = Linear(weight.shape[1], [weight.shape[0]], bias=bias is not None, dtype=dtype,
+                   quant_method=QuantizationConfig(method, from_checkpoint=False, group_size=group_size)
+                   .linear_method("model.layers.0.mlp.down_proj"))
+    layer.weight.data.copy_(weight)
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight")  # the dense weight is gone
+    return layer
+
+
+# bfloat16 keeps 8 significant bits: outputs of magnitude ~10 round by ~0.05; float32 is exact to ~1e-5.
+TOL = {torch.bfloat16: {"rtol": 2e-2, "atol": 0.1}, torch.float32: {"rtol": 1e-4, "atol": 1e-4}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [3, 40])  # the int8pack kernel below 16 rows, the converted matmul above
+def test_weight_only_int8_matmul(weight, dtype, rows):
+    layer = _quantized_linear("weight_only_int8", weight, dtype, bias=torch.randn(OUT))
+    q, scale = quantize_int8_per_channel(weight.to(dtype))  # the layer loaded the weight in its dtype
+    x = torch.randn(2, rows, IN).to(dtype)
+    expected = F.linear(x.float(), q.float() * scale[:, None], layer.bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, **TOL[dtype])
+    # against the float weight: int8 rounding, |error| <= sum |x| * scale / 2
+    bound = x.float().abs().sum(-1, keepdim=True) * scale / 2
+    assert ((layer(x).float() - F.linear(x.float(), weight, layer.bias.float())).abs() <= bound + 0.15).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_smooth_quant_w8a8_matmul(weight, dtype):
+    layer = _quantized_linear("smooth_quant", weight, dtype)
+    x = torch.randn(17, IN).to(dtype)
+    xq, x_scale = quantize_per_token(x)
+    q, scale = quantize_int8_per_channel(weight.to(dtype))
+    expected = F.linear(xq.float() * x_scale, q.float() * scale[:, None])
+    torch.testing.assert_close(layer(x).float(), expected, **TOL[dtype])
+    # int8 activations with a scale per token: within 2% of the float result's scale
+    reference = F.linear(x.float(), weight)
+    assert (layer(x).float() - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_matmul(weight, dtype, portable, act_order, monkeypatch):
+    from splitserve.quantization import linear as qlinear
+
+    monkeypatch.setattr(qlinear.Int4Method, "portable", portable)
+    g_idx = None
+    if act_order:
+        layout, _ = gptq_tensors(weight, GROUP, act_order_seed=5)
+        g_idx = layout["g_idx"].numpy()
+    plain = _reference_int4(weight, g_idx)
+    layer = Linear(IN, [OUT], dtype=dtype, quant_method=QuantizationConfig("gptq", group_size=GROUP)
+                   .linear_method("model.layers.0.mlp.down_proj"))
+    for name, tensor in pack_gptq(plain).items():
+        layer.quant_method.load(layer, name, 0, tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.int4_kernel == ("dequantize" if portable else "cpu_int4pack")
+    x = torch.randn(5, IN).to(dtype)
+    expected = F.linear(x.float(), plain.dequantize())
+    torch.testing.assert_close(layer(x).float(), expected, **TOL[dtype])
+
+
+def test_fp8_matmul(weight):
+    layer = _quantized_linear("fp8", weight, torch.float32)
+    x = torch.randn(4, IN)
+    reference = F.linear(x, weight)
+    # e4m3 keeps 3 mantissa bits: each weight within 2^-4 relative
+    bound = F.linear(x.abs(), weight.abs()) * 2 ** -4
+    assert ((layer(x) - reference).abs() <= bound + 1e-5).all()
+    expected = F.linear(x, layer.qweight.float() * layer.weight_scale[:, None])
+    torch.testing.assert_close(layer(x), expected, **TOL[torch.float32])
+
+
+def test_int4_shape_errors():
+    method = QuantizationConfig("awq", group_size=128).linear_method("model.layers.0.mlp.down_proj")
+    with pytest.raises(ValueError, match="cannot use awq group_size 128"):
+        Linear(96, [64], quant_method=method)
+    method = QuantizationConfig("gptq", group_size=16).linear_method("model.layers.0.mlp.down_proj")
+    with pytest.raises(ValueError, match="takes 32, 64, 128 or 256"):
+        Linear(64, [64], quant_method=method)
