@@ -103,3 +103,29 @@ def test_online_and_dummy_quantization_generate(tiny_models, method):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("quant_type", ["weight_only_int8", "smooth_quant", "awq", "gptq"])
+def test_quantize_tool_round_trip(tiny_models, tmp_path, quant_type):
+    """`splitserve quantize` -> the engine loads the result -> it generates what transformers does
+    with the checkpoint's weights dequantized (and SmoothQuant's smoothing applied)."""
+    from tests.unit.test_quantize_tool import dequantized_model, run_tool
+
+    source = tiny_models["llama"]
+    rng = random.Random(2)
+    calibration = tmp_path / "ids.txt"
+    calibration.write_text("\n".join(" ".join(str(rng.randrange(3, 1024)) for _ in range(64)) for _ in range(4)))
+    out = run_tool("-i", source, "-o", str(tmp_path / quant_type), "--quant-type", quant_type, "--group-size", "32",
+                   "-t", "fp32", "--tokenids-path", str(calibration))
+    hf = dequantized_model(out, source)
+    if quant_type == "smooth_quant":
+        _fake_quantize_inputs(hf)
+    prompts = _prompts()[:2]
+    refs = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(out, dtype="float32", max_model_len=128, use_tqdm_on_load=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    atol = W8A8_LOGPROB_ATOL if quant_type == "smooth_quant" else LOGPROB_ATOL
+    for out_, ref in zip(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False), refs):
+        completion = out_.outputs[0]
+        logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
+        assert_greedy_match(completion.token_ids, logprobs, ref, atol, tie_gap=atol)
