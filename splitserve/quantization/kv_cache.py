@@ -136,25 +136,25 @@ def stored_values(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out[..., :half] = data & 0xF
         out[..., half:] = data >> 4
         return out
-    if data.dtype in _FP8_AS_BFLOAT16:
-        return _fp8_as_bfloat16(data).to(dtype)
+    if data.dtype in FP8_AS_BFLOAT16:
+        return fp8_as_bfloat16(data).to(dtype)
     return data.to(dtype)
 
 
 # fp8 dtype -> (left shift, mask, power of two) that turn its bits into a bfloat16 of the same
 # value: the sign goes to bit 15, exponent and mantissa to the top of bfloat16's, which reads them
 # with bias 127 instead of 7 (e4m3) or 15 (e5m2), subnormals included; 2^(127 - bias) restores it.
-_FP8_AS_BFLOAT16 = {
+FP8_AS_BFLOAT16 = {
     torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0 ** 120),
     torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0 ** 112),
 }
 
 
-def _fp8_as_bfloat16(data: torch.Tensor) -> torch.Tensor:
+def fp8_as_bfloat16(data: torch.Tensor) -> torch.Tensor:
     """The exact values of fp8 data as bfloat16, by moving bits: CPU casts from float8 are scalar
     code, five times slower than these four vectorized passes (which work on any device). Never
     fed NaN or inf: quantize_kv stores neither. The int8 view sign-extends; the mask drops that."""
-    shift, mask, power = _FP8_AS_BFLOAT16[data.dtype]
+    shift, mask, power = FP8_AS_BFLOAT16[data.dtype]
     bits = data.view(torch.int8).to(torch.int16)
     bits.bitwise_left_shift_(shift).bitwise_and_(mask)
     return bits.view(torch.bfloat16).mul_(power)  # times a power of two: exact

@@ -6,7 +6,7 @@ its tensors, and the kernels it multiplies with.
 | weight_only_int8 | int8, a scale per output row    | model dtype             | `_weight_int8pack_mm` for few rows, else int8->dtype conversion + matmul |
 | smooth_quant     | int8, a scale per output row    | int8, a scale per token | `torch._int_mm` (VNNI / AMX)             |
 | awq, gptq        | int4, scale + zero per group    | model dtype             | `_weight_int4pack_mm_for_cpu`            |
-| fp8              | float8_e4m3, a scale per row    | model dtype             | fp8->dtype conversion + matmul (no fp8 units on CPUs) |
+| fp8              | float8_e4m3, a scale per row    | model dtype             | fp8->bf16 by moving bits + matmul (no fp8 units on CPUs) |
 
 Other devices use the same formats through plain torch dequantize-then-matmul
 (`_dequantized_linear`), which the tests also run on CPU.
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.basic import Linear, LinearMethod
+from splitserve.quantization.kv_cache import fp8_as_bfloat16
 from splitserve.quantization.packing import (
     Int4Weight,
     quantize_int4_groupwise,
@@ -42,6 +43,7 @@ ONLINE_METHODS = ("weight_only_int8", "fp8")
 # Rows up to which `_weight_int8pack_mm` beats converting the int8 weight for a bf16 matmul
 # (measured on a 2-core AVX-512 machine: 0.27 vs 0.30 ms at 16 rows, 1.0 vs 0.47 ms at 64).
 _INT8PACK_MAX_ROWS = 16
+_W8A8_CHUNK_ROWS = 256
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -229,8 +231,8 @@ class Int8WeightOnlyMethod(_RowScaledMethod):
 # --- SmoothQuant W8A8 ------------------------------------------------------------------------------
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric int8 with one scale per row: (int8 [M, K], float32 scale [M, 1])."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-6) / 127.0
-    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-6).div_(127.0)
+    return x.to(torch.float32, copy=True).div_(scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 class W8A8Int8Method(_RowScaledMethod):
@@ -243,10 +245,21 @@ class W8A8Int8Method(_RowScaledMethod):
         layer.register_buffer("weight_scale", scale.float())
 
     def apply(self, layer, x):
-        xq, x_scale = quantize_per_token(_flat(x))
-        acc = torch._int_mm(xq, layer.qweight.t())
-        y = (acc.float() * x_scale * layer.weight_scale).to(x.dtype)
+        x2 = _flat(x)
+        if x2.shape[0] <= _W8A8_CHUNK_ROWS:
+            return _finish(layer, self._matmul(layer, x2), x)
+        # Row chunks keep the int32 accumulator and its rescaling in cache: 1.2x bf16's speed at
+        # 4096 rows instead of 0.4x for one big call (2-core AVX-512, 576 -> 3072).
+        y = torch.empty(x2.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
+        for start in range(0, x2.shape[0], _W8A8_CHUNK_ROWS):
+            y[start:start + _W8A8_CHUNK_ROWS] = self._matmul(layer, x2[start:start + _W8A8_CHUNK_ROWS])
         return _finish(layer, y, x)
+
+    @staticmethod
+    def _matmul(layer, x2: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_per_token(x2)
+        acc = torch._int_mm(xq, layer.qweight.t())
+        return acc.float().mul_(x_scale).mul_(layer.weight_scale).to(x2.dtype)
 
 
 # --- fp8 (e4m3) weights -------------------------------------------------------------------------------
@@ -264,7 +277,9 @@ class Fp8Method(_RowScaledMethod):
         layer.register_buffer("weight_scale", scale.to(layer.dtype))
 
     def apply(self, layer, x):
-        y = F.linear(_flat(x), layer.qweight.to(x.dtype)) * layer.weight_scale
+        # Moving bits is exact and several times faster than torch's CPU cast from float8.
+        weight = fp8_as_bfloat16(layer.qweight).to(x.dtype)
+        y = F.linear(_flat(x), weight) * layer.weight_scale
         return _finish(layer, y, x)
 
 

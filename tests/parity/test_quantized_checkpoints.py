@@ -129,3 +129,16 @@ def test_quantize_tool_round_trip(tiny_models, tmp_path, quant_type):
         completion = out_.outputs[0]
         logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
         assert_greedy_match(completion.token_ids, logprobs, ref, atol, tie_gap=atol)
+
+
+def test_lmdeploy_model_format(tiny_models, tmp_path):
+    from splitserve import GenerationConfig, TurbomindEngineConfig, pipeline
+
+    path = str(tmp_path / "awq")
+    write_quantized_checkpoint(tiny_models["llama"], path, "awq")
+    with pipeline(path, backend_config=TurbomindEngineConfig(model_format="awq", session_len=128,
+                                                             cache_max_entry_count=0.01)) as pipe:
+        response = pipe("a b c", gen_config=GenerationConfig(max_new_tokens=4, ignore_eos=True), do_preprocess=False)
+        assert response.generate_token_len == 4
+    with pytest.raises(ValueError, match="checkpoint is quantized with awq"):
+        pipeline(path, backend_config=TurbomindEngineConfig(model_format="gptq"))
