@@ -13,7 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from splitserve.quantization.calibration import InputStats
-from splitserve.quantization.packing import Int4Weight, int4_params, quantize_int4_groupwise
+from splitserve.quantization.packing import Int4Weight, int4_params, quantize_int4, quantize_int4_groupwise
 
 AWQ_GRID = 20           # ratios 0, 0.05, ..., 0.95
 GPTQ_BLOCK_SIZE = 128   # columns whose error updates are applied lazily, as one matmul
@@ -135,18 +135,64 @@ def awq_search(moment: torch.Tensor, act_absmean: torch.Tensor, weight: torch.Te
     return AwqSearch(candidates[best], best / grid, losses)
 
 
-def awq_scale_model(model: nn.Module, stats: dict[str, InputStats], group_size: int) -> list[float]:
-    """Search and fold AWQ's scales for every group with an exact fold; returns the chosen ratios."""
-    ratios = []
-    for groups in tqdm(decoder_groups(model), desc="AWQ scale search", unit="layer"):
+def awq_scale_model(model: nn.Module, stats: dict[str, InputStats], group_size: int,
+                    clip: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Search and fold AWQ's scales for every group with an exact fold, then (with `clip`) search
+    each linear's clipping (`awq_clip_search`) on the rescaled weights and inputs. Returns the
+    chosen scale exponents, and the clipping ratios by linear name."""
+    ratios, clips = [], {}
+    for groups in tqdm(decoder_groups(model), desc="AWQ scale and clip search", unit="layer"):
         for group in groups:
-            if group.prev is None:
+            moment = stats[group.site].second_moment()
+            if group.prev is not None:
+                found = awq_search(moment, stats[group.site].absmean, group.weight(), group_size)
+                fold_scales(group, found.scale)
+                ratios.append(found.ratio)
+                moment = moment / found.scale[:, None] / found.scale[None, :]  # the input is now x / s
+            if not clip:
                 continue
-            st = stats[group.site]
-            found = awq_search(st.second_moment(), st.absmean, group.weight(), group_size)
-            fold_scales(group, found.scale)
-            ratios.append(found.ratio)
-    return ratios
+            for name, linear in group.linears.items():
+                # q/k are left unclipped (as AutoAWQ does): attention scores are sensitive to them.
+                if not name.endswith(("q_proj", "k_proj")):
+                    clips[name] = awq_clip_search(linear.weight.detach().float(), moment, group_size)
+    return ratios, clips
+
+
+AWQ_CLIP_GRID = 20      # range shrinks 1.0, 0.975, ..., 0.525
+
+
+def awq_clip_search(weight: torch.Tensor, moment: torch.Tensor, group_size: int,
+                    grid: int = AWQ_CLIP_GRID) -> torch.Tensor:
+    """AWQ's clipping: per output row and group, shrink the quantization range [min, max] by the
+    ratio r minimizing that group's share of the output error, e_g M_gg e_g^T (M the inputs'
+    second moment; the cross-group terms are left out, as AutoAWQ's per-group search does). Rounding
+    a few outliers harder buys a finer grid for the rest. r = 1 is on the grid. Returns r [out, G]."""
+    out_features, in_features = weight.shape
+    groups = in_features // group_size
+    blocks = moment.reshape(groups, group_size, groups, group_size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    best_loss = torch.full((out_features, groups), float("inf"))
+    best = torch.ones(out_features, groups)
+    for k in range(grid):
+        r = 1.0 - k * 0.5 / grid
+        error = (quantize_int4_clipped(weight, group_size, torch.full((out_features, groups), r)).dequantize()
+                 - weight).reshape(out_features, groups, group_size)
+        loss = torch.einsum("ogi,gij,ogj->og", error, blocks, error)
+        better = loss < best_loss
+        best_loss = torch.where(better, loss, best_loss)
+        best = torch.where(better, torch.full_like(best, r), best)
+    return best
+
+
+def quantize_int4_clipped(weight: torch.Tensor, group_size: int, ratio: torch.Tensor) -> Int4Weight:
+    """Asymmetric int4 per group with the range [min, max] of each (row, group) scaled by ratio."""
+    out_features, in_features = weight.shape
+    grouped = weight.float().reshape(out_features, in_features // group_size, group_size)
+    lo = grouped.amin(dim=-1).clamp(max=0.0) * ratio
+    hi = grouped.amax(dim=-1).clamp(min=0.0) * ratio
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    return Int4Weight(quantize_int4(weight, scale, zero, group_size=group_size), scale, zero.to(torch.int32),
+                      group_size)
 
 
 # --- GPTQ -----------------------------------------------------------------------------------------

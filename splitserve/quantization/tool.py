@@ -173,7 +173,7 @@ def quantize_model(model: torch.nn.Module, quant_type: str, sequences: list[list
     """Calibrate (if the method needs it), transform the model in place as the method says, and
     return the checkpoint tensors of every quantized linear: {name: {suffix: tensor}}."""
     layers = algorithms.decoder_groups(model)
-    stats = None
+    stats, clips = None, {}
     if sequences is not None:
         tokens = sum(map(len, sequences))
         # One pass of the float model. SmoothQuant's and AWQ's scalings keep the float model's
@@ -181,9 +181,9 @@ def quantize_model(model: torch.nn.Module, quant_type: str, sequences: list[list
         # account for). GPTQ's Hessians are therefore those of the float model's inputs, not of
         # the already quantized earlier layers' ("true sequential" is off).
         logger.info("Calibrating on %d sequences (%d tokens)", len(sequences), tokens)
-        # GPTQ needs every linear's input; the scaling methods only the inputs they can rescale.
+        # GPTQ and AWQ's clipping need every linear's input; SmoothQuant only those it can rescale.
         sites = {g.site: next(iter(g.linears.values())) for groups in layers for g in groups
-                 if quant_type == "gptq" or g.prev is not None}
+                 if quant_type in ("gptq", "awq") or g.prev is not None}
         stats = collect_input_stats(model, sites, sequences, gram=quant_type in ("gptq", "awq"))
         widest = max(m.in_features for m in sites.values())
         if quant_type == "gptq" and tokens < widest:
@@ -192,18 +192,19 @@ def quantize_model(model: torch.nn.Module, quant_type: str, sequences: list[list
     if quant_type == "smooth_quant":
         logger.info("Smoothed %d linear groups (alpha %.2f)", algorithms.smooth_model(model, stats, alpha), alpha)
     elif quant_type == "awq":
-        ratios = algorithms.awq_scale_model(model, stats, group_size)
+        ratios, clips = algorithms.awq_scale_model(model, stats, group_size)
         logger.info("AWQ scaled %d linear groups; mean exponent %.2f", len(ratios), sum(ratios) / max(len(ratios), 1))
 
     result = {}
     for groups in tqdm(layers, desc=f"Quantizing ({quant_type})", unit="layer"):
         for group in groups:
-            result.update(_quantize_group(group, quant_type, stats, group_size=group_size, sym=sym, desc_act=desc_act))
+            result.update(_quantize_group(group, quant_type, stats, group_size=group_size, sym=sym, desc_act=desc_act,
+                                          clips=clips))
     return result
 
 
 def _quantize_group(group: algorithms.InputGroup, quant_type: str, stats, *, group_size: int, sym: bool,
-                    desc_act: bool) -> dict[str, dict[str, torch.Tensor]]:
+                    desc_act: bool, clips: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     if quant_type == "gptq":
         # The linears of a group share one Hessian (their input), and GPTQ treats rows independently.
         hessian = 2.0 * stats[group.site].second_moment()  # GPTQ's H = 2 X^T X / n
@@ -214,7 +215,9 @@ def _quantize_group(group: algorithms.InputGroup, quant_type: str, stats, *, gro
     result = {}
     for name, linear in group.linears.items():
         weight = linear.weight.detach().float()
-        if quant_type == "awq":
+        if quant_type == "awq" and name in clips:
+            result[name] = pack_awq(algorithms.quantize_int4_clipped(weight, group_size, clips[name]))
+        elif quant_type == "awq":
             result[name] = pack_awq(quantize_int4_groupwise(weight, group_size, sym=False))
         else:
             q, scale = quantize_int8_per_channel(weight)

@@ -239,9 +239,31 @@ def test_awq_scaling_keeps_the_float_model_and_never_loses_to_no_scaling(llama_m
         unscaled = algorithms.awq_objective(moment, weight, torch.ones(weight.shape[1]), GROUP)
         assert found.losses[0] == pytest.approx(unscaled)
         assert algorithms.awq_objective(moment, weight, found.scale, GROUP) <= found.losses[0] * (1 + 1e-6)
-    ratios = algorithms.awq_scale_model(model, stats, GROUP)
+    ratios, clips = algorithms.awq_scale_model(model, stats, GROUP)
+    assert len(clips) == 3 * 5  # every linear but q/k_proj
     assert len(ratios) == 12  # without GQA o_proj is scaled too, into v_proj
     torch.testing.assert_close(_logits(model, ids), reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+def test_awq_clipping_never_loses_to_the_full_range():
+    """Per (row, group), the chosen clipping's share of the output error is at most the full range's."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 64, generator=generator) * torch.linspace(0.2, 2.0, 64)
+    weight = torch.randn(32, 64, generator=generator)
+    weight[0, 3] = 12.0  # an outlier that clipping should sacrifice
+    moment = x.T @ x / x.shape[0]
+    ratio = algorithms.awq_clip_search(weight, moment, GROUP)
+    assert ratio.shape == (32, 64 // GROUP) and float(ratio.min()) >= 0.5 and float(ratio.max()) <= 1.0
+
+    def group_losses(w):
+        error = (w.dequantize() - weight).reshape(32, -1, GROUP)
+        blocks = [moment[g * GROUP:(g + 1) * GROUP, g * GROUP:(g + 1) * GROUP] for g in range(64 // GROUP)]
+        return torch.stack([((error[:, g] @ blocks[g]) * error[:, g]).sum(-1) for g in range(len(blocks))], dim=1)
+
+    clipped = group_losses(algorithms.quantize_int4_clipped(weight, GROUP, ratio))
+    full = group_losses(quantize_int4_groupwise(weight, GROUP, sym=False))
+    assert (clipped <= full * (1 + 1e-5) + 1e-9).all()
+    assert float(ratio[0, 0]) < 1.0 and clipped[0, 0] < full[0, 0]
 
 
 def test_awq_objective_is_the_output_error_on_the_calibration_inputs():
