@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` and `llama-bench`, the peers of docs' CPU comparison, from the
+# llama.cpp sources inside the PyPI sdist of llama-cpp-python. Everything lives in a cache
+# directory outside the repository (nothing here is ever committed):
+#
+#   scripts/build_llama_cpp.sh [CACHE_DIR]          # default: ~/.cache/splitserve/llama.cpp
+#   $CACHE_DIR/bin/llama-server -m model.gguf -t 2 -np 64 -c 32768 --port 8080
+#   $CACHE_DIR/bin/llama-bench -m model.gguf -t 2 -p 0 -n 128      # tg128, single stream
+#
+# A portable build (GGML_NATIVE=OFF) with AVX-512 switched on, as on this project's machines;
+# about 15 minutes on 2 cores. LLAMA_CPP_PYTHON_VERSION picks the sdist (default below).
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+CACHE="${1:-${HOME}/.cache/splitserve/llama.cpp}"
+PYTHON="${PYTHON:-python3}"
+JOBS="${JOBS:-$(nproc)}"
+
+mkdir -p "$CACHE/src" "$CACHE/bin"
+cd "$CACHE/src"
+if [ ! -d "llama_cpp_python-$VERSION" ]; then
+    echo "Downloading the llama-cpp-python $VERSION sdist into $CACHE/src"
+    "$PYTHON" -m pip download --no-deps --no-binary :all: --no-build-isolation -d . "llama-cpp-python==$VERSION"
+    tar xzf "llama_cpp_python-$VERSION.tar.gz"
+fi
+SRC="$CACHE/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
+[ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp sources at $SRC" >&2; exit 1; }
+
+echo "Configuring llama.cpp ($SRC)"
+cmake -S "$SRC" -B "$CACHE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+echo "Building llama-server and llama-bench with $JOBS jobs"
+cmake --build "$CACHE/build" -j "$JOBS" --target llama-server llama-bench
+cp "$CACHE/build/bin/llama-server" "$CACHE/build/bin/llama-bench" "$CACHE/bin/"
+echo "Done: $CACHE/bin/llama-server, $CACHE/bin/llama-bench"
