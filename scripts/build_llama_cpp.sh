@@ -20,7 +20,16 @@ mkdir -p "$CACHE/src" "$CACHE/bin"
 cd "$CACHE/src"
 if [ ! -d "llama_cpp_python-$VERSION" ]; then
     echo "Downloading the llama-cpp-python $VERSION sdist into $CACHE/src"
-    "$PYTHON" -m pip download --no-deps --no-binary :all: --no-build-isolation -d . "llama-cpp-python==$VERSION"
+    # The sdist's link from PyPI's simple index: `pip download` would also prepare its build metadata.
+    "$PYTHON" - "$VERSION" <<'PY'
+import re, sys, urllib.request
+name = f"llama_cpp_python-{sys.argv[1]}.tar.gz"
+with urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/") as response:
+    page = response.read().decode()
+url = re.search(r'href="([^"]*/' + re.escape(name) + r')[#"]', page).group(1)
+urllib.request.urlretrieve(url, name)
+print("downloaded", name)
+PY
     tar xzf "llama_cpp_python-$VERSION.tar.gz"
 fi
 SRC="$CACHE/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
