@@ -192,10 +192,20 @@ def _row_scales(scale: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 class _RowScaledMethod(_QuantMethod):
-    """Methods whose plain form is (weight [out, in] in a storage dtype, float32 scale [out])."""
+    """Methods whose plain form is (weight [out, in] in a storage dtype, float32 scale [out]);
+    the kernel form keeps both as buffers, the scale in `scale_dtype` (None: the layer's dtype)."""
 
     required = ("weight", "weight_scale")
     storage_dtype: torch.dtype = torch.int8
+    scale_dtype: torch.dtype | None = None
+
+    def quantize_dense(self, weight):
+        return quantize_int8_per_channel(weight)
+
+    def build(self, layer, plain):
+        qweight, scale = plain
+        layer.register_buffer("qweight", qweight.contiguous())
+        layer.register_buffer("weight_scale", scale.to(self.scale_dtype or layer.dtype))
 
     def from_tensors(self, tensors, out_features, in_features):
         weight = tensors["weight"]
@@ -210,14 +220,6 @@ class _RowScaledMethod(_QuantMethod):
 
 # --- int8 weight-only ------------------------------------------------------------------------------
 class Int8WeightOnlyMethod(_RowScaledMethod):
-    def quantize_dense(self, weight):
-        return quantize_int8_per_channel(weight)
-
-    def build(self, layer, plain):
-        qweight, scale = plain
-        layer.register_buffer("qweight", qweight.contiguous())
-        layer.register_buffer("weight_scale", scale.to(layer.dtype))
-
     def apply(self, layer, x):
         x2 = _flat(x)
         if x.device.type == "cpu" and x2.shape[0] <= _INT8PACK_MAX_ROWS:
@@ -236,13 +238,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class W8A8Int8Method(_RowScaledMethod):
-    def quantize_dense(self, weight):
-        return quantize_int8_per_channel(weight)
-
-    def build(self, layer, plain):
-        qweight, scale = plain
-        layer.register_buffer("qweight", qweight.contiguous())
-        layer.register_buffer("weight_scale", scale.float())
+    scale_dtype = torch.float32  # rescales the int32 accumulator in float32
 
     def apply(self, layer, x):
         x2 = _flat(x)
@@ -270,11 +266,6 @@ class Fp8Method(_RowScaledMethod):
     def quantize_dense(self, weight):
         scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / _FP8_MAX
         return (weight.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
-
-    def build(self, layer, plain):
-        qweight, scale = plain
-        layer.register_buffer("qweight", qweight.contiguous())
-        layer.register_buffer("weight_scale", scale.to(layer.dtype))
 
     def apply(self, layer, x):
         # Moving bits is exact and several times faster than torch's CPU cast from float8.
