@@ -170,12 +170,7 @@ class KVConnector:
 
     def poll_released(self) -> list[str]:
         """Leases that were fully pulled, released or expired: their blocks can be freed now."""
-        out = []
-        while True:
-            try:
-                out.append(self._released.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self._released)
 
     def _serve(self, sock: zmq.Socket) -> None:
         decoder, encoder = msgspec.msgpack.Decoder(ConnectorMessage), msgspec.msgpack.Encoder()
@@ -247,12 +242,7 @@ class KVConnector:
                                first_block, list(dest_block_ids)))
 
     def poll_pulled(self) -> list[PullResult]:
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self._results)
 
     def _pull_loop(self) -> None:
         sockets: dict[tuple[str, int], zmq.Socket] = {}
@@ -325,3 +315,13 @@ class KVConnector:
         self.stats.blocks_received += len(job.dest_block_ids)
         self.stats.bytes_received += sum(payload.nbytes for payload in payloads)
         return None
+
+
+def _drain(items: queue.Queue) -> list:
+    """Everything in the queue now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out
