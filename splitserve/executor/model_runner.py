@@ -52,7 +52,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load)
-        self.backend = get_attention_backend(self.device)
+        self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve import kernels
+
 
 class LinearMethod:
     """How a Linear holds and applies a weight that is not one dense matrix (a quantized one).
@@ -72,19 +74,18 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Computed in float32 and cast back, exactly as transformers' Llama/Qwen RMSNorm (torch's
-    fused rms_norm gives the same numbers in float32, in half the time of the spelled-out ops)."""
+    """transformers' Llama/Qwen RMSNorm: normalised in float32, cast back, times the weight.
+    Called with a residual, it adds x to it first and returns (normed, new residual), as vLLM's
+    fused add-norm does; on CPU both run in one kernel (splitserve.kernels)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out, residual = kernels.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+silu_and_mul = kernels.silu_and_mul

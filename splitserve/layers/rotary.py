@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitserve import kernels
+
 _POSITION_DEPENDENT = ("dynamic", "longrope")
 
 
@@ -48,11 +50,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    """q: [T, Hq, D], k: [T, Hkv, D], rotated by RotaryEmbedding.cos_sin of their positions."""
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """q: [T, Hq, D], k: [T, Hkv, D], rotated by RotaryEmbedding.cos_sin of their positions
+    (in place on CPU: the returned tensors are the ones to use)."""
+    return kernels.apply_rotary(q, k, *cos_sin)

@@ -93,9 +93,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta):
+        """vLLM's residual form: x is the previous layer's output, not yet added to the residual
+        stream; each norm adds it in (fused on CPU). Returns (this layer's output, residual)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -111,9 +118,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -31,11 +31,16 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = _decode(layer, q[:nd], meta)
+            self.decode(layer, q[:nd], meta, out[:nd])
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], meta, i)
         return out
+
+
+    def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Attention of the decode requests' single query tokens, written into out [num_decodes, Hq, D]."""
+        out.copy_(_decode(layer, q, meta))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,0 +1,116 @@
+"""Fused kernels for the hot element-wise steps of a decoder layer and for paged decode attention.
+
+On CPU they come from a small C++ extension (cpu_ops.cpp), compiled with the installed torch the
+first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 20 s once
+per machine). Each function here takes that path for CPU tensors and otherwise runs the torch
+code it replaces, which stays the reference the kernels are tested against.
+
+SPLITSERVE_CPU_KERNELS=0 turns the C++ kernels off (to compare, or to rule them out); a build
+that fails is logged once, with the compiler's reason, and the torch code runs instead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_state: dict[str, object] = {}
+
+
+def cpu_ops():
+    """torch.ops.splitserve_cpu, built on first use; None when turned off or when the build failed."""
+    if "ops" not in _state:
+        _state["ops"] = _build()
+    return _state["ops"]
+
+
+def cpu_kernels_enabled() -> bool:
+    return os.environ.get("SPLITSERVE_CPU_KERNELS", "1") not in ("0", "false", "False", "")
+
+
+def _build():
+    if not cpu_kernels_enabled():
+        logger.info("SPLITSERVE_CPU_KERNELS=0: the CPU runs the plain torch ops instead of splitserve's kernels.")
+        return None
+    from torch.utils.cpp_extension import load
+
+    source = os.path.join(os.path.dirname(__file__), "cpu_ops.cpp")
+    start = time.perf_counter()
+    try:
+        load(name="splitserve_cpu_ops", sources=[source], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # a missing compiler, or a torch without its headers
+        logger.warning("splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, "
+                       "which are slower.", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+        return None
+    logger.info("CPU kernels ready in %.1f s (built once per machine, then loaded from torch's cache).",
+                time.perf_counter() - start)
+    return torch.ops.splitserve_cpu
+
+
+def _use_cpu_kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _SUPPORTED and cpu_ops() is not None
+
+
+# --- RMSNorm, optionally fused with the residual add -------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' RMSNorm (normalised in float32, cast back, then times the weight).
+    With `residual`: residual = x + residual first, and the norm is of that sum; returns
+    (normed, new residual). The CPU kernel updates `residual` in place: use the returned one."""
+    if _use_cpu_kernel(x):
+        ops = cpu_ops()
+        flat = x.reshape(-1, x.shape[-1])
+        if residual is None:
+            return ops.rms_norm(flat, weight, eps).view(x.shape), None
+        out = ops.add_rms_norm(flat, residual.view(-1, x.shape[-1]), weight, eps)
+        return out.view(x.shape), residual
+    if residual is not None:
+        x = residual = x + residual
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype), residual
+
+
+# --- rotary ---------------------------------------------------------------------------------------
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate-half rotary of q [T, Hq, D] and k [T, Hkv, D] by cos, sin [T, 1, D] (model dtype).
+    The CPU kernel rotates q and k in place and returns them."""
+    if _use_cpu_kernel(q) and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
+        cpu_ops().rotary(q, k, cos, sin)
+        return q, k
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --- SiLU and mul ---------------------------------------------------------------------------------
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    if _use_cpu_kernel(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return cpu_ops().silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --- paged decode attention -----------------------------------------------------------------------
+def decode_attention_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales) -> bool:
+    """Whether the CPU decode kernel takes this layer: an unquantized cache in q's dtype."""
+    return kv_scales is None and kv_cache.dtype == q.dtype and _use_cpu_kernel(q)
+
+
+def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> None:
+    """One query token per request: q, out [B, Hq, D]; kv_cache [2, Hkv, blocks, block_size, D];
+    block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens cached, this one included).
+    Writes out in place. CPU only (see decode_attention_supported)."""
+    cpu_ops().decode_attention(out, q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens,
+                               scale, sliding_window or 0)

@@ -1,0 +1,319 @@
+// splitserve's CPU kernels: paged decode attention and the fused element-wise steps of a decoder
+// layer (residual add + RMSNorm, rotary, SiLU-and-mul). Built at run time by
+// splitserve/kernels/__init__.py with the torch that is installed (torch.utils.cpp_extension),
+// parallelised with at::parallel_for on torch's own OpenMP threads, vectorised by the compiler
+// (-O3 -march=native: the code runs on the machine that compiled it).
+//
+// Every kernel takes float32, bfloat16 or float16 and computes in float32. The element-wise ones
+// round to the tensor dtype at the same points as the torch code they replace (see each), so
+// bfloat16 results match the unfused torch ops bit for bit except where an exp differs in its
+// last float32 bit.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp(x) for float, written so that loops over it vectorise (no libm call): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r from a degree-6 polynomial (relative error ~2e-7), 2^n from the exponent
+// bits. Inputs below -87.3 give 0 (e^-87.3 is the smallest normal float); -inf gives 0.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  // round to nearest through the float mantissa (|x log2 e| < 2^22), which vectorises everywhere
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.3f ? 0.f : p * scale;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+// ---- paged decode attention ------------------------------------------------------------------
+// One query token per request. q, out: [B, Hq, D]; k_cache, v_cache: [Hkv, num_blocks, block_size, D];
+// block_tables: [B, max_blocks] int32; seq_lens: [B] int32. Each (request, KV head) pair is one
+// work item: it reads its keys and values once, straight from the blocks, for the G query heads
+// that share them (no gathered copy of the cache, unlike the torch reference). Each key and value
+// row is widened to float32 once and then used by all G heads. D is a template parameter for the
+// common head sizes (64, 128) so that the row loops unroll into whole vector registers; kDynamic
+// takes any other size at run time.
+constexpr int64_t kDynamic = 0;
+
+template <typename T, int64_t kD>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  const int64_t B = q.size(0), Hq = q.size(1);
+  const int64_t D = kD == kDynamic ? q.size(2) : kD;
+  const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
+  const int64_t G = Hq / Hkv;
+  const int64_t head_stride = k_cache.stride(0), block_stride = k_cache.stride(1);
+  const int64_t table_stride = block_tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(G * D), acc(G * D), row(D), scores, inv_sum(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      const int32_t* table = tables + b * table_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = qp + (b * Hq + h * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) query[g * D + i] = static_cast<float>(src[i]) * fscale;
+      }
+      scores.resize(G * n);
+      float* kf = row.data();
+      // scores[g, t] = q_g . k_t
+      // Walk the blocks rather than dividing every position by the block size.
+      const T* k_head = kp + h * head_stride;
+      for (int64_t t = 0, blk = first / bs, off = first % bs; t < n; ++t) {
+        const T* key = k_head + table[blk] * block_stride + off * D;
+        if (++off == bs) off = 0, ++blk;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) kf[i] = static_cast<float>(key[i]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = &query[g * D];
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < D; ++i) dot += qg[i] * kf[i];
+          scores[g * n + t] = dot;
+        }
+      }
+      // softmax over t, left unnormalised until the end
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * n];
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = fast_exp(s[t] - mx);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // acc[g] = sum_t p[g, t] v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const T* v_head = vp + h * head_stride;
+      for (int64_t t = 0, blk = first / bs, off = first % bs; t < n; ++t) {
+        const T* value = v_head + table[blk] * block_stride + off * D;
+        if (++off == bs) off = 0, ++blk;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) kf[i] = static_cast<float>(value[i]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + t];
+          float* a = &acc[g * D];
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] += p * kf[i];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* dst = op + (b * Hq + h * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3), "bad k_cache layout");
+  TORCH_CHECK(v_cache.strides() == k_cache.strides(), "k_cache and v_cache must share a layout");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "q, out and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "bad block_tables / seq_lens layout");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    switch (q.size(2)) {
+      case 64: return decode_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
+      case 128: return decode_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
+      default: return decode_attention_impl<scalar_t, kDynamic>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
+    }
+  });
+}
+
+// ---- residual add + RMSNorm ------------------------------------------------------------------
+// x, residual: [T, H] (rows may be strided); weight: [H]. When `add`: residual <- round(x + residual)
+// first. Then out <- round(weight * round(r * rsqrt(mean(r^2) + eps))) with r the (new) residual
+// in float32: transformers' RMSNorm, which normalises in float32 and casts back before the weight.
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                   double eps, bool add) {
+  const int64_t T_ = x.size(0), H = x.size(1);
+  const int64_t xs = x.stride(0), rs = add ? residual.stride(0) : 0, os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* rp = add ? residual.data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t t = begin; t < end; ++t) {
+      if (add) {
+        T* r = rp + t * rs;
+        const T* a = xp + t * xs;
+        for (int64_t i = 0; i < H; ++i) {
+          r[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(r[i]));
+          row[i] = static_cast<float>(r[i]);
+        }
+      } else {
+        const T* a = xp + t * xs;
+        for (int64_t i = 0; i < H; ++i) row[i] = static_cast<float>(a[i]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      T* o = op + t * os;
+      for (int64_t i = 0; i < H; ++i) {
+        const float normed = static_cast<float>(static_cast<T>(row[i] * inv));
+        o[i] = static_cast<T>(static_cast<float>(wp[i]) * normed);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous(), "x must be [T, H] with unit stride");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor none;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out, x, none, weight, eps, false);
+  });
+  return out;
+}
+
+// residual += x (in place); returns rms_norm(residual).
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1 && weight.is_contiguous(),
+              "x and residual must be [T, H] with unit stride");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must match");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out, x, residual, weight, eps, true);
+  });
+  return out;
+}
+
+// ---- rotary, in place ------------------------------------------------------------------------
+// q: [T, Hq, D], k: [T, Hk, D] (token rows may be strided, heads packed); cos, sin: [T, D] in the
+// same dtype. The rotate-half form: x <- round(round(x * cos) + round(rotate_half(x) * sin)).
+template <typename T>
+void rotate(T* x, const T* c, const T* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    const float a1 = static_cast<float>(static_cast<T>(x1 * static_cast<float>(c[i])));
+    const float b1 = static_cast<float>(static_cast<T>(-x2 * static_cast<float>(s[i])));
+    const float a2 = static_cast<float>(static_cast<T>(x2 * static_cast<float>(c[i + half])));
+    const float b2 = static_cast<float>(static_cast<T>(x1 * static_cast<float>(s[i + half])));
+    x[i] = static_cast<T>(a1 + b1);
+    x[i + half] = static_cast<T>(a2 + b2);
+  }
+}
+
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t T_ = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2);
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * D;
+      const T* s = sp + t * D;
+      for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * qs + h * D, c, s, D);
+      for (int64_t h = 0; h < Hk; ++h) rotate(kp + t * ks + h * D, c, s, D);
+    }
+  });
+}
+
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
+              "q and k must have packed heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * q.size(2),
+              "cos and sin must be [T, D] contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == cos.scalar_type(), "dtypes must match");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    rotary_impl<scalar_t>(q, k, cos, sin);
+  });
+}
+
+// ---- SiLU and mul ----------------------------------------------------------------------------
+// x: [T, 2I] = [gate | up] -> [T, I] = round(round(silu(gate)) * up), as F.silu(gate) * up.
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t T_ = x.size(0), I = out.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, T_, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(I);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = xp + t * xs;
+      const T* up = gate + I;
+      T* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        act[i] = g / (1.f + fast_exp(-g));
+      }
+      for (int64_t i = 0; i < I; ++i)
+        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(act[i])) * static_cast<float>(up[i]));
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [T, 2I] with unit stride");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(out, x);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int sliding_window) -> ()", &decode_attention);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+}

@@ -1,0 +1,165 @@
+"""splitserve's C++ CPU kernels against the torch code they replace (which stays in
+splitserve.kernels as the reference, and in the torch attention backend)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve import kernels
+from splitserve.executor.attention.backend import AttentionMetadata
+from splitserve.executor.attention.torch_ref import TorchAttentionBackend, _decode
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = kernels.cpu_ops()
+    assert built is not None, "the CPU kernels did not build (see the warning logged above)"
+    return built
+
+
+def _reference(monkeypatch, fn, *args):
+    """Run a splitserve.kernels function down its torch path."""
+    monkeypatch.setitem(kernels._state, "ops", None)
+    out = fn(*args)
+    monkeypatch.undo()
+    return out
+
+
+def _close(a, b, dtype):
+    # bfloat16 / float16: the fused kernels round at the same points as the torch ops, but exp and
+    # sums may differ in the last float32 bit, which can flip one rounding step.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add(ops, monkeypatch, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(37, 96, dtype=dtype) * 3
+    weight = torch.randn(96, dtype=dtype)
+    residual = torch.randn(37, 96, dtype=dtype)
+    _close(kernels.rms_norm(x, weight, 1e-6)[0], _reference(monkeypatch, kernels.rms_norm, x, weight, 1e-6)[0], dtype)
+    ref_out, ref_res = _reference(monkeypatch, kernels.rms_norm, x, weight, 1e-6, residual.clone())
+    res = residual.clone()
+    out, new_res = kernels.rms_norm(x, weight, 1e-6, res)
+    assert new_res is res  # updated in place
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)  # one rounded add: exact
+    _close(out, ref_out, dtype)
+
+
+def test_rms_norm_of_strided_3d_input(ops, monkeypatch):
+    """Qwen3's q/k norm: [T, H, D] views into the fused qkv output."""
+    qkv = torch.randn(5, 3 * 64, dtype=torch.bfloat16)
+    q = qkv[:, :128].view(5, 2, 64)
+    weight = torch.randn(64, dtype=torch.bfloat16)
+    _close(kernels.rms_norm(q, weight, 1e-6)[0], _reference(monkeypatch, kernels.rms_norm, q, weight, 1e-6)[0],
+           torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views(ops, monkeypatch, dtype):
+    torch.manual_seed(1)
+    T, hq, hk, d = 11, 4, 2, 32
+    qkv = torch.randn(T, (hq + 2 * hk) * d, dtype=dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(T, hq, d), k.view(T, hk, d)
+    angles = torch.rand(T, 1, d // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    ref_q, ref_k = _reference(monkeypatch, kernels.apply_rotary, q, k, cos, sin)
+    out_q, out_k = kernels.apply_rotary(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(out_q, ref_q, atol=0, rtol=0)
+    torch.testing.assert_close(out_k, ref_k, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(ops, monkeypatch, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(19, 2 * 72, dtype=dtype) * 4
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturating gates
+    _close(kernels.silu_and_mul(x), _reference(monkeypatch, kernels.silu_and_mul, x), dtype)
+
+
+def _decode_meta(seq_lens, block_size, num_blocks, gen):
+    """A decode-only batch over random, non-contiguous blocks."""
+    tables, free = [], torch.randperm(num_blocks, generator=gen).tolist()
+    for n in seq_lens:
+        need = -(-n // block_size)
+        tables.append([free.pop() for _ in range(need)])
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return AttentionMetadata(backend=TorchAttentionBackend(), num_decodes=len(seq_lens),
+                             query_start_loc=list(range(len(seq_lens) + 1)), seq_lens=list(seq_lens),
+                             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+                             slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long), block_size=block_size)
+
+
+class _Layer:
+    def __init__(self, hq, hkv, d, window, kv_cache):
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.scale, self.sliding_window = d ** -0.5, window
+        self.kv_cache, self.kv_scales = kv_cache, None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,window", [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 32, 7)])
+def test_decode_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window):
+    gen = torch.Generator().manual_seed(hq * d)
+    bs, num_blocks = 16, 40
+    seq_lens = [1, 16, 17, 45, 130]
+    cache = torch.randn(2, hkv, num_blocks, bs, d, generator=gen).to(dtype)
+    layer = _Layer(hq, hkv, d, window, cache)
+    meta = _decode_meta(seq_lens, bs, num_blocks, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype)
+    assert kernels.decode_attention_supported(q, cache, None)
+    out = torch.empty_like(q)
+    kernels.decode_attention(out, q, cache, meta.block_tables, meta.seq_lens_tensor, layer.scale, window)
+    ref = _decode(layer, q, meta)
+    _close(out, ref, dtype) if dtype == torch.float32 else torch.testing.assert_close(
+        out.float(), ref.float(), atol=2e-2, rtol=2e-2)  # the reference rounds scores and probs to dtype
+
+
+def test_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
+    monkeypatch.setitem(kernels._state, "ops", kernels._build())
+    assert kernels.cpu_ops() is None
+    x = torch.randn(3, 8)
+    out, _ = kernels.rms_norm(x, torch.ones(8), 1e-6)  # the torch path
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(ops, kv_dtype):
+    """Decodes through the kernel (an int8 cache keeps the reference's decode), a prefill chunk
+    with cached context through the shared reference code; the caches they leave are equal."""
+    from splitserve.executor.attention.cpu_backend import CPUAttentionBackend
+    from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
+
+    hq, hkv, d, bs, num_blocks = 6, 2, 32, 16, 24
+    spec = kv_cache_spec(kv_dtype, torch.float32)
+    seq_lens, q_lens = [20, 33, 40], [1, 1, 8]  # two decodes, then 8 new tokens after 32 cached
+    tables = [[3, 7, 0], [1, 9, 4], [11, 2, 15]]  # padded rows, as the model runner pads them
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[:2], seq_lens[:2])]
+    slots += [tables[2][p // bs] * bs + p % bs for p in range(32, 40)]
+    T = sum(q_lens)
+    results = []
+    for backend in (TorchAttentionBackend(), CPUAttentionBackend()):
+        cache = torch.randn(2, hkv, num_blocks, bs, d, generator=torch.Generator().manual_seed(4))
+        layer = _Layer(hq, hkv, d, None, cache.to(spec.storage_dtype) if spec.quantized else cache)
+        if spec.quantized:
+            layer.kv_scales = torch.rand(2, hkv, num_blocks, bs, 1, dtype=SCALE_DTYPE,
+                                         generator=torch.Generator().manual_seed(6))
+        meta = AttentionMetadata(backend=backend, num_decodes=2, query_start_loc=[0, 1, 2, 10],
+                                 seq_lens=seq_lens, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+                                 block_tables=torch.tensor(tables, dtype=torch.int32),
+                                 slot_mapping=torch.tensor(slots), block_size=bs)
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
+        results.append((backend.forward(layer, q, k, v, meta), layer.kv_cache))
+    (ref, ref_cache), (out, out_cache) = results
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_cache, ref_cache, atol=0, rtol=0)
