@@ -30,6 +30,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     served_model_name: str = ""
     quant_config: object | None = None  # splitserve.quantization.linear.QuantizationConfig
+    # The tokenizer is a stand-in (a dummy-weight model without its own tokenizer): its special
+    # tokens are not the model's, so end-of-sequence ids come from the model's config instead.
+    substitute_tokenizer: bool = False
 
     @property
     def architecture(self) -> str:

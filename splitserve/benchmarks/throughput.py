@@ -111,9 +111,13 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
     from splitserve.config import resolve_device
     from splitserve.loader.resolve import load_model_config, split_gguf
 
-    config = load_model_config(args, resolve_device(args.device))
-    directory, gguf_file = split_gguf(config.model)
-    model = load_hf_model(directory, gguf_file, config.dtype)
+    device = resolve_device(args.device)
+    config = load_model_config(args, device)
+    if config.load_format == "dummy":
+        model = dummy_hf_model(config.hf_config, config.dtype, config.seed, device)
+    else:
+        directory, gguf_file = split_gguf(config.model)
+        model = load_hf_model(directory, gguf_file, config.dtype).to(device)
     pad = config.hf_config.pad_token_id or 0
     batch = max_batch or len(workload.prompts)
     _hf_generate(model, [workload.prompts[0][:8]], 4, pad, temperature)
@@ -141,6 +145,23 @@ def load_hf_model(directory: str, gguf_file: str | None, dtype):
 
         kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
     return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype, **kwargs).eval()
+
+
+def dummy_hf_model(hf_config, dtype, seed: int, device):
+    """transformers' model of the same config with random weights (load_format="dummy"): built with
+    `from_config` and filled as splitserve fills its own (uniform in +-1e-3, seeded), so both sides
+    run the same shapes on values of the same scale (not the same values: the layouts differ)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.loader.weights import fill_dummy
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
+    fill_dummy(model, seed)
+    return model.eval()
 
 
 def _hf_generate(model, prompts: list[list[int]], max_new: int, pad: int, temperature: float):
@@ -176,9 +197,18 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
     return results
 
 
+def _describe_lengths(base: int, ratio: float, lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"{lo}..{hi}"
+    return f"{base}" if ratio == 0 else f"{base} (range ratio {ratio})"
+
+
 def report(results: list[Result], ns: argparse.Namespace, config) -> None:
-    print(f"\nModel {config.served_model_name} ({config.dtype}), {ns.num_prompts} prompts, "
-          f"input {ns.input_len} / output {ns.output_len} tokens (range ratio {ns.random_range_ratio})")
+    weights = ", random weights" if config.load_format == "dummy" else ""
+    print(f"\nModel {config.served_model_name} ({config.dtype}{weights}), {ns.num_prompts} prompts, "
+          f"input {_describe_lengths(ns.input_len, ns.random_range_ratio, ns.min_input_len, ns.max_input_len)} / "
+          f"output {_describe_lengths(ns.output_len, ns.random_range_ratio, ns.min_output_len, ns.max_output_len)} "
+          f"tokens, seed {ns.seed}")
     print(f"{'backend':<12}{'elapsed s':>10}{'requests/s':>12}{'output tok/s':>14}{'total tok/s':>13}")
     for r in results:
         print(f"{r.backend:<12}{r.elapsed:>10.2f}{r.requests_per_s:>12.2f}{r.output_tokens_per_s:>14.1f}"

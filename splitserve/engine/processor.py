@@ -1,6 +1,7 @@
 """Input processing: prompts (text or token ids) and sampling parameters -> validated core Requests."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,8 +23,13 @@ class Processor:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
-        self.eos_token_id = tokenizer.eos_token_id
-        self.extra_eos_ids = _generation_config_eos_ids(model_config) - {self.eos_token_id}
+        if model_config.substitute_tokenizer:  # a stand-in tokenizer's special ids mean nothing to the model
+            config_eos = _config_eos_ids(model_config)
+            self.eos_token_id = config_eos[0] if config_eos else None
+            self.extra_eos_ids = set(config_eos[1:])
+        else:
+            self.eos_token_id = tokenizer.eos_token_id
+            self.extra_eos_ids = _generation_config_eos_ids(model_config) - {self.eos_token_id}
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -82,11 +88,17 @@ def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:
     """Extra end-of-sequence ids from generation_config.json (Llama 3 lists several)."""
     from transformers import GenerationConfig
 
-    if model_config.gguf_file is not None:
-        return set()
+    if model_config.gguf_file is not None or not os.path.isdir(model_config.model):
+        return set()  # a .gguf file, or a built-in config of a dummy-weight model: no generation_config.json
     try:
         gen = GenerationConfig.from_pretrained(model_config.model)
     except OSError:
         return set()
     eos = gen.eos_token_id
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _config_eos_ids(model_config: ModelConfig) -> list[int]:
+    """The end-of-sequence ids the model's config.json names (Llama 3 Instruct lists several)."""
+    eos = getattr(model_config.hf_config, "eos_token_id", None)
+    return list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]

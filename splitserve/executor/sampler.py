@@ -6,13 +6,16 @@ logits; greedy rows take the argmax, random rows are scaled by temperature, cut 
 top-p and min-p, and sampled by inverting their cumulative distribution at one uniform draw
 per row, taken from the request's own generator when it has a seed so that its tokens do not
 depend on what else is in the batch (one draw per row, not one per vocabulary entry, keeps
-sampling cheap on CPU).
+sampling cheap on CPU). On CPU, a batch that asks for nothing but temperature (or greedy) is
+sampled by one fused kernel (splitserve.kernels.sample) straight from the model-dtype logits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from splitserve import kernels
 
 _EPS = 1e-5
 
@@ -45,6 +48,9 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if _plain(meta) and kernels.sample_supported(logits):
+            # Temperature (or greedy) only: one fused CPU pass per row, on the model-dtype logits.
+            return SamplerOutput(kernels.sample(logits, meta.temperature, _uniforms(logits, meta.generators)))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         logits = apply_logit_processors(logits, meta)
@@ -104,11 +110,24 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def _plain(meta: SamplingMetadata) -> bool:
+    """Nothing but temperature: no logprobs, logit processors, penalties, top-k/top-p/min-p."""
+    return (meta.max_num_logprobs is None and meta.logit_bias is None and meta.repetition_penalty is None
+            and meta.frequency_penalty is None and meta.presence_penalty is None and meta.top_k is None
+            and meta.top_p is None and meta.min_p is None)
+
+
+def _uniforms(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One uniform draw per row [R]; a row with a seeded generator draws from it."""
+    u = torch.rand(like.shape[0], device=like.device)
+    for row, generator in generators.items():
+        u[row] = torch.rand(1, generator=generator, device=like.device)
+    return u
+
+
 def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One token per row of (unnormalised) `probs`: the first whose cumulative mass exceeds u * total."""
-    u = torch.rand(probs.shape[0], 1, device=probs.device)
-    for row, generator in generators.items():
-        u[row] = torch.rand(1, generator=generator, device=probs.device)
+    u = _uniforms(probs, generators)[:, None]
     cdf = probs.cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(1)

@@ -1,4 +1,5 @@
-"""Fused kernels for the hot element-wise steps of a decoder layer and for paged decode attention.
+"""Fused kernels for the hot element-wise steps of a decoder layer, paged decode attention and
+temperature sampling.
 
 On CPU they come from a small C++ extension (cpu_ops.cpp), compiled with the installed torch the
 first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 20 s once
@@ -114,3 +115,15 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
     Writes out in place. CPU only (see decode_attention_supported)."""
     cpu_ops().decode_attention(out, q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens,
                                scale, sliding_window or 0)
+
+
+# --- sampling -------------------------------------------------------------------------------------
+def sample_supported(logits: torch.Tensor) -> bool:
+    return _use_cpu_kernel(logits) and logits.dim() == 2 and logits.stride(-1) == 1
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] token ids: argmax for rows with temperature < 1e-5, else the token where the cumulative
+    distribution of softmax(logits / temperature) first exceeds u (one uniform per row, [R]).
+    CPU only (see sample_supported); the torch sampler does the same in five passes."""
+    return cpu_ops().sample(logits, temperature.float().contiguous(), u.float().contiguous())

@@ -1,5 +1,5 @@
-// splitserve's CPU kernels: paged decode attention and the fused element-wise steps of a decoder
-// layer (residual add + RMSNorm, rotary, SiLU-and-mul). Built at run time by
+// splitserve's CPU kernels: paged decode attention, the fused element-wise steps of a decoder
+// layer (residual add + RMSNorm, rotary, SiLU-and-mul) and temperature sampling. Built at run time by
 // splitserve/kernels/__init__.py with the torch that is installed (torch.utils.cpp_extension),
 // parallelised with at::parallel_for on torch's own OpenMP threads, vectorised by the compiler
 // (-O3 -march=native: the code runs on the machine that compiled it).
@@ -307,6 +307,76 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// ---- sampling -----------------------------------------------------------------------------------
+// logits: [R, V] (unit stride); temperature, u: [R] float32 -> tokens [R] int64. A row with
+// temperature below 1e-5 takes its argmax (the first maximum). Any other row takes the first token
+// whose cumulative weight exceeds u * total, with weights exp((l - max) / temperature): sampling
+// from softmax(l / temperature) by inverting its distribution at u, as the torch sampler does
+// (its softmax + cumsum + searchsorted), in two passes over the row instead of five.
+template <typename T>
+void sample_impl(at::Tensor& tokens, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  constexpr int64_t kChunk = 256;
+  const T* lp = logits.data_ptr<T>();
+  const float* tp = temperature.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(V), chunk_sums((V + kChunk - 1) / kChunk);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = lp + r * stride;
+      float mx = static_cast<float>(row[0]);
+      int64_t best = 0;
+      for (int64_t i = 1; i < V; ++i) {
+        const float x = static_cast<float>(row[i]);
+        if (x > mx) mx = x, best = i;
+      }
+      if (tp[r] < 1e-5f) {
+        out[r] = best;
+        continue;
+      }
+      const float inv_t = 1.f / tp[r];
+      float total = 0.f;
+      for (int64_t c = 0; c * kChunk < V; ++c) {
+        const int64_t lo = c * kChunk, hi = std::min(V, lo + kChunk);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = lo; i < hi; ++i) {
+          weights[i] = fast_exp((static_cast<float>(row[i]) - mx) * inv_t);
+          sum += weights[i];
+        }
+        chunk_sums[c] = sum;
+        total += sum;
+      }
+      const float target = up[r] * total;
+      float cum = 0.f;
+      int64_t c = 0;
+      while (c + 1 < static_cast<int64_t>(chunk_sums.size()) && cum + chunk_sums[c] <= target) cum += chunk_sums[c++];
+      int64_t token = std::min(V, (c + 1) * kChunk) - 1;  // rounding can leave target past the sum
+      for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) {
+        cum += weights[i];
+        if (cum > target && weights[i] > 0.f) {
+          token = i;
+          break;
+        }
+      }
+      out[r] = token;
+    }
+  });
+}
+
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [R, V] with unit stride");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat &&
+              temperature.is_contiguous() && u.is_contiguous() && temperature.numel() == logits.size(0) &&
+              u.numel() == logits.size(0), "temperature and u must be [R] float32");
+  at::Tensor tokens = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "sample", [&] {
+    sample_impl<scalar_t>(tokens, logits, temperature, u);
+  });
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve_cpu, m) {
@@ -316,4 +386,5 @@ TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("sample(Tensor logits, Tensor temperature, Tensor u) -> Tensor", &sample);
 }

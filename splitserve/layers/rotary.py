@@ -31,7 +31,8 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"Unknown rope type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}.")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    with torch.device("cpu"):  # they allocate on the default device, which a model build may have set
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq, float(scaling)
 
 
@@ -39,7 +40,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_position: int):
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim)
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.float)  # on the default device (cuda, meta ...)
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)

