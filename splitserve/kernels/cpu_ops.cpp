@@ -19,6 +19,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // exp(x) for float, written so that loops over it vectorise (no libm call): x = n ln2 + r with
@@ -54,11 +58,135 @@ inline float dot(const float* q, const T* k, int64_t d) {
 // One query token per request. q, out: [B, Hq, D]; k_cache, v_cache: [Hkv, num_blocks, block_size, D];
 // block_tables: [B, max_blocks] int32; seq_lens: [B] int32. Each (request, KV head) pair is one
 // work item: it reads its keys and values once, straight from the blocks, for the G query heads
-// that share them (no gathered copy of the cache, unlike the torch reference). Each key and value
-// row is widened to float32 once and then used by all G heads. D is a template parameter for the
-// common head sizes (64, 128) so that the row loops unroll into whole vector registers; kDynamic
-// takes any other size at run time.
+// that share them (no gathered copy of the cache, unlike the torch reference), in groups of up to
+// 16 tokens: the group's rows are widened to float32 once and used by all G heads. D is a template
+// parameter for the common head sizes (64, 128) so that the row loops unroll into whole vector
+// registers; kDynamic takes any other size at run time. With AVX-512 and bfloat16, the dot
+// products of a group are reduced together (reduce16) and the accumulators live in registers.
 constexpr int64_t kDynamic = 0;
+constexpr int64_t kGroup = 16;
+
+// The cache rows of a request's tokens first, first + 1, ..., walked block by block (no division
+// per token).
+template <typename T>
+struct RowWalker {
+  const T* head;
+  const int32_t* table;
+  int64_t block_stride, row_stride, bs, blk, off, last_blk;
+  const T* next() {
+    const T* row = head + table[blk] * block_stride + off * row_stride;
+    if (++off == bs) off = 0, ++blk;
+    return row;
+  }
+  // Ask for the next block while this one is used: blocks are scattered, so the hardware
+  // prefetcher cannot guess them.
+  void prefetch_next_block() const {
+    if (blk + 1 > last_blk) return;
+    const char* start = reinterpret_cast<const char*>(head + table[blk + 1] * block_stride);
+    for (int64_t byte = 0; byte < bs * row_stride * static_cast<int64_t>(sizeof(T)); byte += 64)
+      __builtin_prefetch(start + byte);
+  }
+};
+
+// Widen up to kGroup rows to float32: rows [m, D] into buf.
+template <typename T, int64_t kD>
+inline void widen_rows(RowWalker<T>& walk, int64_t m, int64_t D, float* buf) {
+  for (int64_t j = 0; j < m; ++j) {
+    const T* row = walk.next();
+#pragma omp simd
+    for (int64_t i = 0; i < (kD == kDynamic ? D : kD); ++i) buf[j * D + i] = static_cast<float>(row[i]);
+  }
+}
+
+#if defined(__AVX512F__)
+// lane j of the result = the sum of the 16 lanes of v[j] (a 16 x 16 transpose folded into adds).
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2k], y = v[2k+1]
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int m = 0; m < 4; ++m) {  // per 128-bit lane: the lane's sums of v[4m], v[4m+1], v[4m+2], v[4m+3]
+    const __m512d a = _mm512_castps_pd(w[2 * m]), b = _mm512_castps_pd(w[2 * m + 1]);
+    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // sum the four 128-bit lanes of each u[m] into lane m of the result
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#endif
+
+// scores[g * n + t] = q_g . k_t for t in [0, n)
+template <typename T, int64_t kD>
+void score_keys(RowWalker<T> walk, const float* query, int64_t G, int64_t D, int64_t n, float* scores,
+                float* buf) {
+  for (int64_t t0 = 0; t0 < n; t0 += kGroup) {
+    const int64_t m = std::min(kGroup, n - t0);
+    walk.prefetch_next_block();
+    widen_rows<T, kD>(walk, m, D, buf);
+#if defined(__AVX512F__)
+    if constexpr (kD != kDynamic && kD % 16 == 0) {
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 qv[kD / 16], dots[kGroup];
+        for (int64_t c = 0; c < kD / 16; ++c) qv[c] = _mm512_loadu_ps(query + g * kD + 16 * c);
+        for (int64_t j = 0; j < kGroup; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          if (j < m)
+            for (int64_t c = 0; c < kD / 16; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(buf + j * kD + 16 * c), a);
+          dots[j] = a;
+        }
+        _mm512_mask_storeu_ps(scores + g * n + t0, static_cast<__mmask16>((1u << m) - 1), reduce16(dots));
+      }
+      continue;
+    }
+#endif
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < m; ++j) {
+        const float* qg = query + g * D;
+        const float* k = buf + j * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < (kD == kDynamic ? D : kD); ++i) dot += qg[i] * k[i];
+        scores[g * n + t0 + j] = dot;
+      }
+  }
+}
+
+// acc[g] += sum_t p[g * n + t] v_t for t in [0, n)
+template <typename T, int64_t kD>
+void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, int64_t n, float* acc,
+                       float* buf) {
+  for (int64_t t0 = 0; t0 < n; t0 += kGroup) {
+    const int64_t m = std::min(kGroup, n - t0);
+    walk.prefetch_next_block();
+    widen_rows<T, kD>(walk, m, D, buf);
+#if defined(__AVX512F__)
+    if constexpr (kD != kDynamic && kD % 16 == 0) {
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 a[kD / 16];
+        for (int64_t c = 0; c < kD / 16; ++c) a[c] = _mm512_loadu_ps(acc + g * kD + 16 * c);
+        for (int64_t j = 0; j < m; ++j) {
+          const __m512 w = _mm512_set1_ps(p[g * n + t0 + j]);
+          for (int64_t c = 0; c < kD / 16; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(buf + j * kD + 16 * c), a[c]);
+        }
+        for (int64_t c = 0; c < kD / 16; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, a[c]);
+      }
+      continue;
+    }
+#endif
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < m; ++j) {
+        const float w = p[g * n + t0 + j];
+        const float* v = buf + j * D;
+        float* a = acc + g * D;
+#pragma omp simd
+        for (int64_t i = 0; i < (kD == kDynamic ? D : kD); ++i) a[i] += w * v[i];
+      }
+  }
+}
 
 template <typename T, int64_t kD>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -79,7 +207,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(G * D), acc(G * D), row(D), scores, inv_sum(G);
+    std::vector<float> query(G * D), acc(G * D), buf(kGroup * D), scores, inv_sum(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lens[b];
@@ -91,23 +219,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         for (int64_t i = 0; i < D; ++i) query[g * D + i] = static_cast<float>(src[i]) * fscale;
       }
       scores.resize(G * n);
-      float* kf = row.data();
-      // scores[g, t] = q_g . k_t
-      // Walk the blocks rather than dividing every position by the block size.
-      const T* k_head = kp + h * head_stride;
-      for (int64_t t = 0, blk = first / bs, off = first % bs; t < n; ++t) {
-        const T* key = k_head + table[blk] * block_stride + off * D;
-        if (++off == bs) off = 0, ++blk;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) kf[i] = static_cast<float>(key[i]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &query[g * D];
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) dot += qg[i] * kf[i];
-          scores[g * n + t] = dot;
-        }
-      }
+      score_keys<T, kD>({kp + h * head_stride, table, block_stride, D, bs, first / bs, first % bs, (len - 1) / bs},
+                        query.data(), G, D, n, scores.data(), buf.data());
       // softmax over t, left unnormalised until the end
       for (int64_t g = 0; g < G; ++g) {
         float* s = &scores[g * n];
@@ -121,21 +234,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         }
         inv_sum[g] = 1.f / sum;
       }
-      // acc[g] = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      const T* v_head = vp + h * head_stride;
-      for (int64_t t = 0, blk = first / bs, off = first % bs; t < n; ++t) {
-        const T* value = v_head + table[blk] * block_stride + off * D;
-        if (++off == bs) off = 0, ++blk;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) kf[i] = static_cast<float>(value[i]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* a = &acc[g * D];
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += p * kf[i];
-        }
-      }
+      accumulate_values<T, kD>({vp + h * head_stride, table, block_stride, D, bs, first / bs, first % bs, (len - 1) / bs},
+                               scores.data(), G, D, n, acc.data(), buf.data());
       for (int64_t g = 0; g < G; ++g) {
         T* dst = op + (b * Hq + h * G + g) * D;
         for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i] * inv_sum[g]);
