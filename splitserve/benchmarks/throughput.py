@@ -7,11 +7,14 @@ import argparse
 import dataclasses
 import gc
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass
 
 from splitserve.config import EngineArgs
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("splitserve", "hf")
 
@@ -178,6 +181,20 @@ def _hf_generate(model, prompts: list[list[int]], max_new: int, pad: int, temper
                               pad_token_id=pad)
 
 
+def fit_max_model_len(args: EngineArgs, workload: Workload, model_limit: int) -> EngineArgs:
+    """Without --max-model-len, the longest request of the workload (prompt + output), not the model's
+    whole context (40960 tokens for Qwen3, 131072 for Llama 3): every request still runs to its full
+    length, and the KV cache need not hold a full-context request that the benchmark never sends."""
+    if args.max_model_len is not None:
+        return args
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    if longest >= model_limit:
+        return args
+    logger.info("max_model_len: %d, the workload's longest request (the model allows %d; "
+                "--max-model-len sets it)", longest, model_limit)
+    return dataclasses.replace(args, max_model_len=longest)
+
+
 def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
     from splitserve.config import resolve_device
     from splitserve.loader.resolve import load_model_config
@@ -186,6 +203,7 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
     config = load_model_config(args, resolve_device(args.device))
     tokenizer = get_tokenizer(config.tokenizer)
     workload = make_workload(ns, config.vocab_size, set(tokenizer.all_special_ids))
+    args = fit_max_model_len(args, workload, config.max_model_len)
     results = []
     for backend in dict.fromkeys(ns.backend):
         if backend == "splitserve":
