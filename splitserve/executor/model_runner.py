@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve import kernels
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
 from splitserve.engine.protocol import TokenLogprobs
 from splitserve.engine.request import Request
@@ -51,6 +52,8 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.cache_config.block_size
         torch.manual_seed(config.model_config.seed)
+        if self.device.type == "cpu":
+            kernels.enable_transparent_huge_pages()
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
         self.sampler = Sampler()
