@@ -191,7 +191,7 @@ def no_backend_env(monkeypatch):
 def test_default_backend_per_device(no_backend_env, caplog):
     assert isinstance(get_attention_backend(torch.device("cpu")), CPUAttentionBackend)
     assert isinstance(get_attention_backend(torch.device("cuda")), TritonAttentionBackend)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="splitserve.executor.attention.backend"):
         assert isinstance(get_attention_backend(torch.device("cuda"), "int4"), TorchAttentionBackend)
     assert "int4" in caplog.text
 
@@ -206,7 +206,7 @@ def test_fp8_e4m3_needs_sm89(no_backend_env):
 
 def test_cuda_without_triton_gets_torch(no_backend_env, caplog):
     no_backend_env.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="splitserve.executor.attention.backend"):
         assert isinstance(get_attention_backend(torch.device("cuda")), TorchAttentionBackend)
     assert "not installed" in caplog.text
     no_backend_env.setenv(BACKEND_ENV, "triton")
