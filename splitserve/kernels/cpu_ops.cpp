@@ -121,14 +121,22 @@ inline __m512 reduce16(const __m512* v) {
 
 #endif
 
-// scores[g * n + t] = q_g . k_t for t in [0, n)
-template <typename T, int64_t kD>
-void score_keys(RowWalker<T> walk, const float* query, int64_t G, int64_t D, int64_t n, float* scores,
-                float* buf) {
+// fn(t0, m) for each group of m <= kGroup rows starting at row t0, with the rows widened into buf.
+template <typename T, int64_t kD, typename Fn>
+void for_each_group(RowWalker<T> walk, int64_t D, int64_t n, float* buf, Fn&& fn) {
   for (int64_t t0 = 0; t0 < n; t0 += kGroup) {
     const int64_t m = std::min(kGroup, n - t0);
     walk.prefetch_next_blocks();
     widen_rows<T, kD>(walk, m, D, buf);
+    fn(t0, m);
+  }
+}
+
+// scores[g * n + t] = q_g . k_t for t in [0, n)
+template <typename T, int64_t kD>
+void score_keys(RowWalker<T> walk, const float* query, int64_t G, int64_t D, int64_t n, float* scores,
+                float* buf) {
+  for_each_group<T, kD>(walk, D, n, buf, [&](int64_t t0, int64_t m) {
 #if defined(__AVX512F__)
     if constexpr (kD != kDynamic && kD % 16 == 0) {
       for (int64_t g = 0; g < G; ++g) {
@@ -142,7 +150,7 @@ void score_keys(RowWalker<T> walk, const float* query, int64_t G, int64_t D, int
         }
         _mm512_mask_storeu_ps(scores + g * n + t0, static_cast<__mmask16>((1u << m) - 1), reduce16(dots));
       }
-      continue;
+      return;
     }
 #endif
     for (int64_t g = 0; g < G; ++g)
@@ -154,17 +162,14 @@ void score_keys(RowWalker<T> walk, const float* query, int64_t G, int64_t D, int
         for (int64_t i = 0; i < (kD == kDynamic ? D : kD); ++i) dot += qg[i] * k[i];
         scores[g * n + t0 + j] = dot;
       }
-  }
+  });
 }
 
 // acc[g] += sum_t p[g * n + t] v_t for t in [0, n)
 template <typename T, int64_t kD>
 void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, int64_t n, float* acc,
                        float* buf) {
-  for (int64_t t0 = 0; t0 < n; t0 += kGroup) {
-    const int64_t m = std::min(kGroup, n - t0);
-    walk.prefetch_next_blocks();
-    widen_rows<T, kD>(walk, m, D, buf);
+  for_each_group<T, kD>(walk, D, n, buf, [&](int64_t t0, int64_t m) {
 #if defined(__AVX512F__)
     if constexpr (kD != kDynamic && kD % 16 == 0) {
       for (int64_t g = 0; g < G; ++g) {
@@ -176,7 +181,7 @@ void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, 
         }
         for (int64_t c = 0; c < kD / 16; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, a[c]);
       }
-      continue;
+      return;
     }
 #endif
     for (int64_t g = 0; g < G; ++g)
@@ -187,7 +192,7 @@ void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, 
 #pragma omp simd
         for (int64_t i = 0; i < (kD == kDynamic ? D : kD); ++i) a[i] += w * v[i];
       }
-  }
+  });
 }
 
 template <typename T, int64_t kD>
