@@ -147,9 +147,26 @@ def _apply_cpu_cores() -> None:
         torch.set_num_threads(len(ids))
 
 
+def exit_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when the process that started it dies, however it
+    dies (SIGKILL, a crash): a server's engine and API workers never outlive it. Linux only; a
+    no-op elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
     """Entry point of the engine process: build the core, report readiness, loop until killed."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    exit_with_parent()
     _apply_cpu_cores()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:

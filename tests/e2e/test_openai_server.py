@@ -302,6 +302,30 @@ def test_engine_death_gives_503_not_a_hang(tiny_chat_model):
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_children_do_not_outlive_the_server(tiny_chat_model, sig):
+    """SIGTERM to the server process alone (not its group, as systemd or `kill PID` send it) stops
+    the engine through the server's own shutdown; after SIGKILL the kernel's parent-death signal
+    stops it."""
+    with RemoteServer(tiny_chat_model, *COMMON) as s:
+        children = s.child_pids()
+        assert children
+        os.kill(s.proc.pid, sig)
+        s.proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
+            time.sleep(0.2)
+        assert not [p for p in children if os.path.exists(f"/proc/{p}") and not _is_zombie(p)]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _engine_pid(server: RemoteServer) -> int:
     """The engine core process: of the server's spawned children (it and multiprocessing's resource
     tracker) the one holding the model, i.e. the largest resident memory."""

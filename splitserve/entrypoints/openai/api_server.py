@@ -151,6 +151,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     address = None
     if server_args.engine_worker_queue_port is not None:
         address = f"tcp://127.0.0.1:{server_args.engine_worker_queue_port}"
+    # uvicorn handles SIGTERM itself and, once it has shut down, raises the signal again for the
+    # handler it found: make that handler unwind through `finally`, so the engine and the workers
+    # are stopped instead of outliving this process.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     engine = EngineProcess(config, address)
     workers: list[multiprocessing.Process] = []
     try:
@@ -166,6 +170,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         engine.shutdown()
         if multiproc_dir:
             shutil.rmtree(multiproc_dir, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _start_workers(config, server_args, address, pid, sock) -> list[multiprocessing.Process]:
@@ -210,6 +218,10 @@ def serve_worker(config: EngineConfig, server_args: ServerArgs, address: str, en
     """One API server process: an AsyncLLM client and uvicorn on the shared socket."""
     import uvicorn
 
+    from splitserve.engine.core_proc import exit_with_parent
+
+    if multiprocessing.parent_process() is not None:  # a worker process of a multi-worker server
+        exit_with_parent()
     _quiet_threads()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     from splitserve.engine.async_llm import AsyncLLM
