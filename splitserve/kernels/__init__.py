@@ -111,19 +111,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# --- paged decode attention -----------------------------------------------------------------------
-def decode_attention_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales) -> bool:
-    """Whether the CPU decode kernel takes this layer: an unquantized cache in q's dtype."""
+# --- paged KV cache ------------------------------------------------------------------------------
+def paged_kv_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales) -> bool:
+    """Whether the CPU cache kernels take this layer: an unquantized cache in q's dtype."""
     return kv_scales is None and kv_cache.dtype == q.dtype and _use_cpu_kernel(q)
 
 
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into kv_cache [2, Hkv, blocks, block_size, D] at slot_mapping [T] (int64,
+    block * block_size + offset). CPU only (see paged_kv_supported)."""
+    cpu_ops().write_kv(kv_cache, k, v, slot_mapping)
+
+
 def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> None:
-    """One query token per request: q, out [B, Hq, D]; kv_cache [2, Hkv, blocks, block_size, D];
-    block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens cached, this one included).
-    Writes out in place. CPU only (see decode_attention_supported)."""
-    cpu_ops().decode_attention(out, q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens,
-                               scale, sliding_window or 0)
+                     seq_lens: torch.Tensor, num_decodes: int, scale: float, sliding_window: int | None) -> None:
+    """Attention of the first num_decodes requests, one query token each: rows [0, num_decodes) of
+    q [T, Hq, D] into the same rows of out (contiguous); kv_cache [2, Hkv, blocks, block_size, D];
+    block_tables [R, max_blocks] int32 and seq_lens [R] int32 (tokens cached, this one included).
+    CPU only (see paged_kv_supported)."""
+    cpu_ops().decode_attention(out, q, kv_cache, block_tables, seq_lens, num_decodes, scale, sliding_window or 0)
 
 
 # --- sampling -------------------------------------------------------------------------------------

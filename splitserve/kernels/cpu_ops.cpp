@@ -1,5 +1,6 @@
-// splitserve's CPU kernels: paged decode attention, the fused element-wise steps of a decoder
-// layer (residual add + RMSNorm, rotary, SiLU-and-mul) and temperature sampling. Built at run time by
+// splitserve's CPU kernels: paged KV cache writes and decode attention, the fused element-wise
+// steps of a decoder layer (residual add + RMSNorm, rotary, SiLU-and-mul) and temperature
+// sampling. Built at run time by
 // splitserve/kernels/__init__.py with the torch that is installed (torch.utils.cpp_extension),
 // parallelised with at::parallel_for on torch's own OpenMP threads, vectorised by the compiler
 // (-O3 -march=native: the code runs on the machine that compiled it).
@@ -198,8 +199,8 @@ void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, 
 template <typename T, int64_t kD>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
-  const int64_t B = q.size(0), Hq = q.size(1);
+                           const at::Tensor& seq_lens, int64_t B, double scale, int64_t sliding_window) {
+  const int64_t Hq = q.size(1), q_token_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t D = kD == kDynamic ? q.size(2) : kD;
   const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
   const int64_t G = Hq / Hkv;
@@ -222,7 +223,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       const int64_t n = len - first;
       const int32_t* table = tables + b * table_stride;
       for (int64_t g = 0; g < G; ++g) {
-        const T* src = qp + (b * Hq + h * G + g) * D;
+        const T* src = qp + b * q_token_stride + (h * G + g) * q_head_stride;
         for (int64_t i = 0; i < D; ++i) query[g * D + i] = static_cast<float>(src[i]) * fscale;
       }
       scores.resize(G * n);
@@ -252,24 +253,64 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   });
 }
 
-void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3), "bad k_cache layout");
-  TORCH_CHECK(v_cache.strides() == k_cache.strides(), "k_cache and v_cache must share a layout");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+// The first num_decodes rows of q [T, Hq, D] (any token and head strides) into the same rows of out
+// [T, Hq, D] (contiguous); kv_cache [2, Hkv, num_blocks, block_size, D]; block_tables and seq_lens
+// as the model runner builds them for the whole step (decodes first).
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_decodes,
+                      double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous(), "q needs unit stride along head_dim; out must be contiguous");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be [2, Hkv, blocks, block_size, D]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
               "q, out and the cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "bad block_tables / seq_lens layout");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(num_decodes <= q.size(0) && num_decodes <= block_tables.size(0) && num_decodes <= seq_lens.size(0),
+              "num_decodes exceeds the batch");
+  TORCH_CHECK(q.size(1) % kv_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     switch (q.size(2)) {
-      case 64: return decode_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
-      case 128: return decode_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
-      default: return decode_attention_impl<scalar_t, kDynamic>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
+      case 64: return decode_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, num_decodes, scale, sliding_window);
+      case 128: return decode_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, num_decodes, scale, sliding_window);
+      default: return decode_attention_impl<scalar_t, kDynamic>(out, q, k_cache, v_cache, block_tables, seq_lens, num_decodes, scale, sliding_window);
     }
+  });
+}
+
+// ---- KV cache write ----------------------------------------------------------------------------
+// k, v: [T, Hkv, D] (any token stride, packed heads) into kv_cache [2, Hkv, num_blocks, block_size, D]
+// at the slots (block * block_size + offset) of slot_mapping [T] int64.
+template <typename T>
+void write_kv_impl(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t head_stride = kv_cache.stride(1), kv_stride = kv_cache.stride(0);
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* cp = kv_cache.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        T* dst = cp + h * head_stride + sp[t] * D;
+        std::memcpy(dst, kp + t * ks + h * D, D * sizeof(T));
+        std::memcpy(dst + kv_stride, vp + t * vs + h * D, D * sizeof(T));
+      }
+  });
+}
+
+void write_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be [2, Hkv, blocks, block_size, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k and v must have packed heads");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "k, v and the cache must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "slot_mapping must be [T] int64");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    write_kv_impl<scalar_t>(kv_cache, k, v, slot_mapping);
   });
 }
 
@@ -488,8 +529,9 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 }  // namespace
 
 TORCH_LIBRARY(splitserve_cpu, m) {
-  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int sliding_window) -> ()", &decode_attention);
+  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "int num_decodes, float scale, int sliding_window) -> ()", &decode_attention);
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()", &write_kv);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary);

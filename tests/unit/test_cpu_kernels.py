@@ -114,13 +114,34 @@ def test_decode_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window
     cache = torch.randn(2, hkv, num_blocks, bs, d, generator=gen).to(dtype)
     layer = _Layer(hq, hkv, d, window, cache)
     meta = _decode_meta(seq_lens, bs, num_blocks, gen)
-    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype)
-    assert kernels.decode_attention_supported(q, cache, None)
-    out = torch.empty_like(q)
-    kernels.decode_attention(out, q, cache, meta.block_tables, meta.seq_lens_tensor, layer.scale, window)
-    ref = _decode(layer, q, meta)
+    # q as the model hands it over: a view into the fused qkv rows, with one more (prefill) row after
+    # the decodes that the kernel must leave alone.
+    B = len(seq_lens)
+    qkv = torch.randn(B + 1, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q = qkv[:, :hq * d].view(B + 1, hq, d)
+    assert kernels.paged_kv_supported(q, cache, None)
+    out = torch.full_like(q, 7.0).contiguous()
+    kernels.decode_attention(out, q, cache, meta.block_tables, meta.seq_lens_tensor, B, layer.scale, window)
+    assert (out[B] == 7.0).all()
+    out, ref = out[:B], _decode(layer, q[:B], meta)
     _close(out, ref, dtype) if dtype == torch.float32 else torch.testing.assert_close(
         out.float(), ref.float(), atol=2e-2, rtol=2e-2)  # the reference rounds scores and probs to dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_torch_reference(ops, dtype):
+    from splitserve.executor.attention.torch_ref import write_kv
+
+    gen = torch.Generator().manual_seed(9)
+    hkv, d, bs, blocks, T = 3, 64, 16, 10, 21
+    qkv = torch.randn(T, 5 * hkv * d, generator=gen).to(dtype)  # k and v as strided views, like the model's
+    k, v = qkv[:, hkv * d:2 * hkv * d].view(T, hkv, d), qkv[:, 2 * hkv * d:3 * hkv * d].view(T, hkv, d)
+    slots = torch.randperm(blocks * bs, generator=gen)[:T]
+    ref = torch.zeros(2, hkv, blocks, bs, d, dtype=dtype)
+    write_kv(ref[0], ref[1], k, v, slots)
+    cache = torch.zeros_like(ref)
+    kernels.write_kv(cache, k, v, slots)
+    torch.testing.assert_close(cache, ref, atol=0, rtol=0)
 
 
 def test_kernels_can_be_turned_off(monkeypatch):

@@ -1,6 +1,7 @@
-"""The CPU attention backend: the torch reference, with decode attention in splitserve's C++
-kernel. The kernel walks each request's blocks in place, where the reference first gathers them
-into a padded copy; quantized KV caches keep the reference's decode (it applies their scales)."""
+"""The CPU attention backend: the torch reference, with the paged-cache work in splitserve's C++
+kernels: KV writes in one call per layer, and decode attention that walks each request's blocks in
+place (the reference first gathers them into a padded copy). Quantized KV caches keep the
+reference's write and decode (they quantize and apply scales)."""
 from __future__ import annotations
 
 import torch
@@ -13,9 +14,13 @@ from splitserve.executor.attention.torch_ref import TorchAttentionBackend
 class CPUAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        if not kernels.paged_kv_supported(k, layer.kv_cache, layer.kv_scales):
+            return super().write(layer, k, v, meta)
+        kernels.write_kv(layer.kv_cache, k, v, meta.slot_mapping)
+
     def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        if not kernels.decode_attention_supported(q, layer.kv_cache, layer.kv_scales):
+        if not kernels.paged_kv_supported(q, layer.kv_cache, layer.kv_scales):
             return super().decode(layer, q, meta, out)
-        nd = meta.num_decodes
-        kernels.decode_attention(out, q, layer.kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd],
+        kernels.decode_attention(out, q, layer.kv_cache, meta.block_tables, meta.seq_lens_tensor, meta.num_decodes,
                                  layer.scale, layer.sliding_window)

@@ -24,23 +24,29 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        if layer.kv_scales is None:
-            write_kv(layer.kv_cache[0], layer.kv_cache[1], k, v, meta.slot_mapping)
-        else:
-            write_quantized_kv(layer.kv_cache, layer.kv_scales, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        self.write(layer, k, v, meta)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            self.decode(layer, q[:nd], meta, out[:nd])
+            self.decode(layer, q, meta, out)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], meta, i)
         return out
 
 
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The step's new k/v [T, Hkv, D] into the layer's cache, quantized if the cache is."""
+        if layer.kv_scales is None:
+            write_kv(layer.kv_cache[0], layer.kv_cache[1], k, v, meta.slot_mapping)
+        else:
+            write_quantized_kv(layer.kv_cache, layer.kv_scales, k, v, meta.slot_mapping)
+
     def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        """Attention of the decode requests' single query tokens, written into out [num_decodes, Hq, D]."""
-        out.copy_(_decode(layer, q, meta))
+        """Attention of the decode requests' single query tokens (the first meta.num_decodes rows of
+        q [T, Hq, D]), written into the same rows of out."""
+        nd = meta.num_decodes
+        out[:nd] = _decode(layer, q[:nd], meta)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
