@@ -23,6 +23,7 @@ import torch
 
 from splitserve import LLM, GenerationConfig, PytorchEngineConfig, SamplingParams, TurbomindEngineConfig, pipeline
 from splitserve.executor.attention import torch_ref
+from splitserve.executor.attention.backend import BACKEND_ENV
 from splitserve.quantization.kv_cache import dequantize_kv, kv_cache_spec, quantize_kv
 
 ARCHS = ["llama", "mistral", "qwen3"]  # llama3 RoPE; sliding window 24; head_dim 32 with q/k norms
@@ -99,8 +100,10 @@ def _assert_greedy_match(ours: Greedy, theirs: Greedy, tie_gap: float = 1e-3) ->
 @pytest.fixture
 def fake_quantized_cache(monkeypatch):
     """Make an auto (unquantized) cache store what kv_cache_dtype would represent: each written
-    vector quantized and dequantized. Prompts with no cached context still use their exact k/v."""
+    vector quantized and dequantized. Prompts with no cached context still use their exact k/v.
+    (On the torch backend, whose write this patches; the CPU backend writes in C++.)"""
     def use(kv_cache_dtype: str) -> None:
+        monkeypatch.setenv(BACKEND_ENV, "torch")
         storage, write_kv = kv_cache_spec(kv_cache_dtype, torch.float32).storage_dtype, torch_ref.write_kv
 
         def roundtrip(x):
