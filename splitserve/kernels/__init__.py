@@ -44,8 +44,11 @@ def _build():
     source = os.path.join(os.path.dirname(__file__), "cpu_ops.cpp")
     start = time.perf_counter()
     try:
+        # -march=native: the code runs on the machine that compiles it. -ffp-contract=off: no fused
+        # multiply-adds, so the element-wise kernels round exactly as the torch ops they replace.
         load(name="splitserve_cpu_ops", sources=[source], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+             extra_ldflags=["-fopenmp"])
     except Exception as exc:  # a missing compiler, or a torch without its headers
         logger.warning("splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, "
                        "which are slower.", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)

@@ -55,9 +55,10 @@ class AttentionBackend(ABC):
 def get_attention_backend(device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend for a device and --kv-cache-dtype. $SPLITSERVE_ATTENTION_BACKEND (torch | cpu |
     triton) decides when set; otherwise CUDA devices get triton where it can run (else torch) and
-    CPUs get cpu (the torch reference with splitserve's C++ decode kernel).
-    Forcing cpu on another device is a ValueError, and so is forcing triton where it cannot run (no CUDA device and no TRITON_INTERPRET=1, an int4 cache,
-    an fp8_e4m3 cache before compute capability 8.9, triton not installed) is a ValueError."""
+    CPUs get cpu (the torch reference with splitserve's C++ paged-cache kernels).
+    Forcing cpu on another device is a ValueError, and so is forcing triton where it cannot run
+    (no CUDA device and no TRITON_INTERPRET=1, an int4 cache, an fp8_e4m3 cache before compute
+    capability 8.9, triton not installed)."""
     device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced and forced not in BACKENDS:

@@ -34,7 +34,6 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], meta, i)
         return out
 
-
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """The step's new k/v [T, Hkv, D] into the layer's cache, quantized if the cache is."""
         if layer.kv_scales is None:
