@@ -137,6 +137,7 @@ class EngineConfig:
     device: torch.device
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None  # see executor/cuda_graph.capture_sizes
     use_tqdm_on_load: bool = True
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
@@ -171,6 +172,7 @@ class EngineArgs:
     device: str = "auto"
     quantization: str | None = None
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     swap_space: float = 0.0
     preemption_mode: str = "recompute"
     pd_role: str = "mixed"
@@ -212,7 +214,8 @@ class EngineArgs:
         kv_transfer_config.verify()
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
-                            use_tqdm_on_load=self.use_tqdm_on_load, kv_transfer_config=kv_transfer_config)
+                            cuda_graph_sizes=self.cuda_graph_sizes, use_tqdm_on_load=self.use_tqdm_on_load,
+                            kv_transfer_config=kv_transfer_config)
 
     def _verify_supported(self) -> None:
         """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""
@@ -227,6 +230,8 @@ class EngineArgs:
         if self.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not supported yet; "
                              "only 'recompute' is (swapping to host memory is not implemented).")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
 

@@ -27,6 +27,7 @@ class EngineCore:
         self._check_capacity(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)

@@ -32,12 +32,15 @@ _ENGINE_HELP = {
     "pd_role": "prefill/decode disaggregation role: mixed (default), prefill or decode",
     "kv_host": "address decode instances use to reach this prefill instance's KV server",
     "kv_port": "port of this instance's KV server (0: any free port)",
+    "enforce_eager": "no CUDA graphs: launch every kernel of every step from Python (GPU only)",
+    "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs: one value N means 1, 2, 4 and the multiples "
+                        "of 8 up to N; several values are the sizes (default: N = min(max_num_seqs, 512))",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
 _HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "pipeline_parallel_size", "swap_space",
-                       "preemption_mode", "device", "enforce_eager", "use_tqdm_on_load"}
+                       "preemption_mode", "device", "use_tqdm_on_load"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["help"] = argparse.SUPPRESS
         if isinstance(field.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.type == "list[int] | None":
+            kwargs.update(type=int, nargs="+")
         elif field.type in ("int", "int | None"):
             kwargs["type"] = int
         elif field.type in ("float", "float | None"):

@@ -13,6 +13,8 @@ from splitserve.engine.protocol import TokenLogprobs
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
+from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
+from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -61,6 +63,19 @@ class ModelRunner:
         self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.use_cuda_graphs = self._use_cuda_graphs()
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.device.type != "cuda":
+            return False
+        if self.config.enforce_eager:
+            logger.info("CUDA graphs are off (--enforce-eager): every step launches its kernels one by one.")
+            return False
+        if not self.backend.supports_cuda_graphs:
+            logger.info("CUDA graphs are off: the %s attention backend cannot be captured.", self.backend.name)
+            return False
+        return True
 
     # --- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -74,8 +89,9 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - cc.gpu_memory_utilization))
+            profile = profile_cuda_memory(self)
+            profile.check(self.kv_bytes_per_block())
+            budget = profile.kv_cache_budget
         else:
             budget = cpu_kv_cache_bytes()
         # More blocks than max_num_seqs full-length sequences can use is only wasted memory.
@@ -83,22 +99,83 @@ class ModelRunner:
         useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         return min(budget // self.kv_bytes_per_block(), useful)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def _allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per layer: the cache [2, heads, blocks, block_size, packed head_dim] and, when quantized,
+        the scales; attached to the model's attention layers."""
         mc, spec = self.config.model_config, self.kv_spec
         # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
         shape = (2, mc.num_kv_heads, num_blocks, self.block_size, spec.packed_head_dim(mc.head_dim))
-        self.kv_caches = [torch.zeros(shape, dtype=spec.storage_dtype, device=self.device)
-                          for _ in range(mc.num_layers)]
+        caches = [torch.zeros(shape, dtype=spec.storage_dtype, device=self.device) for _ in range(mc.num_layers)]
+        scales = None
         if spec.quantized:
             # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
-            self.kv_scales = [torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device)
-                              for _ in range(mc.num_layers)]
+            scales = [torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device)
+                      for _ in range(mc.num_layers)]
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.kv_cache = self.kv_caches[i]
-            layer.kv_scales = self.kv_scales[i] if spec.quantized else None  # None: the unquantized path
+            layer.kv_cache = caches[i]
+            layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
+        return caches, scales
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Blocks 0..num_blocks-1 are the block manager's; with CUDA graphs one more is allocated,
+        block num_blocks, where padding rows write (see cuda_graph)."""
+        self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
+        spec = self.kv_spec
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, self.block_size,
                     num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30),
                     spec.describe())
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode forwards (after initialize_kv_cache); nothing without CUDA graphs."""
+        if not self.use_cuda_graphs:
+            return
+        cfg = self.config
+        sizes = capture_sizes(cfg.cuda_graph_sizes, cfg.scheduler_config.max_num_seqs)
+        pad_block = self.kv_caches[0].shape[2] - 1
+        self.graph_runner = CUDAGraphRunner(self.model, self.backend, sizes, cfg.scheduler_config.max_model_len,
+                                            self.block_size, pad_block, self.device)
+        self.graph_runner.capture_all()
+
+    @torch.inference_mode()
+    def profile_run(self) -> tuple[int, int]:
+        """The largest step the scheduler can make, on dummy tokens: max_num_batched_tokens prompt
+        tokens spread over up to max_num_seqs requests, then logits and top-k/top-p sampling for
+        max_num_seqs rows, over a throwaway KV cache of just the blocks it needs. Returns (tokens in
+        the step, bytes of the throwaway cache), for measuring the activation peak (gpu_memory)."""
+        sc = self.config.scheduler_config
+        num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
+        num_seqs = min(sc.max_num_seqs, num_tokens)
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        blocks_per_seq = [-(-n // self.block_size) for n in lens]
+        num_blocks = sum(blocks_per_seq)
+        bound = [(layer.kv_cache, layer.kv_scales) for layer in self.model.attention_layers()]
+        self._allocate_kv_cache(num_blocks)
+        firsts = [0]
+        for count in blocks_per_seq:
+            firsts.append(firsts[-1] + count)
+        tables = [list(range(first, first + count)) for first, count in zip(firsts, blocks_per_seq)]
+        positions = [p for n in lens for p in range(n)]
+        slots = [tables[i][p // self.block_size] * self.block_size + p % self.block_size
+                 for i, n in enumerate(lens) for p in range(n)]
+        dev = self.device
+        meta = AttentionMetadata(
+            backend=self.backend, num_decodes=0, query_start_loc=[sum(lens[:i]) for i in range(num_seqs + 1)],
+            seq_lens=lens, seq_lens_tensor=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=_pad_2d(tables, dev), slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_size=self.block_size)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), meta)
+        last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
+        logits = self.model.compute_logits(hidden[last_tokens])
+        vocab = logits.shape[-1]
+        self.sampler(logits, SamplingMetadata(
+            temperature=torch.ones(len(logits), device=dev), all_greedy=False,
+            top_k=torch.full((len(logits),), vocab // 2, dtype=torch.long, device=dev),
+            top_p=torch.full((len(logits),), 0.9, device=dev)))
+        for layer, (cache, scales) in zip(self.model.attention_layers(), bound):
+            layer.kv_cache, layer.kv_scales = cache, scales
+        return num_tokens, num_blocks * self.kv_bytes_per_block()
 
     # --- requests ---------------------------------------------------------------------------
     def remove_requests(self, request_ids) -> None:
@@ -129,7 +206,11 @@ class ModelRunner:
         )
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, positions, meta)
+        if self._replays(batch):
+            hidden = self.graph_runner.run(input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor,
+                                           meta.block_tables)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         out = ModelRunnerOutput()
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -140,6 +221,11 @@ class ModelRunner:
             request = batch.requests[row][0]
             out.prompt_logprobs[request.request_id] = self._prompt_logprobs(request, hidden, first, count, batch)
         return out
+
+    def _replays(self, batch: _Batch) -> bool:
+        """Whether a captured CUDA graph runs this step: decodes only, few enough of them."""
+        return (self.graph_runner is not None and batch.num_decodes == len(batch.requests)
+                and batch.num_decodes <= self.graph_runner.max_batch_size)
 
     def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> _Batch:
         # Decodes (one query token) first, so attention can batch them in one call.

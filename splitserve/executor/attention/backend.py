@@ -31,6 +31,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor       # [R, max_blocks] int32 on device (rows padded with 0)
     slot_mapping: torch.Tensor       # [T] int64 on device: where each token's K/V is written
     block_size: int
+    # CUDA graphs: the steps replayed from one capture may have any length up to this bound, so a
+    # backend must not size its work from seq_lens (the host list is the capture's, not the step's).
+    decode_len_bound: int | None = None
     # Device tensors a backend derives from the fields above (e.g. query_start_loc as a tensor):
     # the first layer of a step builds them, the others reuse them.
     scratch: dict = field(default_factory=dict)
@@ -45,6 +48,9 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
+    # Whether a decode step can be captured in a CUDA graph: its kernels read lengths and block
+    # tables from device tensors only, and it honours AttentionMetadata.decode_len_bound.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -44,6 +44,7 @@ DEFAULT_NUM_SMS = 132  # an H100 SXM; used where the device cannot be asked (the
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if layer.head_dim > MAX_HEAD_DIM:
@@ -270,7 +271,7 @@ def decode_attention(layer, q: torch.Tensor, out: torch.Tensor, meta: AttentionM
     nd, num_kv_heads, head_dim = meta.num_decodes, layer.num_kv_heads, layer.head_dim
     group = layer.num_heads // num_kv_heads
     window = layer.sliding_window or 0
-    max_len = max(meta.seq_lens[:nd])
+    max_len = meta.decode_len_bound or max(meta.seq_lens[:nd])
     if window:
         max_len = min(max_len, window)
     splits = num_decode_splits(max_len, nd * num_kv_heads, _num_sms(q.device))
