@@ -8,6 +8,13 @@ code it replaces, which stays the reference the kernels are tested against.
 
 SPLITSERVE_CPU_KERNELS=0 turns the C++ kernels off (to compare, or to rule them out); a build
 that fails is logged once, with the compiler's reason, and the torch code runs instead.
+
+On CUDA, RMSNorm (with or without the residual add), rotary and SiLU-and-mul of float16, bfloat16
+and float32 tensors run as Triton kernels (triton_ops.py): one launch each, float32 math; RMSNorm
+rounds where the torch code does, rotary and SiLU-and-mul round once at the end instead of after
+every op. triton_ops is imported on the first CUDA call; without triton, or with
+SPLITSERVE_GPU_KERNELS=0, CUDA runs the torch code (logged once). Paged attention on CUDA belongs
+to the attention backend (splitserve/executor/attention), and sampling stays in torch there.
 """
 from __future__ import annotations
 
@@ -71,12 +78,41 @@ def _use_cpu_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _SUPPORTED and cpu_ops() is not None
 
 
+def gpu_kernels_enabled() -> bool:
+    return os.environ.get("SPLITSERVE_GPU_KERNELS", "1") not in ("0", "false", "False", "")
+
+
+def gpu_ops():
+    """splitserve.kernels.triton_ops, imported on first use; None when turned off or when triton
+    cannot be imported."""
+    if "gpu" not in _state:
+        _state["gpu"] = _import_gpu_ops()
+    return _state["gpu"]
+
+
+def _import_gpu_ops():
+    if not gpu_kernels_enabled():
+        logger.info("SPLITSERVE_GPU_KERNELS=0: CUDA runs the plain torch ops for RMSNorm, rotary and SiLU.")
+        return None
+    try:
+        from splitserve.kernels import triton_ops
+    except ImportError as exc:
+        logger.info("triton cannot be imported (%s): CUDA runs the plain torch ops for RMSNorm, rotary and "
+                    "SiLU.", exc)
+        return None
+    return triton_ops
+
+
+def _use_gpu_kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and x.dtype in _SUPPORTED and gpu_ops() is not None
+
+
 # --- RMSNorm, optionally fused with the residual add -------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' RMSNorm (normalised in float32, cast back, then times the weight).
     With `residual`: residual = x + residual first, and the norm is of that sum; returns
-    (normed, new residual). The CPU kernel updates `residual` in place: use the returned one."""
+    (normed, new residual). The CPU and CUDA kernels update `residual` in place: use the returned one."""
     if _use_cpu_kernel(x):
         ops = cpu_ops()
         flat = x.reshape(-1, x.shape[-1])
@@ -84,6 +120,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             return ops.rms_norm(flat, weight, eps).view(x.shape), None
         out = ops.add_rms_norm(flat, residual.view(-1, x.shape[-1]), weight, eps)
         return out.view(x.shape), residual
+    if (_use_gpu_kernel(x) and weight.dtype in _SUPPORTED
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
+        return gpu_ops().rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = residual = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
@@ -93,11 +132,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # --- rotary ---------------------------------------------------------------------------------------
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate-half rotary of q [T, Hq, D] and k [T, Hkv, D] by cos, sin [T, 1, D] (model dtype).
-    The CPU kernel rotates q and k in place and returns them."""
+    The CPU and CUDA kernels rotate q and k in place and return them."""
     if _use_cpu_kernel(q) and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
         cpu_ops().rotary(q, k, cos, sin)
         return q, k
+    if _use_gpu_kernel(q) and _gpu_rotary_fits(q, k, cos, sin):
+        return gpu_ops().rotary(q, k, cos, sin)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _gpu_rotary_fits(q, k, cos, sin) -> bool:
+    """The layout the Triton kernel rotates in place: 3-d q, k of one dtype with stride 1 on an
+    even head_dim, and one cos / sin row per token in that dtype."""
+    num_tokens, d = q.shape[0], q.shape[-1]
+    return (q.dim() == 3 and k.dim() == 3 and k.shape[0] == num_tokens and k.shape[-1] == d and d % 2 == 0
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
+            and cos.dtype == sin.dtype == q.dtype and cos.shape == sin.shape
+            and cos.shape[0] == num_tokens and cos.numel() == num_tokens * d)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +161,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     if _use_cpu_kernel(x) and x.dim() == 2 and x.stride(-1) == 1:
         return cpu_ops().silu_and_mul(x)
+    if _use_gpu_kernel(x) and x.shape[-1] % 2 == 0:
+        return gpu_ops().silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
