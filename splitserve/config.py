@@ -138,6 +138,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # see executor/cuda_graph.capture_sizes
+    async_scheduling: bool = False  # overlap: schedule step N+1 while the device runs step N
     use_tqdm_on_load: bool = True
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
@@ -173,6 +174,7 @@ class EngineArgs:
     quantization: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
     swap_space: float = 0.0
     preemption_mode: str = "recompute"
     pd_role: str = "mixed"
@@ -214,7 +216,9 @@ class EngineArgs:
         kv_transfer_config.verify()
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
-                            cuda_graph_sizes=self.cuda_graph_sizes, use_tqdm_on_load=self.use_tqdm_on_load,
+                            cuda_graph_sizes=self.cuda_graph_sizes,
+                            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device),
+                            use_tqdm_on_load=self.use_tqdm_on_load,
                             kv_transfer_config=kv_transfer_config)
 
     def _verify_supported(self) -> None:
@@ -234,6 +238,12 @@ class EngineArgs:
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+
+
+def _resolve_async_scheduling(asked: bool | None, device: torch.device) -> bool:
+    """Overlap pays where the device computes while the host works: on a GPU. A CPU forward runs
+    on the host's own cores, so there it only reorders work (it stays available, for testing)."""
+    return device.type == "cuda" if asked is None else asked
 
 
 def _default_step_budget(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:

@@ -12,8 +12,8 @@ from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import KVCacheManager
 from splitserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler
-from splitserve.executor.model_runner import ModelRunner
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.executor.model_runner import InFlightStep, ModelRunner
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class EngineCore:
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None  # launched, not yet finished
         self.connector = self._make_connector()
         self._warm_up()
 
@@ -74,24 +75,67 @@ class EngineCore:
         self.runner.remove_requests(r.request_id for r in finished)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # --- the loop body ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch the next step, then finish the one launched before it. With async
+        scheduling (overlap) the device computes the new step while the host turns the previous
+        step's tokens into outputs and schedules; without it a step is finished before returning."""
         self.poll_connector()
+        outputs = []
+        sched = self._schedule()
+        if sched is not None and self._in_flight is not None and not self._can_overlap(sched):
+            outputs += self._finish_in_flight()
+            sched = self._drop_finished(sched)
+        launched = self._launch(sched) if sched is not None else None
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()
+        self._in_flight = launched
+        if self._in_flight is not None and (not self.config.async_scheduling or self._in_flight_is_moot()):
+            outputs += self._finish_in_flight()
+        return outputs
+
+    def _in_flight_is_moot(self) -> bool:
+        """Every request of the step in flight has finished since it was launched: nothing will use
+        its tokens, so finish it now rather than leave the engine looking busy."""
+        return all(r.is_finished() for r, _ in self._in_flight[0].scheduled)
+
+    def _schedule(self) -> SchedulerOutput | None:
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return None
         sched = self.scheduler.schedule()
         self._start_pulls(sched.kv_pulls)
-        if sched.is_empty:
-            return []
+        return None if sched.is_empty else sched
+
+    @staticmethod
+    def _drop_finished(sched: SchedulerOutput) -> SchedulerOutput | None:
+        """Requests that the step just finished stopped have no blocks any more: they must not run."""
+        sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished()]
+        return None if sched.is_empty else sched
+
+    @staticmethod
+    def _can_overlap(sched: SchedulerOutput) -> bool:
+        """A request whose last token is still being sampled can run only if its sampling does not
+        read its output tokens on the host (penalties, bad words, min_tokens)."""
+        return not any(r.num_pending_tokens and r.needs_output_history for r, _ in sched.scheduled)
+
+    def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, InFlightStep]:
         now = time.monotonic()
         for request, _ in sched.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled}
-        result = self.runner.execute_model(sched, block_ids)
-        updated = self.scheduler.update_from_output(sched, result.sampled)
+        previous = self._in_flight[1] if self._in_flight is not None else None
+        step = self.runner.launch(sched, block_ids, previous)
+        self.scheduler.advance(sched)
+        return sched, step
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        sched, step = self._in_flight
+        self._in_flight = None
+        result = self.runner.collect(step)
+        updated = self.scheduler.record_samples(sched, result.sampled)
         outputs = {r.request_id: self._output(r, result) for r in updated}
         for rid, entries in result.prompt_logprobs.items():
             outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries

@@ -53,6 +53,10 @@ class Request:
     first_scheduled_time: float | None = None
     stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
     kv_transfer: object = None                              # KVTransferParams, for PD disaggregation
+    # Overlap scheduling: tokens sampled by launched steps whose values the host has not read yet
+    # (at most 1 between engine steps, 2 while one is launched and the one before it is being
+    # finished). The scheduler counts them as tokens; the model runner takes them from the device.
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -80,6 +84,24 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling this request reads its output tokens on the host (penalties, bad words,
+        min_tokens), so that its last token must be known before its next step is prepared."""
+        p = self.sampling_params
+        return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                    or p.bad_words_token_ids or p.min_tokens)
+
+    @property
+    def reaches_length_limit_with_pending(self) -> bool:
+        """Its pending token is certain to end it by length: no further step is worth scheduling."""
+        return self.num_pending_tokens > 0 and (
+            self.num_output_tokens + self.num_pending_tokens >= self.max_tokens)
 
     @property
     def num_output_tokens(self) -> int:

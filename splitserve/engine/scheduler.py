@@ -116,7 +116,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if request.reaches_length_limit_with_pending:
+                i += 1  # finishes when its pending token is read: another step would be wasted
+                continue
+            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, n, out):
                 break
             out.scheduled.append((request, n))
@@ -219,23 +222,46 @@ class Scheduler:
 
     # --- after the model ran ----------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request; append the sampled token of those that completed
-        their tokens this step. Returns the requests that got a new token (finished ones too)."""
-        updated = []
+        """A step ran and its sampled tokens are known: advance, then record them."""
+        self.advance(out)
+        return self.record_samples(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step is launched: every scheduled request has computed its tokens, and those that
+        completed all their tokens get a pending one (being sampled), which the next schedule()
+        already counts (overlap scheduling)."""
         for request, n in out.scheduled:
-            request.num_computed_tokens += n
-            if request.request_id not in sampled:
+            if request.is_finished():  # stopped by the step before, after this one was launched
                 continue
-            assert request.num_computed_tokens == request.num_tokens
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens_with_pending:
+                request.num_pending_tokens += 1
+
+    def record_samples(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append the sampled token of each request that sampled one and check its stop conditions.
+        Returns the requests that got a new token (finished ones too). A request finished since the
+        step was launched (aborted, or stopped by the step before) drops its token."""
+        updated = []
+        for request, _ in out.scheduled:
+            if request.request_id not in sampled or request.is_finished():
+                continue
+            assert request.num_pending_tokens > 0
+            request.num_pending_tokens -= 1
             request.append_output_token(sampled[request.request_id])
             if request.check_stop(self.config.max_model_len):
-                self.running.remove(request)
-                if request.keeps_kv_for_remote_decode:
-                    self.leased[request.request_id] = request
-                else:
-                    self._free(request)
+                self._finish_stopped(request)
             updated.append(request)
         return updated
+
+    def _finish_stopped(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:  # preempted while its last token was being sampled
+            self.waiting.remove(request)
+        if request.keeps_kv_for_remote_decode:
+            self.leased[request.request_id] = request
+        else:
+            self._free(request)
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)

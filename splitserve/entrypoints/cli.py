@@ -35,6 +35,8 @@ _ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs: launch every kernel of every step from Python (GPU only)",
     "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs: one value N means 1, 2, 4 and the multiples "
                         "of 8 up to N; several values are the sizes (default: N = min(max_num_seqs, 512))",
+    "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
+                        "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"]}
@@ -51,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = {"default": field.default, "help": _ENGINE_HELP.get(field.name)}
         if field.name in _HIDDEN_ENGINE_ARGS:
             kwargs["help"] = argparse.SUPPRESS
-        if isinstance(field.default, bool):
+        if isinstance(field.default, bool) or field.type == "bool | None":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif field.type == "list[int] | None":
             kwargs.update(type=int, nargs="+")

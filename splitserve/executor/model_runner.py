@@ -15,6 +15,7 @@ from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
+from splitserve.executor.host import StepReady, start_host_copy, to_device
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -46,6 +47,26 @@ class _Batch:
     sample_rows: list[int]            # index into requests of those that sample a token
     logits_indices: list[int]         # the token whose logits each sampling request samples from
     prompt_logprob_spans: list[tuple[int, int, int]]  # (request index, first token, count)
+    # (index in input_ids, request) of tokens that the step in flight is still sampling
+    pending_inputs: list[tuple[int, Request]] = field(default_factory=list)
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: its sampled tokens on the device (for the next step's inputs) and on their
+    way to the host, and `ready`, reached when they have arrived."""
+
+    requests: list[Request]                       # the rows of `sampled`: the requests that sample
+    sampled: SamplerOutput | None = None
+    host: list = field(default_factory=list)      # host copies of _sampler_tensors(sampled)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    ready: StepReady | None = None
+
+    def __post_init__(self) -> None:
+        self._rows = {r.request_id: i for i, r in enumerate(self.requests)}
+
+    def row_of(self, request: Request) -> int:
+        return self._rows[request.request_id]
 
 
 class ModelRunner:
@@ -162,7 +183,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             backend=self.backend, num_decodes=0, query_start_loc=[sum(lens[:i]) for i in range(num_seqs + 1)],
             seq_lens=lens, seq_lens_tensor=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=_pad_2d(tables, dev), slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=to_device(_pad_rows(tables), torch.int32, dev), slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_size=self.block_size)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), meta)
@@ -190,37 +211,64 @@ class ModelRunner:
         return gen
 
     # --- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> ModelRunnerOutput:
+        return self.collect(self.launch(sched, block_ids))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+               previous: InFlightStep | None = None) -> InFlightStep:
+        """Queue one step's forward and sampling on the device and return without waiting for it.
+        A request whose last token is still being sampled by `previous` (overlap scheduling) gets
+        it from previous.token_ids on the device."""
         batch = self._prepare(sched, block_ids)
-        dev = self.device
-        meta = AttentionMetadata(
-            backend=self.backend,
-            num_decodes=batch.num_decodes,
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            seq_lens_tensor=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
-            block_tables=_pad_2d(batch.block_tables, dev),
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
-            block_size=self.block_size,
-        )
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        meta = self._attention_metadata(batch)
+        input_ids = self._input_ids(batch, previous)
+        positions = to_device(batch.positions, torch.long, self.device)
         if self._replays(batch):
             hidden = self.graph_runner.run(input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor,
                                            meta.block_tables)
         else:
             hidden = self.model(input_ids, positions, meta)
-        out = ModelRunnerOutput()
-        if batch.sample_rows:
+        step = InFlightStep(requests=[batch.requests[i][0] for i in batch.sample_rows])
+        if step.requests:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            requests = [batch.requests[i][0] for i in batch.sample_rows]
-            sampled = self.sampler(logits, self._sampling_metadata(requests, logits.shape[-1]))
-            self._collect_samples(requests, sampled, out)
+            step.sampled = self.sampler(logits, self._sampling_metadata(step.requests, logits.shape[-1]))
+            step.host = [start_host_copy(t) for t in _sampler_tensors(step.sampled)]
         for row, first, count in batch.prompt_logprob_spans:
             request = batch.requests[row][0]
-            out.prompt_logprobs[request.request_id] = self._prompt_logprobs(request, hidden, first, count, batch)
+            step.prompt_logprobs[request.request_id] = self._prompt_logprobs(request, hidden, first, count, batch)
+        step.ready = StepReady(self.device)
+        return step
+
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled tokens (not for steps queued after it) and return them."""
+        step.ready.wait()
+        out = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs)
+        if step.requests:
+            self._collect_samples(step.requests, step.host, out)
         return out
+
+    def _attention_metadata(self, batch: _Batch) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            backend=self.backend,
+            num_decodes=batch.num_decodes,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            seq_lens_tensor=to_device(batch.seq_lens, torch.int32, dev),
+            block_tables=to_device(_pad_rows(batch.block_tables), torch.int32, dev),
+            slot_mapping=to_device(batch.slot_mapping, torch.long, dev),
+            block_size=self.block_size,
+        )
+
+    def _input_ids(self, batch: _Batch, previous: InFlightStep | None) -> torch.Tensor:
+        input_ids = to_device(batch.input_ids, torch.long, self.device)
+        if batch.pending_inputs:
+            assert previous is not None, "a request's last token is pending but no step is in flight"
+            where = to_device([i for i, _ in batch.pending_inputs], torch.long, self.device)
+            rows = to_device([previous.row_of(r) for _, r in batch.pending_inputs], torch.long, self.device)
+            input_ids[where] = previous.sampled.token_ids[rows]
+        return input_ids
 
     def _replays(self, batch: _Batch) -> bool:
         """Whether a captured CUDA graph runs this step: decodes only, few enough of them."""
@@ -235,13 +283,18 @@ class ModelRunner:
         for row, (request, n) in enumerate(ordered):
             start, blocks = request.num_computed_tokens, block_ids[request.request_id]
             end = start + n
-            b.input_ids.extend(request.all_token_ids[start:end])
+            known = request.all_token_ids[start:end]
+            b.input_ids.extend(known)
+            if len(known) < n:  # the last token is being sampled by the step in flight
+                assert len(known) == n - 1 and request.num_pending_tokens == 1
+                b.pending_inputs.append((len(b.input_ids), request))
+                b.input_ids.append(0)
             b.positions.extend(range(start, end))
             b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             b.query_start_loc.append(b.query_start_loc[-1] + n)
             b.seq_lens.append(end)
             b.block_tables.append(blocks)
-            if end == request.num_tokens:
+            if end == request.num_tokens_with_pending:
                 b.sample_rows.append(row)
                 b.logits_indices.append(b.query_start_loc[-1] - 1)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
@@ -296,11 +349,10 @@ class ModelRunner:
         if pres:
             meta.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
 
-    def _collect_samples(self, requests: list[Request], sampled: SamplerOutput, out: ModelRunnerOutput) -> None:
-        tokens = sampled.token_ids.tolist()
-        if sampled.logprobs is not None:
-            ids, lps, ranks = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(),
-                               sampled.sampled_ranks.tolist())
+    def _collect_samples(self, requests: list[Request], host: list[torch.Tensor], out: ModelRunnerOutput) -> None:
+        tokens = host[0].tolist()
+        if len(host) > 1:
+            ids, lps, ranks = (t.tolist() for t in host[1:])
         for i, request in enumerate(requests):
             out.sampled[request.request_id] = tokens[i]
             k = request.sampling_params.logprobs
@@ -310,7 +362,7 @@ class ModelRunner:
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, first: int, count: int,
                          batch: _Batch) -> list[TokenLogprobs]:
         start = request.num_computed_tokens
-        targets = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
+        targets = to_device(request.prompt_token_ids[start + 1:start + 1 + count], torch.long, self.device)
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + count]).float(), dim=-1)
         chosen = logprobs.gather(-1, targets[:, None])
         ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
@@ -321,9 +373,16 @@ class ModelRunner:
         return [(ids[j], lps[j], ranks[j]) for j in range(count)]
 
 
-def _pad_2d(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+def _pad_rows(rows: list[list[int]]) -> list[list[int]]:
     width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+    return [r + [0] * (width - len(r)) for r in rows]
+
+
+def _sampler_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:
+    """What the host reads of a sampler output: the tokens, then the logprob tensors if any."""
+    if sampled.logprobs is None:
+        return [sampled.token_ids]
+    return [sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks]
 
 
 def _logit_bias(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:

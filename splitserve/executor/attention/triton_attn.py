@@ -30,6 +30,7 @@ import triton.language as tl
 
 from splitserve.executor.attention.backend import AttentionBackend, AttentionMetadata
 from splitserve.executor.attention.torch_ref import write_kv, write_quantized_kv
+from splitserve.executor.host import to_device
 
 LOG2E = 1.4426950408889634
 # The running maximum starts here rather than at -inf, so that a row whose keys are all masked so
@@ -379,15 +380,15 @@ def _prefill_tiles(meta: AttentionMetadata, block_m: int) -> torch.Tensor:
     if key not in meta.scratch:
         tiles = [(i, m) for i in range(meta.num_decodes, meta.num_reqs)
                  for m in range(-(-meta.query_len(i) // block_m))]
-        meta.scratch[key] = torch.tensor(tiles, dtype=torch.int32).to(meta.seq_lens_tensor.device)
+        meta.scratch[key] = to_device(tiles, torch.int32, meta.seq_lens_tensor.device)
     return meta.scratch[key]
 
 
 def _query_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     """meta.query_start_loc [R + 1] as an int32 device tensor, built by a step's first layer."""
     if "triton_query_start_loc" not in meta.scratch:
-        meta.scratch["triton_query_start_loc"] = torch.tensor(
-            meta.query_start_loc, dtype=torch.int32).to(meta.seq_lens_tensor.device)
+        meta.scratch["triton_query_start_loc"] = to_device(meta.query_start_loc, torch.int32,
+                                                           meta.seq_lens_tensor.device)
     return meta.scratch["triton_query_start_loc"]
 
 
