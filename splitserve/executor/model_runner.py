@@ -17,6 +17,7 @@ from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, start_host_copy, to_device
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
 
@@ -232,7 +233,8 @@ class ModelRunner:
         step = InFlightStep(requests=[batch.requests[i][0] for i in batch.sample_rows])
         if step.requests:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            step.sampled = self.sampler(logits, self._sampling_metadata(step.requests, logits.shape[-1]))
+            meta = build_sampling_metadata(step.requests, logits.shape[-1], self.device, self._generator)
+            step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in _sampler_tensors(step.sampled)]
         for row, first, count in batch.prompt_logprob_spans:
             request = batch.requests[row][0]
@@ -302,53 +304,6 @@ class ModelRunner:
                 b.prompt_logprob_spans.append((row, b.query_start_loc[-2], count))
         return b
 
-    def _sampling_metadata(self, requests: list[Request], vocab: int) -> SamplingMetadata:
-        dev = self.device
-        params = [r.sampling_params for r in requests]
-
-        def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        temps = [p.temperature for p in params]
-        meta = SamplingMetadata(temperature=column(temps), all_greedy=all(t < 1e-5 for t in temps))
-        if any(p.top_k for p in params):
-            meta.top_k = column([p.top_k or vocab for p in params], torch.long)
-        if any(p.top_p < 1.0 for p in params):
-            meta.top_p = column([p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            meta.min_p = column([p.min_p for p in params])
-        meta.generators = {i: self._generator(r) for i, r in enumerate(requests)
-                           if r.sampling_params.seed is not None}
-        self._add_penalties(meta, requests, vocab)
-        meta.logit_bias = _logit_bias(requests, vocab, dev)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        meta.max_num_logprobs = max(logprobs) if logprobs else None
-        return meta
-
-    def _add_penalties(self, meta: SamplingMetadata, requests: list[Request], vocab: int) -> None:
-        params = [r.sampling_params for r in requests]
-        rep = any(p.repetition_penalty != 1.0 for p in params)
-        freq = any(p.frequency_penalty != 0.0 for p in params)
-        pres = any(p.presence_penalty != 0.0 for p in params)
-        if not (rep or freq or pres):
-            return
-        dev = self.device
-        counts = torch.zeros(len(requests), vocab, device=dev)
-        for i, r in enumerate(requests):
-            if r.output_token_ids:
-                ids = torch.tensor(r.output_token_ids, device=dev)
-                counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
-        meta.output_counts = counts
-        if rep:
-            meta.prompt_mask = torch.zeros(len(requests), vocab, dtype=torch.bool, device=dev)
-            for i, r in enumerate(requests):
-                meta.prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
-            meta.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        if freq:
-            meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
-        if pres:
-            meta.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
-
     def _collect_samples(self, requests: list[Request], host: list[torch.Tensor], out: ModelRunnerOutput) -> None:
         tokens = host[0].tolist()
         if len(host) > 1:
@@ -383,45 +338,3 @@ def _sampler_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:
     if sampled.logprobs is None:
         return [sampled.token_ids]
     return [sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks]
-
-
-def _logit_bias(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
-    """A dense additive bias for the rows that need one: logit_bias, allowed_token_ids, bad words,
-    and the stop tokens that min_tokens forbids for now. None when no row needs anything."""
-    rows = {}
-    for i, request in enumerate(requests):
-        bias = _row_bias(request)
-        if bias:
-            rows[i] = bias
-    if not rows:
-        return None
-    out = torch.zeros(len(requests), vocab, device=device)
-    for i, (allowed, additive) in rows.items():
-        if allowed is not None:
-            out[i] = float("-inf")
-            out[i, allowed] = 0.0
-        for token, value in additive.items():
-            out[i, token] += value
-    return out
-
-
-def _row_bias(request: Request):
-    params = request.sampling_params
-    additive: dict[int, float] = dict(params.logit_bias or {})
-    for token in _banned_tokens(request):
-        additive[token] = float("-inf")
-    if params.allowed_token_ids is None and not additive:
-        return None
-    return params.allowed_token_ids, additive
-
-
-def _banned_tokens(request: Request) -> list[int]:
-    params, output = request.sampling_params, request.output_token_ids
-    banned = []
-    if len(output) < params.min_tokens:
-        banned.extend(request.stop_token_set)
-    for words in params.bad_words_token_ids:
-        prefix = words[:-1]
-        if not prefix or output[-len(prefix):] == prefix:
-            banned.append(words[-1])
-    return banned

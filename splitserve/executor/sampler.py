@@ -17,7 +17,7 @@ import torch
 
 from splitserve import kernels
 
-_EPS = 1e-5
+GREEDY_TEMPERATURE = 1e-5  # a row whose temperature is below this is greedy
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        is_greedy = meta.temperature < _EPS
+        is_greedy = meta.temperature < GREEDY_TEMPERATURE
         temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temperature[:, None]
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
