@@ -112,6 +112,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids: read by every step
         self.num_cached_blocks: dict[str, int] = {}
 
     @property
@@ -119,7 +120,8 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block ids, in order (the manager's own list: do not modify it)."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, in whole blocks, leaving at least its last
@@ -145,14 +147,19 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
+        if needed <= 0 and not computed_blocks:  # most decode steps: the last block has room
+            if self.enable_caching and register:
+                self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+            return True
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # hits that currently sit in the free queue
         if needed > self.pool.num_free_blocks - revived - keep_free:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return False
         self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
-        blocks.extend(self.pool.allocate(max(needed, 0)))
+        new = list(computed_blocks) + self.pool.allocate(max(needed, 0))
+        blocks.extend(new)
+        self.req_to_block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         if self.enable_caching and register:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
@@ -179,6 +186,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so the least shareable blocks are reused first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
@@ -190,3 +198,5 @@ class KVCacheManager:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref count"
+        assert ({rid: ids for rid, ids in self.req_to_block_ids.items() if ids}
+                == {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items() if blocks})
