@@ -46,6 +46,11 @@ def capture_sizes(cuda_graph_sizes: list[int] | None, max_num_seqs: int) -> list
     return [s for s in sizes if s <= max_num_seqs] or [min(sizes[0], max_num_seqs)]
 
 
+def _free_gpu_memory() -> int:
+    """Free device memory: what the graphs' pool keeps, freed blocks included, shows in its change."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
 class CudaGraphPool:
     """Captures callables into CUDA graphs that share one memory pool."""
 
@@ -85,11 +90,11 @@ class CUDAGraphRunner:
 
     def capture_all(self) -> None:
         start = time.perf_counter()
-        used_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        free_before = _free_gpu_memory()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool's memory
             self.forward(*self._static_inputs(size))  # compiles kernels and warms caches outside capture
             self.captured[size] = self.graphs.capture(lambda size=size: self.forward(*self._static_inputs(size)))
-        used = (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0) - used_before
+        used = free_before - _free_gpu_memory()
         logger.info("Captured CUDA graphs for %d decode batch sizes (1 to %d) in %.1f s, using %.2f GiB; "
                     "--enforce-eager turns them off.", len(self.sizes), self.max_batch_size,
                     time.perf_counter() - start, used / (1 << 30))

@@ -23,6 +23,8 @@ from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logprobs exist at once
+
 
 
 @dataclass
@@ -60,7 +62,7 @@ class InFlightStep:
     requests: list[Request]                       # the rows of `sampled`: the requests that sample
     sampled: SamplerOutput | None = None
     host: list = field(default_factory=list)      # host copies of _sampler_tensors(sampled)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # host copies, per request
     ready: StepReady | None = None
 
     def __post_init__(self) -> None:
@@ -75,6 +77,9 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.block_size = config.cache_config.block_size
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches, CUDA graphs and events use the current device: make it this one.
+            torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
         if self.device.type == "cpu":
             kernels.enable_transparent_huge_pages()
@@ -232,23 +237,33 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         step = InFlightStep(requests=[batch.requests[i][0] for i in batch.sample_rows])
         if step.requests:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(self._sampled_rows(hidden, batch))
             meta = build_sampling_metadata(step.requests, logits.shape[-1], self.device, self._generator)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in _sampler_tensors(step.sampled)]
         for row, first, count in batch.prompt_logprob_spans:
             request = batch.requests[row][0]
-            step.prompt_logprobs[request.request_id] = self._prompt_logprobs(request, hidden, first, count, batch)
+            tensors = self._prompt_logprobs(request, hidden, first, count)
+            step.prompt_host[request.request_id] = [start_host_copy(t) for t in tensors]
         step.ready = StepReady(self.device)
         return step
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens (not for steps queued after it) and return them."""
         step.ready.wait()
-        out = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs)
+        out = ModelRunnerOutput()
         if step.requests:
             self._collect_samples(step.requests, step.host, out)
+        for request_id, (ids, lps, ranks) in step.prompt_host.items():
+            out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out
+
+    def _sampled_rows(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """The hidden states of the tokens that sample. Indexing with a host list would copy it to
+        the device from pageable memory, which waits for the whole queue (the overlapped step too)."""
+        if len(batch.logits_indices) == hidden.shape[0]:  # every token samples: a decode-only step
+            return hidden
+        return hidden.index_select(0, to_device(batch.logits_indices, torch.long, self.device))
 
     def _attention_metadata(self, batch: _Batch) -> AttentionMetadata:
         dev = self.device
@@ -314,18 +329,27 @@ class ModelRunner:
             if k is not None:
                 out.logprobs[request.request_id] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
 
-    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, first: int, count: int,
-                         batch: _Batch) -> list[TokenLogprobs]:
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, first: int,
+                         count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For prompt positions scored this step (hidden rows first..first+count-1, each scoring the
+        next prompt token): ids and logprobs [count, 1 + k] (the prompt token, then the top k) and the
+        prompt token's rank [count], on the device. Computed PROMPT_LOGPROBS_CHUNK rows at a time:
+        a whole 8192-token chunk's float32 logits over a 150k vocabulary would take ~10 GB."""
         start = request.num_computed_tokens
         targets = to_device(request.prompt_token_ids[start + 1:start + 1 + count], torch.long, self.device)
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + count]).float(), dim=-1)
-        chosen = logprobs.gather(-1, targets[:, None])
-        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
-        k = request.sampling_params.prompt_logprobs
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], targets[:, None][:, :0])
-        ids = torch.cat([targets[:, None], top_ids], dim=1).tolist()
-        lps = torch.cat([chosen, top_lp], dim=1).tolist()
-        return [(ids[j], lps[j], ranks[j]) for j in range(count)]
+        k = request.sampling_params.prompt_logprobs or 0
+        ids = torch.empty(count, 1 + k, dtype=torch.long, device=self.device)
+        lps = torch.empty(count, 1 + k, dtype=torch.float32, device=self.device)
+        ranks = torch.empty(count, dtype=torch.long, device=self.device)
+        for lo in range(0, count, PROMPT_LOGPROBS_CHUNK):
+            hi = min(lo + PROMPT_LOGPROBS_CHUNK, count)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo:first + hi]).float(), dim=-1)
+            ids[lo:hi, 0] = targets[lo:hi]
+            lps[lo:hi, :1] = logprobs.gather(-1, targets[lo:hi, None])
+            ranks[lo:hi] = (logprobs > lps[lo:hi, :1]).sum(-1) + 1
+            if k:
+                lps[lo:hi, 1:], ids[lo:hi, 1:] = logprobs.topk(k, dim=-1)
+        return ids, lps, ranks
 
 
 def _pad_rows(rows: list[list[int]]) -> list[list[int]]:

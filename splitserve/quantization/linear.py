@@ -254,8 +254,24 @@ class W8A8Int8Method(_RowScaledMethod):
     @staticmethod
     def _matmul(layer, x2: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x2)
-        acc = torch._int_mm(xq, layer.qweight.t())
+        min_rows = _CUDA_INT_MM_MIN_ROWS if xq.is_cuda else 1
+        acc = int_mm(xq, layer.qweight.t(), min_rows)
         return acc.float().mul_(x_scale).mul_(layer.weight_scale).to(x2.dtype)
+
+
+# torch's CUDA int8 matmul refuses 16 rows or fewer (decode batches); 32 keeps rows a multiple of 8.
+_CUDA_INT_MM_MIN_ROWS = 32
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], with a padded by zero rows to min_rows first
+    when shorter (the extra rows of the product are dropped)."""
+    rows = a.shape[0]
+    if rows >= min_rows:
+        return torch._int_mm(a, b)
+    padded = torch.zeros(min_rows, a.shape[1], dtype=a.dtype, device=a.device)
+    padded[:rows] = a
+    return torch._int_mm(padded, b)[:rows]
 
 
 # --- fp8 (e4m3) weights -------------------------------------------------------------------------------

@@ -115,7 +115,9 @@ def test_frequency_and_presence_penalties_reduce_repeats(llm):
     assert repeats(base) > 0 and repeats(penalized) < repeats(base)
 
 
-def test_logprobs_and_prompt_logprobs(llm, tiny_models):
+@pytest.mark.parametrize("chunk", [512, 3])  # 3: the prompt's 8 scored positions in 3 pieces
+def test_logprobs_and_prompt_logprobs(llm, tiny_models, monkeypatch, chunk):
+    monkeypatch.setattr("splitserve.executor.model_runner.PROMPT_LOGPROBS_CHUNK", chunk)
     out = _one(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2))
     completion = out.outputs[0]
     assert len(completion.logprobs) == 4
@@ -131,6 +133,8 @@ def test_logprobs_and_prompt_logprobs(llm, tiny_models):
     for pos in range(1, len(prompt)):
         entry = out.prompt_logprobs[pos]
         assert prompt[pos] in entry and len(entry) <= 3
+        top = ref[pos - 1].topk(2)
+        assert all(int(t) in entry for t in top.indices)
         assert entry[prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
         assert entry[prompt[pos]].rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
 

@@ -147,3 +147,17 @@ def test_int4_shape_errors():
     method = QuantizationConfig("gptq", group_size=16).linear_method("model.layers.0.mlp.down_proj")
     with pytest.raises(ValueError, match="takes 32, 64, 128 or 256"):
         Linear(64, [64], quant_method=method)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+def test_int_mm_pads_short_inputs(rows):
+    """torch's CUDA int8 matmul needs more than 16 rows; padding to min_rows must not change the
+    product of the real rows."""
+    from splitserve.quantization.linear import int_mm
+
+    gen = torch.Generator().manual_seed(rows)
+    a = torch.randint(-127, 128, (rows, 64), dtype=torch.int8, generator=gen)
+    b = torch.randint(-127, 128, (64, 48), dtype=torch.int8, generator=gen)
+    expected = a.int() @ b.int()
+    assert torch.equal(int_mm(a, b, min_rows=32), expected)
+    assert torch.equal(int_mm(a, b), expected)
