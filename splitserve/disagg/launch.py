@@ -62,6 +62,8 @@ def engine_flags(args: EngineArgs) -> list[str]:
         flag = "--" + field.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
         else:
             flags += [flag, str(value)]
     return flags

@@ -81,7 +81,9 @@ def test_one_command_1p1d_matches_a_mixed_instance(tiny_chat_model, offline):
 
 
 def test_one_command_2p2d_matches_a_mixed_instance(tiny_chat_model, offline):
-    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "2p2d", "--policy", "least_load") as router:
+    # With overlap scheduling in every engine (the GPU default; off on CPU), against a plain instance.
+    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "2p2d", "--policy", "least_load",
+                      "--async-scheduling") as router:
         _check_parity(router.url, offline)
 
 
