@@ -36,6 +36,19 @@ def _num_warps(elements: int, most: int = 16) -> int:
 
 # --- RMSNorm, optionally fused with the residual add ----------------------------------------------
 @triton.jit
+def _load_summed(x_row, res_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """The row's values at offs, in float32. With HAS_RESIDUAL: x + residual, rounded to the
+    residual's dtype as torch's add rounds, and stored back into the residual."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+        total = (x + r).to(res_row.dtype.element_ty)
+        tl.store(res_row + offs, total, mask=mask)
+        x = total.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
                      rows_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                      n_cols, eps,
@@ -54,12 +67,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
-            total = (x + r).to(res_ptr.dtype.element_ty)
-            tl.store(res_row + cols, total, mask=mask)
-            x = total.to(tl.float32)
+        x = _load_summed(x_row, res_row, cols, mask, HAS_RESIDUAL)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
         normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -69,12 +77,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
             mask = offs < n_cols
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
-                total = (x + r).to(res_ptr.dtype.element_ty)
-                tl.store(res_row + offs, total, mask=mask)
-                x = total.to(tl.float32)
+            x = _load_summed(x_row, res_row, offs, mask, HAS_RESIDUAL)
             squares += x * x
         rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / n_cols + eps)
         if HAS_RESIDUAL:
