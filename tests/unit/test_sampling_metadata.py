@@ -58,27 +58,25 @@ def reference(requests: list[Request], vocab: int, generator_for) -> SamplingMet
     return meta
 
 
+_NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
 def reference_penalties(meta: SamplingMetadata, requests: list[Request], vocab: int) -> None:
     params = [r.sampling_params for r in requests]
-    rep = any(p.repetition_penalty != 1.0 for p in params)
-    freq = any(p.frequency_penalty != 0.0 for p in params)
-    pres = any(p.presence_penalty != 0.0 for p in params)
-    if not (rep or freq or pres):
+    used = [name for name, neutral in _NEUTRAL.items() if any(getattr(p, name) != neutral for p in params)]
+    if not used:
         return
     meta.output_counts = torch.zeros(len(requests), vocab)
     for i, r in enumerate(requests):
         for token in r.output_token_ids:
             meta.output_counts[i, token] += 1
-    if rep:
+    for name in used:
+        setattr(meta, name, torch.tensor([float(getattr(p, name)) for p in params]))
+    if "repetition_penalty" in used:
         meta.prompt_mask = torch.zeros(len(requests), vocab, dtype=torch.bool)
         for i, r in enumerate(requests):
             for token in r.prompt_token_ids:
                 meta.prompt_mask[i, token] = True
-        meta.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
-    if freq:
-        meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
-    if pres:
-        meta.presence_penalty = torch.tensor([p.presence_penalty for p in params])
 
 
 def reference_logit_bias(requests: list[Request], vocab: int) -> torch.Tensor | None:
