@@ -71,10 +71,10 @@ class CUDAGraphRunner:
     model; `pad_block` is the cache block reserved for padding rows."""
 
     def __init__(self, forward: Callable, backend: AttentionBackend, sizes: list[int], max_model_len: int,
-                 block_size: int, pad_block: int, device: torch.device, graphs=None):
+                 block_size: int, pad_block: int, device: torch.device):
         self.forward, self.backend, self.sizes = forward, backend, sizes
         self.max_model_len, self.block_size, self.pad_block = max_model_len, block_size, pad_block
-        self.graphs = graphs if graphs is not None else CudaGraphPool()
+        self.graphs = CudaGraphPool()
         largest, width = sizes[-1], -(-max_model_len // block_size)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)

@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logprobs exist at once
 
 
-
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
@@ -178,21 +177,21 @@ class ModelRunner:
         num_blocks = sum(blocks_per_seq)
         bound = [(layer.kv_cache, layer.kv_scales) for layer in self.model.attention_layers()]
         self._allocate_kv_cache(num_blocks)
-        firsts = [0]
+        tables, first = [], 0
         for count in blocks_per_seq:
-            firsts.append(firsts[-1] + count)
-        tables = [list(range(first, first + count)) for first, count in zip(firsts, blocks_per_seq)]
+            tables.append(list(range(first, first + count)))
+            first += count
         positions = [p for n in lens for p in range(n)]
         slots = [tables[i][p // self.block_size] * self.block_size + p % self.block_size
                  for i, n in enumerate(lens) for p in range(n)]
         dev = self.device
         meta = AttentionMetadata(
             backend=self.backend, num_decodes=0, query_start_loc=[sum(lens[:i]) for i in range(num_seqs + 1)],
-            seq_lens=lens, seq_lens_tensor=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=to_device(_pad_rows(tables), torch.int32, dev), slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_size=self.block_size)
+            seq_lens=lens, seq_lens_tensor=to_device(lens, torch.int32, dev),
+            block_tables=to_device(_pad_rows(tables), torch.int32, dev),
+            slot_mapping=to_device(slots, torch.long, dev), block_size=self.block_size)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), meta)
+                            to_device(positions, torch.long, dev), meta)
         last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
         logits = self.model.compute_logits(hidden[last_tokens])
         vocab = logits.shape[-1]
@@ -217,15 +216,12 @@ class ModelRunner:
         return gen
 
     # --- one step ---------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> ModelRunnerOutput:
-        return self.collect(self.launch(sched, block_ids))
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
                previous: InFlightStep | None = None) -> InFlightStep:
         """Queue one step's forward and sampling on the device and return without waiting for it.
         A request whose last token is still being sampled by `previous` (overlap scheduling) gets
-        it from previous.token_ids on the device."""
+        it from previous.sampled.token_ids on the device. collect() reads the result."""
         batch = self._prepare(sched, block_ids)
         meta = self._attention_metadata(batch)
         input_ids = self._input_ids(batch, previous)

@@ -38,8 +38,12 @@ def cpu_ops():
     return _state["ops"]
 
 
+def _switched_on(variable: str) -> bool:
+    return os.environ.get(variable, "1") not in ("0", "false", "False", "")
+
+
 def cpu_kernels_enabled() -> bool:
-    return os.environ.get("SPLITSERVE_CPU_KERNELS", "1") not in ("0", "false", "False", "")
+    return _switched_on("SPLITSERVE_CPU_KERNELS")
 
 
 def _build():
@@ -79,7 +83,7 @@ def _use_cpu_kernel(x: torch.Tensor) -> bool:
 
 
 def gpu_kernels_enabled() -> bool:
-    return os.environ.get("SPLITSERVE_GPU_KERNELS", "1") not in ("0", "false", "False", "")
+    return _switched_on("SPLITSERVE_GPU_KERNELS")
 
 
 def gpu_ops():
