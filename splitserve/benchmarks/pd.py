@@ -6,11 +6,9 @@ from __future__ import annotations
 import argparse
 import copy
 import shlex
-import subprocess
-import sys
 
 from splitserve.benchmarks import serve
-from splitserve.disagg.launch import free_port, wait_healthy, Instance
+from splitserve.disagg.launch import LocalInstance, start_instance, wait_healthy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,13 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "e.g. \"--dtype bfloat16 --max-model-len 4096\"")
 
 
-def _deployment(ns: argparse.Namespace, extra: list[str]) -> Instance:
-    port = free_port()
-    cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), "--disable-log-requests", *shlex.split(ns.server_args), *extra]
+def _deployment(ns: argparse.Namespace, extra: list[str]) -> LocalInstance:
+    flags = ["--disable-log-requests", *shlex.split(ns.server_args), *extra]
     if ns.model:
-        cmd += ["--model", ns.model]
-    return Instance("router" if extra else "mixed", f"http://127.0.0.1:{port}", subprocess.Popen(cmd))
+        flags += ["--model", ns.model]
+    return start_instance("router" if extra else "mixed", flags)
 
 
 def _measure(ns: argparse.Namespace, extra: list[str]) -> dict:
@@ -37,8 +33,7 @@ def _measure(ns: argparse.Namespace, extra: list[str]) -> dict:
         run.base_url, run.model = deployment.url, None
         return serve.main(run)
     finally:
-        deployment.process.terminate()
-        deployment.process.wait(timeout=30)
+        deployment.stop(timeout=30)
 
 
 def main(ns: argparse.Namespace) -> dict:

@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from splitserve.config import KVTransferConfig
-from splitserve.engine.protocol import KVTransferStats
+from splitserve.engine.messages import KVTransferStats
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from splitserve.config import ModelConfig
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
-from splitserve.engine.protocol import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
+from splitserve.engine.messages import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from splitserve.config import EngineConfig
-from splitserve.engine.protocol import (AbortRequests, ClientMessage, EngineCoreOutput, EngineCoreOutputs,
+from splitserve.engine.messages import (AbortRequests, ClientMessage, EngineCoreOutput, EngineCoreOutputs,
                                         EngineCoreRequest, Ping)
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ import logging
 import time
 
 from splitserve.config import EngineConfig
-from splitserve.engine.block_manager import KVCacheManager
-from splitserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.executor.model_runner import InFlightStep, ModelRunner

@@ -7,7 +7,7 @@ import time
 from splitserve.config import ModelConfig
 from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
 from splitserve.engine.processor import Processor, PromptType
-from splitserve.engine.protocol import EngineCoreRequest, KVTransferParams
+from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
 from splitserve.outputs import RequestMetrics
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import get_tokenizer

@@ -12,7 +12,7 @@ import msgspec
 from enum import Enum
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from splitserve.engine.protocol import EngineCoreOutput, TokenLogprobs
+from splitserve.engine.messages import EngineCoreOutput, TokenLogprobs
 from splitserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from splitserve.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splitserve.config import ModelConfig
-from splitserve.engine.protocol import EngineCoreRequest
+from splitserve.engine.messages import EngineCoreRequest
 from splitserve.sampling_params import SamplingParams
 
 PromptType = str | Mapping  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}

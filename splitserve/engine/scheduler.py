@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig
-from splitserve.engine.block_manager import KVCacheManager
+from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 
 

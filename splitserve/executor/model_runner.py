@@ -9,7 +9,7 @@ import torch
 
 from splitserve import kernels
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
-from splitserve.engine.protocol import TokenLogprobs
+from splitserve.engine.messages import TokenLogprobs
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend

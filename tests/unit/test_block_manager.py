@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from splitserve.engine.block_manager import (
+from splitserve.engine.kv_cache_manager import (
     BlockPool,
     KVCacheManager,
     hash_block_tokens,

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 
 from splitserve.config import EngineArgs
-from splitserve.disagg.launch import engine_flags
-from splitserve.entrypoints.cli import add_engine_args, engine_args_from
+from splitserve.engine.arg_utils import add_engine_args, engine_args_from, engine_flags
 
 
 def test_engine_flags_round_trip():

@@ -191,7 +191,8 @@ def test_dummy_builtin_model_generates_text(empty_hf_cache):
 
 def test_nano_vllm_workload_flags():
     from splitserve.benchmarks import throughput
-    from splitserve.entrypoints.cli import build_parser, engine_args_from
+    from splitserve.engine.arg_utils import engine_args_from
+    from splitserve.entrypoints.cli import build_parser
 
     argv = ("bench throughput --model Qwen/Qwen3-0.6B --load-format dummy --num-prompts 256 --min-input-len 100 "
             "--max-input-len 1024 --min-output-len 100 --max-output-len 1024 --seed 0").split()

@@ -8,11 +8,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from splitserve.entrypoints.http import error_body
 from splitserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     DeltaMessage, DetokenizeRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-    UsageInfo, error_body, parse_tokenize_request, validation_error_message)
+    UsageInfo, parse_tokenize_request, validation_error_message)
 from splitserve.outputs import Logprob
 
 USER = [{"role": "user", "content": "Hi"}]

@@ -1,4 +1,4 @@
-"""The PD disaggregation router (splitserve/disagg/router.py) against fake prefill and decode instances
+"""The PD disaggregation router (splitserve/entrypoints/router/) against fake prefill and decode instances
 on loopback: aiohttp.web apps on one background event loop that record the bodies they receive, answer
 /health and /metrics, and fail on demand (not listening, HTTP 500/400, an answer without
 kv_transfer_params, a stream that breaks after two chunks, a request held open). The router itself runs
@@ -19,7 +19,7 @@ import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.disagg.router import (
+from splitserve.entrypoints.router.router import (
     DECODE, PREFILL, Instance, InstanceLoad, LeastLoadPolicy, PrefixAwarePolicy, RoundRobinPolicy, RouterConfig,
     build_router_app, config_from_args, decode_request_body, parse_instance_load, prefill_request_body,
     prompt_prefix)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.config import SchedulerConfig
-from splitserve.engine.block_manager import KVCacheManager
+from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.sampling_params import SamplingParams

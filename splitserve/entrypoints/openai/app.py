@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from splitserve import __version__
 from splitserve.config import EngineConfig
 from splitserve.engine.async_llm import AsyncLLM
-from splitserve.entrypoints.openai.http import (ApiKeyMiddleware, error_response, install_error_handlers,
+from splitserve.entrypoints.http import (ApiKeyMiddleware, error_response, install_error_handlers,
                                                 read_json_body)
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving import OpenAIServing

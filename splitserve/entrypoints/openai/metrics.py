@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from splitserve.engine.protocol import KVTransferStats, SchedulerStats
+from splitserve.engine.messages import KVTransferStats, SchedulerStats
 from splitserve.outputs import RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -6,7 +6,7 @@ not be silently ignored), and so is a known OpenAI/vLLM parameter that splitserv
 guided decoding, ...) unless it is null or its harmless default. An explicit null for a parameter
 with a non-null default means "use the default", as in OpenAI's API. Checks that span several
 fields raise `ParameterError`, which names the parameter at fault; `validation_error_message()`
-turns any `pydantic.ValidationError` into the message and parameter of a 400 body (`error_body()`).
+turns any `pydantic.ValidationError` into the message and parameter of a 400 body.
 
 Responses are plain models whose optional fields default to None. OpenAI's own nullable fields
 (`finish_reason`, `logprobs`, `stop_reason`, ...) are always serialized, null included, while
@@ -573,23 +573,6 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = _extension()
     system_fingerprint: str | None = None
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: int | str | None = 400) -> dict:
-    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
-    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
 
 
 def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ValidationError
 from splitserve import __version__
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.output_processor import RequestOutputKind
-from splitserve.engine.protocol import KVTransferParams
+from splitserve.engine.messages import KVTransferParams
 from splitserve.entrypoints.openai import protocol as P
-from splitserve.entrypoints.openai.http import APIError
+from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -556,4 +556,4 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def _error_json(message: str, code: int, err_type: str) -> str:
-    return P.ErrorResponse.model_validate(P.error_body(message, err_type, None, code)).model_dump_json()
+    return ErrorResponse.model_validate(error_body(message, err_type, None, code)).model_dump_json()

@@ -42,9 +42,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve import __version__
-from splitserve.entrypoints.openai.http import (ApiKeyMiddleware, error_response, install_error_handlers, read_body,
+from splitserve.entrypoints.http import (ApiKeyMiddleware, error_response, install_error_handlers, read_body,
                                                 read_json_body)
-from splitserve.entrypoints.openai.protocol import error_body
+from splitserve.entrypoints.http import error_body
 
 logger = logging.getLogger("splitserve.router")
 

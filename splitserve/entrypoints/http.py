@@ -7,10 +7,26 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-
-from splitserve.entrypoints.openai.protocol import error_body
+from pydantic import BaseModel
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = 400) -> dict:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
 
 
 class APIError(Exception):

@@ -1,0 +1,89 @@
+"""`splitserve serve` (and `python -m splitserve.entrypoints.openai.api_server`): the one place that
+decides what this process runs.
+
+- no PD setting: one OpenAI-compatible server instance (entrypoints/openai/server.py);
+- `--pd XpYd`: a whole PD deployment on this machine: X prefill and Y decode instances as child
+  processes, then the router in this process;
+- a rank-table environment (disagg/ranktable.py): the role it gives this process, a prefill or
+  decode instance on its devices, or the router in front of the instances the table lists.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from splitserve.config import EngineArgs
+from splitserve.disagg import launch
+from splitserve.disagg.ranktable import resolve_pd_environment
+from splitserve.engine.arg_utils import engine_flags
+from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
+from splitserve.entrypoints.openai.server import run_server
+from splitserve.entrypoints.router import RouterConfig, run_router
+
+logger = logging.getLogger("splitserve.serve")
+
+# Server flags that every instance of a local PD deployment gets from the launcher's own.
+_INSTANCE_SERVER_FLAGS = ("chat_template", "reasoning_parser", "max_queued_requests")
+
+
+def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    if server_args.pd:
+        return serve_local_pd(engine_args, server_args, server_args.pd)
+    pd_env = resolve_pd_environment()
+    if pd_env is None:
+        return run_server(engine_args, server_args)
+    if pd_env.role == "router":
+        logger.info("Rank table: router for prefill %s and decode %s", pd_env.prefill_urls, pd_env.decode_urls)
+        return run_router(_router_config(server_args, pd_env.prefill_urls, pd_env.decode_urls),
+                          server_args.host, server_args.port)
+    logger.info("Rank table: %s instance %d on %s, devices %s", pd_env.role, pd_env.instance_index,
+                pd_env.server_ip, pd_env.device_ids)
+    os.environ.update(launch.device_env(pd_env.device_ids))
+    engine_args.pd_role, engine_args.kv_host = pd_env.role, pd_env.server_ip
+    return run_server(engine_args, server_args)
+
+
+def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) -> None:
+    """`serve --pd XpYd`: start the instances, wait until they are healthy, then run the router;
+    the instances are stopped however the router ends."""
+    num_prefill, num_decode = launch.parse_pd_spec(spec)
+    roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+    instances: list[launch.LocalInstance] = []
+    try:
+        for role, env in zip(roles, launch.split_devices(len(roles))):
+            instances.append(launch.start_instance(role, instance_flags(engine_args, server_args, role), env))
+        launch.wait_healthy(instances)
+        config = _router_config(server_args, [i.url for i in instances if i.role == "prefill"],
+                                [i.url for i in instances if i.role == "decode"])
+        logger.info("PD deployment %s ready: router on port %d", spec, server_args.port)
+        run_router(config, server_args.host, server_args.port)
+    finally:
+        launch.stop_all(instances)
+
+
+def instance_flags(engine_args: EngineArgs, server_args: ServerArgs, role: str) -> list[str]:
+    """The command-line flags of one instance of a local PD deployment (host and port aside)."""
+    flags = [*engine_flags(engine_args, skip=("pd_role", "kv_port")), "--pd-role", role]
+    for name in _INSTANCE_SERVER_FLAGS:
+        value = getattr(server_args, name)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    if server_args.disable_log_requests:
+        flags.append("--disable-log-requests")
+    return flags
+
+
+def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls: list[str]) -> RouterConfig:
+    return RouterConfig(prefill_urls=prefill_urls, decode_urls=decode_urls, policy=server_args.policy,
+                        api_key=server_args.api_key)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns = make_arg_parser().parse_args(argv)
+    try:
+        serve(*split_args(ns))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        sys.exit(2)
