@@ -88,6 +88,13 @@ class SamplingParams:
               "allowed_token_ids must not be empty.")
 
     @property
+    def reads_output_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens): the
+        engine must know a request's last token before it prepares the request's next step."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+                    or self.bad_words_token_ids or self.min_tokens)
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

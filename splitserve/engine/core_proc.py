@@ -60,7 +60,7 @@ class EngineCoreProc:
             self._drain(block=not busy)
             self.core.poll_connector()
             mid = time.perf_counter()
-            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            outputs = self.core.step_fn() if self.core.has_unfinished_requests() else []
             end = time.perf_counter()
             self._send(outputs, force_stats=busy and not self.core.has_unfinished_requests())
             self.ipc_seconds += (mid - start if busy else 0.0) + time.perf_counter() - end

@@ -1,7 +1,12 @@
 """EngineCore: the busy loop's body. schedule -> execute -> update, producing token-level outputs.
 
 It knows token ids only (no tokenizer, no text); front-ends (the offline LLM, the API server)
-turn text into requests and outputs back into text.
+turn text into requests and outputs back into text. The model runner gets each step as data
+(a StepInput, see step_inputs.py) and never sees the engine's Request objects.
+
+Two loop bodies, chosen once at start-up as vLLM's `step_fn`: `step` runs each step to the end
+before returning; `step_with_overlap` (async scheduling) launches step N+1 before it reads step
+N's tokens, so that the host schedules while the device computes.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
-from splitserve.executor.model_runner import InFlightStep, ModelRunner
+from splitserve.engine.step_inputs import StepInputBuilder
+from splitserve.executor.model_runner import InFlightStep, ModelRunner, ModelRunnerOutput
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,7 +37,9 @@ class EngineCore:
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+        self.step_inputs = StepInputBuilder(self.kv_manager)
         self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None  # launched, not yet finished
+        self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
         self._warm_up()
 
@@ -52,7 +60,7 @@ class EngineCore:
         params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
         self.add_request(EngineCoreRequest("splitserve-warmup", list(range(8)), params, None, 2, time.monotonic()))
         while self.has_unfinished_requests():
-            self.step()
+            self.step_fn()
         self.scheduler.prefix_cache_stats.reset()
         logger.info("Engine warmed up in %.2f s", time.perf_counter() - start)
 
@@ -72,27 +80,32 @@ class EngineCore:
 
     def abort_requests(self, request_ids) -> None:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        self.runner.remove_requests(r.request_id for r in finished)
+        self.step_inputs.forget(r.request_id for r in finished)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    # --- the loop body ----------------------------------------------------------------------
+    # --- the loop bodies --------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule and launch the next step, then finish the one launched before it. With async
-        scheduling (overlap) the device computes the new step while the host turns the previous
-        step's tokens into outputs and schedules; without it a step is finished before returning."""
-        self.poll_connector()
+        """Schedule, execute, update: one whole step."""
+        sched = self._schedule()
+        if sched is None:
+            return []
+        return self._update(sched, self.runner.collect(self._launch(sched)))
+
+    def step_with_overlap(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step N+1, then finish step N while the device computes N+1. A step
+        that needs step N's tokens on the host (see _can_overlap) waits for them first."""
         outputs = []
         sched = self._schedule()
         if sched is not None and self._in_flight is not None and not self._can_overlap(sched):
             outputs += self._finish_in_flight()
             sched = self._drop_finished(sched)
-        launched = self._launch(sched) if sched is not None else None
+        launched = (sched, self._launch(sched)) if sched is not None else None
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
-        if self._in_flight is not None and (not self.config.async_scheduling or self._in_flight_is_moot()):
+        if launched is not None and self._in_flight_is_moot():
             outputs += self._finish_in_flight()
         return outputs
 
@@ -118,23 +131,25 @@ class EngineCore:
     def _can_overlap(sched: SchedulerOutput) -> bool:
         """A request whose last token is still being sampled can run only if its sampling does not
         read its output tokens on the host (penalties, bad words, min_tokens)."""
-        return not any(r.num_pending_tokens and r.needs_output_history for r, _ in sched.scheduled)
+        return not any(r.num_pending_tokens and r.sampling_params.reads_output_history for r, _ in sched.scheduled)
 
-    def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, InFlightStep]:
+    def _launch(self, sched: SchedulerOutput) -> InFlightStep:
         now = time.monotonic()
         for request, _ in sched.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled}
         previous = self._in_flight[1] if self._in_flight is not None else None
-        step = self.runner.launch(sched, block_ids, previous)
+        step = self.runner.launch(self.step_inputs.build(sched), previous)
         self.scheduler.advance(sched)
-        return sched, step
+        return step
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         sched, step = self._in_flight
         self._in_flight = None
-        result = self.runner.collect(step)
+        return self._update(sched, self.runner.collect(step))
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Record a finished step's tokens in its requests and turn them into outputs."""
         updated = self.scheduler.record_samples(sched, result.sampled)
         outputs = {r.request_id: self._output(r, result) for r in updated}
         for rid, entries in result.prompt_logprobs.items():
@@ -142,12 +157,13 @@ class EngineCore:
         for request in updated:
             if request.request_id in self.scheduler.leased and request.is_finished():
                 outputs[request.request_id].kv_transfer = self._lease(request)
-        self.runner.remove_requests(r.request_id for r in updated if r.is_finished())
+        self.step_inputs.forget(r.request_id for r in updated if r.is_finished())
         return list(outputs.values())
 
     # --- prefill/decode disaggregation ---------------------------------------------------------
     def poll_connector(self) -> None:
-        """Free the blocks of leases that ended, and let requests whose KV arrived run."""
+        """Free the blocks of leases that ended, and let requests whose KV arrived run. The busy
+        loop calls it once per iteration, busy or idle (leases expire while nothing runs)."""
         if self.connector is None:
             return
         for request_id in self.connector.poll_released():

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from splitserve.executor.step_input import TokenLogprobs
 from splitserve.sampling_params import SamplingParams
-
-# (token ids, logprobs, rank of the first id); the first id is the chosen token, then the top-k.
-TokenLogprobs = tuple[list[int], list[float], int]
 
 
 class KVTransferParams(msgspec.Struct, omit_defaults=True):

@@ -90,14 +90,6 @@ class Request:
         return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
-    def needs_output_history(self) -> bool:
-        """Whether sampling this request reads its output tokens on the host (penalties, bad words,
-        min_tokens), so that its last token must be known before its next step is prepared."""
-        p = self.sampling_params
-        return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-                    or p.bad_words_token_ids or p.min_tokens)
-
-    @property
     def reaches_length_limit_with_pending(self) -> bool:
         """Its pending token is certain to end it by length: no further step is worth scheduling."""
         return self.num_pending_tokens > 0 and (

@@ -221,11 +221,6 @@ class Scheduler:
         return int((1.0 - self.config.kv_cache_ratio) * self.kv.pool.num_blocks)
 
     # --- after the model ran ----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """A step ran and its sampled tokens are known: advance, then record them."""
-        self.advance(out)
-        return self.record_samples(out, sampled)
-
     def advance(self, out: SchedulerOutput) -> None:
         """The step is launched: every scheduled request has computed its tokens, and those that
         completed all their tokens get a pending one (being sampled), which the next schedule()

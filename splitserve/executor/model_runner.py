@@ -9,17 +9,17 @@ import torch
 
 from splitserve import kernels
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
-from splitserve.engine.messages import TokenLogprobs
-from splitserve.engine.request import Request
-from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, start_host_copy, to_device
+from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from splitserve.executor.sampling_metadata import build_sampling_metadata
+from splitserve.executor.step_input import ScheduledRequest, StepInput, TokenLogprobs
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
+from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -35,40 +35,23 @@ class ModelRunnerOutput:
 
 
 @dataclass
-class _Batch:
-    """Host-side description of one step, built before anything touches the device."""
-
-    requests: list[tuple[Request, int]]
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    num_decodes: int
-    sample_rows: list[int]            # index into requests of those that sample a token
-    logits_indices: list[int]         # the token whose logits each sampling request samples from
-    prompt_logprob_spans: list[tuple[int, int, int]]  # (request index, first token, count)
-    # (index in input_ids, request) of tokens that the step in flight is still sampling
-    pending_inputs: list[tuple[int, Request]] = field(default_factory=list)
-
-
-@dataclass
 class InFlightStep:
     """A launched step: its sampled tokens on the device (for the next step's inputs) and on their
-    way to the host, and `ready`, reached when they have arrived."""
+    way to the host, and `ready`, reached when they have arrived. It holds what collect() needs of
+    its requests, which may be forgotten by the time it is collected."""
 
-    requests: list[Request]                       # the rows of `sampled`: the requests that sample
+    request_ids: list[str]                        # the rows of `sampled`: the requests that sample
+    num_logprobs: list[int | None]                # per row: how many top logprobs it asked for
     sampled: SamplerOutput | None = None
     host: list = field(default_factory=list)      # host copies of _sampler_tensors(sampled)
     prompt_host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # host copies, per request
     ready: StepReady | None = None
 
     def __post_init__(self) -> None:
-        self._rows = {r.request_id: i for i, r in enumerate(self.requests)}
+        self._rows = {rid: i for i, rid in enumerate(self.request_ids)}
 
-    def row_of(self, request: Request) -> int:
-        return self._rows[request.request_id]
+    def row_of(self, request_id: str) -> int:
+        return self._rows[request_id]
 
 
 class ModelRunner:
@@ -85,7 +68,7 @@ class ModelRunner:
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, CachedRequestState] = {}  # the runner's own view of each live request
         self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
@@ -173,25 +156,20 @@ class ModelRunner:
         num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
         num_seqs = min(sc.max_num_seqs, num_tokens)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        blocks_per_seq = [-(-n // self.block_size) for n in lens]
-        num_blocks = sum(blocks_per_seq)
+        rows, num_blocks = [], 0
+        for i, n in enumerate(lens):
+            count = -(-n // self.block_size)
+            state = CachedRequestState(f"profile-{i}", [0] * n, SamplingParams(), set(),
+                                       list(range(num_blocks, num_blocks + count)))
+            rows.append((state, ScheduledRequest(state.request_id, 0, n, [0] * n, [], samples=False)))
+            num_blocks += count
         bound = [(layer.kv_cache, layer.kv_scales) for layer in self.model.attention_layers()]
         self._allocate_kv_cache(num_blocks)
-        tables, first = [], 0
-        for count in blocks_per_seq:
-            tables.append(list(range(first, first + count)))
-            first += count
-        positions = [p for n in lens for p in range(n)]
-        slots = [tables[i][p // self.block_size] * self.block_size + p % self.block_size
-                 for i, n in enumerate(lens) for p in range(n)]
+        batch = InputBatch.build(rows, self.block_size)
+        meta = self._attention_metadata(batch)
         dev = self.device
-        meta = AttentionMetadata(
-            backend=self.backend, num_decodes=0, query_start_loc=[sum(lens[:i]) for i in range(num_seqs + 1)],
-            seq_lens=lens, seq_lens_tensor=to_device(lens, torch.int32, dev),
-            block_tables=to_device(_pad_rows(tables), torch.int32, dev),
-            slot_mapping=to_device(slots, torch.long, dev), block_size=self.block_size)
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
-                            to_device(positions, torch.long, dev), meta)
+        hidden = self.model(to_device(batch.input_ids, torch.long, dev), to_device(batch.positions, torch.long, dev),
+                            meta)
         last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
         logits = self.model.compute_logits(hidden[last_tokens])
         vocab = logits.shape[-1]
@@ -204,25 +182,26 @@ class ModelRunner:
         return num_tokens, num_blocks * self.kv_bytes_per_block()
 
     # --- requests ---------------------------------------------------------------------------
-    def remove_requests(self, request_ids) -> None:
-        for rid in request_ids:
-            self.generators.pop(rid, None)
-
-    def _generator(self, request: Request) -> torch.Generator:
-        gen = self.generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
-            self.generators[request.request_id] = gen
-        return gen
+    def _update_states(self, step: StepInput) -> list[tuple[CachedRequestState, ScheduledRequest]]:
+        """Forget finished requests, learn new ones, and take in each scheduled request's news."""
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for data in step.new_requests:
+            self.requests[data.request_id] = CachedRequestState.from_new(data)
+        rows = []
+        for scheduled in step.scheduled:
+            state = self.requests[scheduled.request_id]
+            state.update(scheduled)
+            rows.append((state, scheduled))
+        return rows
 
     # --- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
-               previous: InFlightStep | None = None) -> InFlightStep:
+    def launch(self, step_input: StepInput, previous: InFlightStep | None = None) -> InFlightStep:
         """Queue one step's forward and sampling on the device and return without waiting for it.
         A request whose last token is still being sampled by `previous` (overlap scheduling) gets
         it from previous.sampled.token_ids on the device. collect() reads the result."""
-        batch = self._prepare(sched, block_ids)
+        batch = InputBatch.build(self._update_states(step_input), self.block_size)
         meta = self._attention_metadata(batch)
         input_ids = self._input_ids(batch, previous)
         positions = to_device(batch.positions, torch.long, self.device)
@@ -231,15 +210,16 @@ class ModelRunner:
                                            meta.block_tables)
         else:
             hidden = self.model(input_ids, positions, meta)
-        step = InFlightStep(requests=[batch.requests[i][0] for i in batch.sample_rows])
-        if step.requests:
+        sampling = batch.sampling_requests
+        step = InFlightStep([r.request_id for r in sampling], [r.sampling_params.logprobs for r in sampling])
+        if sampling:
             logits = self.model.compute_logits(self._sampled_rows(hidden, batch))
-            meta = build_sampling_metadata(step.requests, logits.shape[-1], self.device, self._generator)
+            meta = build_sampling_metadata(sampling, logits.shape[-1], self.device)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in _sampler_tensors(step.sampled)]
-        for row, first, count in batch.prompt_logprob_spans:
-            request = batch.requests[row][0]
-            tensors = self._prompt_logprobs(request, hidden, first, count)
+        for span in batch.prompt_logprob_spans:
+            request = batch.requests[span.row]
+            tensors = self._prompt_logprobs(request, hidden, span)
             step.prompt_host[request.request_id] = [start_host_copy(t) for t in tensors]
         step.ready = StepReady(self.device)
         return step
@@ -248,20 +228,20 @@ class ModelRunner:
         """Wait for a launched step's sampled tokens (not for steps queued after it) and return them."""
         step.ready.wait()
         out = ModelRunnerOutput()
-        if step.requests:
-            self._collect_samples(step.requests, step.host, out)
+        if step.request_ids:
+            self._collect_samples(step, out)
         for request_id, (ids, lps, ranks) in step.prompt_host.items():
             out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out
 
-    def _sampled_rows(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    def _sampled_rows(self, hidden: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         """The hidden states of the tokens that sample. Indexing with a host list would copy it to
         the device from pageable memory, which waits for the whole queue (the overlapped step too)."""
         if len(batch.logits_indices) == hidden.shape[0]:  # every token samples: a decode-only step
             return hidden
         return hidden.index_select(0, to_device(batch.logits_indices, torch.long, self.device))
 
-    def _attention_metadata(self, batch: _Batch) -> AttentionMetadata:
+    def _attention_metadata(self, batch: InputBatch) -> AttentionMetadata:
         dev = self.device
         return AttentionMetadata(
             backend=self.backend,
@@ -269,70 +249,43 @@ class ModelRunner:
             query_start_loc=batch.query_start_loc,
             seq_lens=batch.seq_lens,
             seq_lens_tensor=to_device(batch.seq_lens, torch.int32, dev),
-            block_tables=to_device(_pad_rows(batch.block_tables), torch.int32, dev),
+            block_tables=to_device(batch.padded_block_tables(), torch.int32, dev),
             slot_mapping=to_device(batch.slot_mapping, torch.long, dev),
             block_size=self.block_size,
         )
 
-    def _input_ids(self, batch: _Batch, previous: InFlightStep | None) -> torch.Tensor:
+    def _input_ids(self, batch: InputBatch, previous: InFlightStep | None) -> torch.Tensor:
         input_ids = to_device(batch.input_ids, torch.long, self.device)
         if batch.pending_inputs:
             assert previous is not None, "a request's last token is pending but no step is in flight"
             where = to_device([i for i, _ in batch.pending_inputs], torch.long, self.device)
-            rows = to_device([previous.row_of(r) for _, r in batch.pending_inputs], torch.long, self.device)
+            rows = to_device([previous.row_of(rid) for _, rid in batch.pending_inputs], torch.long, self.device)
             input_ids[where] = previous.sampled.token_ids[rows]
         return input_ids
 
-    def _replays(self, batch: _Batch) -> bool:
+    def _replays(self, batch: InputBatch) -> bool:
         """Whether a captured CUDA graph runs this step: decodes only, few enough of them."""
         return (self.graph_runner is not None and batch.num_decodes == len(batch.requests)
                 and batch.num_decodes <= self.graph_runner.max_batch_size)
 
-    def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> _Batch:
-        # Decodes (one query token) first, so attention can batch them in one call.
-        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
-        b = _Batch(ordered, [], [], [], [0], [], [], sum(1 for _, n in ordered if n == 1), [], [], [])
-        bs = self.block_size
-        for row, (request, n) in enumerate(ordered):
-            start, blocks = request.num_computed_tokens, block_ids[request.request_id]
-            end = start + n
-            known = request.all_token_ids[start:end]
-            b.input_ids.extend(known)
-            if len(known) < n:  # the last token is being sampled by the step in flight
-                assert len(known) == n - 1 and request.num_pending_tokens == 1
-                b.pending_inputs.append((len(b.input_ids), request))
-                b.input_ids.append(0)
-            b.positions.extend(range(start, end))
-            b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            b.query_start_loc.append(b.query_start_loc[-1] + n)
-            b.seq_lens.append(end)
-            b.block_tables.append(blocks)
-            if end == request.num_tokens_with_pending:
-                b.sample_rows.append(row)
-                b.logits_indices.append(b.query_start_loc[-1] - 1)
-            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                count = min(end, request.num_prompt_tokens - 1) - start
-                b.prompt_logprob_spans.append((row, b.query_start_loc[-2], count))
-        return b
-
-    def _collect_samples(self, requests: list[Request], host: list[torch.Tensor], out: ModelRunnerOutput) -> None:
-        tokens = host[0].tolist()
-        if len(host) > 1:
-            ids, lps, ranks = (t.tolist() for t in host[1:])
-        for i, request in enumerate(requests):
-            out.sampled[request.request_id] = tokens[i]
-            k = request.sampling_params.logprobs
+    @staticmethod
+    def _collect_samples(step: InFlightStep, out: ModelRunnerOutput) -> None:
+        tokens = step.host[0].tolist()
+        if len(step.host) > 1:
+            ids, lps, ranks = (t.tolist() for t in step.host[1:])
+        for i, (request_id, k) in enumerate(zip(step.request_ids, step.num_logprobs)):
+            out.sampled[request_id] = tokens[i]
             if k is not None:
-                out.logprobs[request.request_id] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+                out.logprobs[request_id] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
 
-    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, first: int,
-                         count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For prompt positions scored this step (hidden rows first..first+count-1, each scoring the
-        next prompt token): ids and logprobs [count, 1 + k] (the prompt token, then the top k) and the
+    def _prompt_logprobs(self, request: CachedRequestState, hidden: torch.Tensor,
+                         span: PromptLogprobSpan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For prompt positions scored this step (hidden rows first_index.., each scoring the next
+        prompt token): ids and logprobs [count, 1 + k] (the prompt token, then the top k) and the
         prompt token's rank [count], on the device. Computed PROMPT_LOGPROBS_CHUNK rows at a time:
         a whole 8192-token chunk's float32 logits over a 150k vocabulary would take ~10 GB."""
-        start = request.num_computed_tokens
-        targets = to_device(request.prompt_token_ids[start + 1:start + 1 + count], torch.long, self.device)
+        first, count = span.first_index, span.count
+        targets = to_device(request.prompt_token_ids[span.start + 1:span.start + 1 + count], torch.long, self.device)
         k = request.sampling_params.prompt_logprobs or 0
         ids = torch.empty(count, 1 + k, dtype=torch.long, device=self.device)
         lps = torch.empty(count, 1 + k, dtype=torch.float32, device=self.device)
@@ -346,11 +299,6 @@ class ModelRunner:
             if k:
                 lps[lo:hi, 1:], ids[lo:hi, 1:] = logprobs.topk(k, dim=-1)
         return ids, lps, ranks
-
-
-def _pad_rows(rows: list[list[int]]) -> list[list[int]]:
-    width = max(len(r) for r in rows)
-    return [r + [0] * (width - len(r)) for r in rows]
 
 
 def _sampler_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:

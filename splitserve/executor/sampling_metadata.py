@@ -10,30 +10,27 @@ and vocabulary) is ever built on the host or copied.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from splitserve.engine.request import Request
 from splitserve.executor.host import to_device
+from splitserve.executor.input_batch import CachedRequestState
 from splitserve.executor.sampler import GREEDY_TEMPERATURE, SamplingMetadata
 from splitserve.sampling_params import SamplingParams
 
 
-def build_sampling_metadata(requests: list[Request], vocab: int, device: torch.device,
-                            generator_for: Callable[[Request], torch.Generator]) -> SamplingMetadata:
+def build_sampling_metadata(requests: list[CachedRequestState], vocab: int, device: torch.device) -> SamplingMetadata:
     """The sampler's inputs for `requests` (one row each, in order) over a vocabulary of `vocab` logits.
 
     Optional fields stay None when no row needs them, so that the sampler can skip their work (and
-    take its fused path when nothing but temperature is asked for). `generator_for` gives a seeded
-    request its own generator, so that its draws do not depend on the rest of the batch.
+    take its fused path when nothing but temperature is asked for). A seeded request draws from its own
+    generator, so that its draws do not depend on the rest of the batch.
     """
     params = [r.sampling_params for r in requests]
     temps = [p.temperature for p in params]
     meta = SamplingMetadata(temperature=to_device(temps, torch.float32, device),
                             all_greedy=all(t < GREEDY_TEMPERATURE for t in temps))
     _add_truncation(meta, params, vocab, device)
-    meta.generators = {i: generator_for(r) for i, r in enumerate(requests)
+    meta.generators = {i: r.generator_on(device) for i, r in enumerate(requests)
                        if r.sampling_params.seed is not None}
     _add_penalties(meta, requests, vocab, device)
     meta.logit_bias = _logit_bias(requests, vocab, device)
@@ -53,7 +50,7 @@ def _add_truncation(meta: SamplingMetadata, params: list[SamplingParams], vocab:
         meta.min_p = to_device([p.min_p for p in params], torch.float32, device)
 
 
-def _add_penalties(meta: SamplingMetadata, requests: list[Request], vocab: int, device: torch.device) -> None:
+def _add_penalties(meta: SamplingMetadata, requests: list[CachedRequestState], vocab: int, device: torch.device) -> None:
     """Penalty columns, the output counts every penalty reads, and the prompt mask that only the
     repetition penalty reads; nothing when no row has a penalty."""
     params = [r.sampling_params for r in requests]
@@ -72,7 +69,7 @@ def _add_penalties(meta: SamplingMetadata, requests: list[Request], vocab: int, 
         meta.presence_penalty = to_device([p.presence_penalty for p in params], torch.float32, device)
 
 
-def _output_counts(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor:
+def _output_counts(requests: list[CachedRequestState], vocab: int, device: torch.device) -> torch.Tensor:
     """[R, V] float32 occurrences of each token in each row's output: every (row, token) pair of all
     outputs crosses once, and one accumulating write counts them on the device (repeats add up)."""
     counts = torch.zeros(len(requests), vocab, dtype=torch.float32, device=device)
@@ -83,7 +80,7 @@ def _output_counts(requests: list[Request], vocab: int, device: torch.device) ->
     return counts
 
 
-def _prompt_mask(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor:
+def _prompt_mask(requests: list[CachedRequestState], vocab: int, device: torch.device) -> torch.Tensor:
     """[R, V] bool: the token occurs in the row's prompt. One copy of all (row, token) pairs, one write
     (a token repeated in a prompt writes True twice, which is harmless)."""
     mask = torch.zeros(len(requests), vocab, dtype=torch.bool, device=device)
@@ -94,7 +91,7 @@ def _prompt_mask(requests: list[Request], vocab: int, device: torch.device) -> t
     return mask
 
 
-def _logit_bias(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
+def _logit_bias(requests: list[CachedRequestState], vocab: int, device: torch.device) -> torch.Tensor | None:
     """A dense [R, V] float32 additive bias for the rows that need one: allowed_token_ids, logit_bias,
     bad words, and the stop tokens that min_tokens forbids for now. None when no row needs anything.
 
@@ -137,7 +134,7 @@ def _add_additive(out: torch.Tensor, additive: list[dict[int, float]], device: t
     out.index_put_(index, to_device(values, torch.float32, device), accumulate=True)
 
 
-def _row_bias(request: Request) -> tuple[list[int] | None, dict[int, float]] | None:
+def _row_bias(request: CachedRequestState) -> tuple[list[int] | None, dict[int, float]] | None:
     """(allowed_token_ids, {token: additive value}) for one row, or None when it needs no bias."""
     params = request.sampling_params
     additive: dict[int, float] = dict(params.logit_bias or {})
@@ -148,7 +145,7 @@ def _row_bias(request: Request) -> tuple[list[int] | None, dict[int, float]] | N
     return params.allowed_token_ids, additive
 
 
-def _banned_tokens(request: Request) -> list[int]:
+def _banned_tokens(request: CachedRequestState) -> list[int]:
     """Tokens the next step must not produce: the stop tokens while min_tokens is not reached, and the
     last token of each bad word whose other tokens end the output so far."""
     params, output = request.sampling_params, request.output_token_ids

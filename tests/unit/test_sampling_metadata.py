@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import splitserve.executor.sampling_metadata as sm
-from splitserve.engine.request import Request
+from splitserve.executor.input_batch import CachedRequestState as Request
 from splitserve.executor.sampler import SamplingMetadata
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.sampling_params import SamplingParams
@@ -21,25 +21,15 @@ INF = float("inf")
 
 
 def make(rid: str, prompt, output=(), bad_words=(), **params) -> Request:
+    """The model runner's state of a request (what sampling reads of it)."""
     sp = SamplingParams(max_tokens=16, **params)
     sp.bad_words_token_ids = [list(w) for w in bad_words]  # filled by the processor in the engine
-    return Request(rid, list(prompt), sp, eos_token_id=EOS, max_tokens=16, output_token_ids=list(output))
-
-
-class Generators:
-    """generator_for: one seeded generator per request id, kept across calls (as the model runner does)."""
-
-    def __init__(self):
-        self.by_id: dict[str, torch.Generator] = {}
-
-    def __call__(self, request: Request) -> torch.Generator:
-        if request.request_id not in self.by_id:
-            self.by_id[request.request_id] = torch.Generator().manual_seed(request.sampling_params.seed)
-        return self.by_id[request.request_id]
+    stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {EOS})
+    return Request(rid, list(prompt), sp, stop, output_token_ids=list(output))
 
 
 # --- the per-row reference: the old model-runner logic, one request at a time -----------------------
-def reference(requests: list[Request], vocab: int, generator_for) -> SamplingMetadata:
+def reference(requests: list[Request], vocab: int) -> SamplingMetadata:
     params = [r.sampling_params for r in requests]
     temps = [p.temperature for p in params]
     meta = SamplingMetadata(temperature=torch.tensor(temps, dtype=torch.float32),
@@ -50,7 +40,7 @@ def reference(requests: list[Request], vocab: int, generator_for) -> SamplingMet
         meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     if any(p.min_p > 0.0 for p in params):
         meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    meta.generators = {i: generator_for(r) for i, r in enumerate(requests) if r.sampling_params.seed is not None}
+    meta.generators = {i: r.generator_on(CPU) for i, r in enumerate(requests) if r.sampling_params.seed is not None}
     reference_penalties(meta, requests, vocab)
     meta.logit_bias = reference_logit_bias(requests, vocab)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -147,9 +137,8 @@ def mixed_batch(copies: int = 1) -> list[Request]:
 
 
 def check(requests: list[Request], vocab: int = V) -> SamplingMetadata:
-    gens = Generators()
-    got = build_sampling_metadata(requests, vocab, CPU, gens)
-    assert_same(got, reference(requests, vocab, gens))
+    got = build_sampling_metadata(requests, vocab, CPU)
+    assert_same(got, reference(requests, vocab))
     return got
 
 

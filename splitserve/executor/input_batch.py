@@ -1,0 +1,128 @@
+"""The model runner's side of a step: its own state per request, and one step's inputs on the host.
+
+The runner never sees the engine's Request objects. It learns of a request once (NewRequestData)
+and keeps what sampling needs (CachedRequestState); each step it reads the rows of a StepInput and
+builds an InputBatch, the flat lists that become the forward's tensors, before anything touches the
+device. The profiling run builds its InputBatch the same way, from made-up rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from splitserve.executor.step_input import NewRequestData, ScheduledRequest
+from splitserve.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stop_token_set: set[int]             # what min_tokens holds back
+    block_ids: list[int] = field(default_factory=list)
+    # Tokens past the prompt, kept only when sampling reads them (penalties, bad words, min_tokens).
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # a seeded request's own, made on first use
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> CachedRequestState:
+        return cls(data.request_id, data.prompt_token_ids, data.sampling_params, set(data.stop_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def update(self, row: ScheduledRequest) -> None:
+        """Take in one step's news: its new blocks, and the outputs among its input tokens."""
+        if row.resumed:
+            self.block_ids = list(row.new_block_ids)
+        else:
+            self.block_ids.extend(row.new_block_ids)
+        if self.sampling_params.reads_output_history:
+            # The engine never overlaps such a request's steps, so its inputs are all known.
+            assert not row.last_token_pending, "an output-history request has an unknown input token"
+            self._record_outputs(row.num_computed_tokens, row.token_ids)
+
+    def _record_outputs(self, start: int, token_ids: list[int]) -> None:
+        """The inputs at positions past the prompt are the outputs so far. Indexed by position, so
+        that tokens computed again (after a preemption) replace themselves instead of repeating."""
+        first = max(self.num_prompt_tokens - start, 0)
+        if first >= len(token_ids):
+            return
+        del self.output_token_ids[start + first - self.num_prompt_tokens:]
+        self.output_token_ids.extend(token_ids[first:])
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
+        return self.generator
+
+
+class PromptLogprobSpan(NamedTuple):
+    """Prompt positions whose next-token logprobs a step scores."""
+
+    row: int
+    first_index: int      # index of the first of them in the step's tokens
+    start: int            # its position in the prompt (it scores prompt token start + 1)
+    count: int
+
+
+@dataclass
+class InputBatch:
+    """One step on the host. Rows are requests, decodes (one query token) first, so that attention
+    can batch them in one call; each row's tokens are consecutive."""
+
+    requests: list[CachedRequestState]
+    block_size: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_decodes: int = 0
+    sample_rows: list[int] = field(default_factory=list)      # rows that sample a token
+    logits_indices: list[int] = field(default_factory=list)   # the token each of them samples from
+    prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    # (index in input_ids, request id) of tokens that the step in flight is still sampling
+    pending_inputs: list[tuple[int, str]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, rows: list[tuple[CachedRequestState, ScheduledRequest]], block_size: int) -> InputBatch:
+        rows = sorted(rows, key=lambda row: row[1].num_tokens != 1)
+        batch = cls([state for state, _ in rows], block_size)
+        batch.num_decodes = sum(1 for _, scheduled in rows if scheduled.num_tokens == 1)
+        for index, (state, scheduled) in enumerate(rows):
+            batch._add_row(index, state, scheduled)
+        return batch
+
+    def _add_row(self, index: int, state: CachedRequestState, row: ScheduledRequest) -> None:
+        start, n, bs = row.num_computed_tokens, row.num_tokens, self.block_size
+        end, blocks = start + n, state.block_ids
+        self.input_ids.extend(row.token_ids)
+        if row.last_token_pending:
+            assert len(row.token_ids) == n - 1
+            self.pending_inputs.append((len(self.input_ids), state.request_id))
+            self.input_ids.append(0)
+        self.positions.extend(range(start, end))
+        self.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        self.query_start_loc.append(self.query_start_loc[-1] + n)
+        self.seq_lens.append(end)
+        self.block_tables.append(blocks)
+        if row.samples:
+            self.sample_rows.append(index)
+            self.logits_indices.append(self.query_start_loc[-1] - 1)
+        if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+            count = min(end, state.num_prompt_tokens - 1) - start
+            self.prompt_logprob_spans.append(PromptLogprobSpan(index, self.query_start_loc[-2], start, count))
+
+    @property
+    def sampling_requests(self) -> list[CachedRequestState]:
+        return [self.requests[i] for i in self.sample_rows]
+
+    def padded_block_tables(self) -> list[list[int]]:
+        width = max(len(r) for r in self.block_tables)
+        return [r + [0] * (width - len(r)) for r in self.block_tables]

@@ -1,0 +1,52 @@
+"""What the engine tells the model runners each step: data only (ids, token ids, block ids, sampling
+parameters), so that one message can be sent as it is to every rank of a multi-process executor.
+
+The engine's scheduler plans with live `Request` objects (engine/scheduler.py); `StepInput` is that
+plan as the runners need it. A runner keeps its own state per request (executor/input_batch.py):
+it is told about a request once (`NewRequestData`), then only what changes each step.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from splitserve.sampling_params import SamplingParams
+
+# (token ids, logprobs, rank of the first id); the first id is the chosen token, then the top-k.
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the runners have not seen: what stays fixed for its whole life."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stop_token_ids: list[int]            # eos and stop ids: what min_tokens holds back
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's share of a step."""
+
+    request_id: str
+    num_computed_tokens: int             # tokens already in the KV cache: the position of the first input
+    num_tokens: int                      # tokens this step computes
+    token_ids: list[int]                 # their ids; one fewer when the last is still being sampled
+    new_block_ids: list[int]             # blocks added since the last step (all of them when `resumed`)
+    samples: bool                        # the step reaches its last token: sample the next one
+    resumed: bool = False                # back after a preemption: its block list starts over
+
+    @property
+    def last_token_pending(self) -> bool:
+        """Its last input is the token the step in flight is sampling (overlap scheduling): the runner
+        takes it from that step's output on the device."""
+        return len(self.token_ids) < self.num_tokens
+
+
+class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
+    new_requests: list[NewRequestData] = []
+    scheduled: list[ScheduledRequest] = []
+    finished_request_ids: list[str] = []   # forget these (finished, aborted) before this step
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.scheduled)
