@@ -26,9 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self._check_capacity(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
