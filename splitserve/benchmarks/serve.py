@@ -19,15 +19,14 @@ import math
 import os
 import random
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from datetime import datetime
 from itertools import accumulate
 
 import numpy as np
 
-METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+from splitserve.benchmarks.serve_client import Outcome, Request, fetch_model, send_request
+from splitserve.benchmarks.serve_report import (METRICS, compute_result, plot_latencies, print_report, result_path,
+                                                selected_metrics, selected_percentiles)
+
 DATASETS = ("random",)
 BACKENDS = ("openai", "vllm", "openai-chat")
 _FIT_ROUNDS = 4  # decode/re-encode rounds to bring a chat prompt to its token length
@@ -39,28 +38,6 @@ _WORDS = ("the of and to in is was for that on as with by he at from his it an w
           "used many can state about national out known university united then made team game people "
           "under year last work part series between season film album river house music since three "
           "while being both long well group name second home life family").split()
-
-
-@dataclass
-class Request:
-    prompt: str | list[int]
-    prompt_len: int  # exact for token ids, close for decoded text, a word count without a tokenizer
-    output_len: int
-
-
-@dataclass
-class Outcome:
-    """What one streamed request measured; the token counts stay None until the server's usage (or, after
-    the run, a local count) fills them."""
-    success: bool = False
-    error: str = ""
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    text: str = ""
-    chunks: int = 0
-    prompt_tokens: int | None = None
-    output_tokens: int | None = None
 
 
 def _json_object(text: str) -> dict:
@@ -125,14 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--disable-tqdm", action="store_true")
 
 
-def _percentiles(ns: argparse.Namespace) -> list[float]:
-    return [float(p) for p in ns.metric_percentiles.split(",") if p.strip()]
-
-
-def _metrics(ns: argparse.Namespace) -> list[str]:
-    return [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]
-
-
 def _is_chat(endpoint: str) -> bool:
     return endpoint.rstrip("/").endswith("chat/completions")
 
@@ -153,11 +122,11 @@ def check_arguments(ns: argparse.Namespace) -> None:
         raise ValueError("--request-rate and --burstiness must be > 0")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
-    unknown = [m for m in _metrics(ns) if m not in METRICS]
+    unknown = [m for m in selected_metrics(ns) if m not in METRICS]
     if unknown:
         raise ValueError(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
     try:
-        percentiles = _percentiles(ns)
+        percentiles = selected_percentiles(ns)
     except ValueError:
         raise ValueError(f"--metric-percentiles must be numbers, got {ns.metric_percentiles!r}") from None
     if not all(0 <= p <= 100 for p in percentiles):
@@ -236,116 +205,6 @@ def request_body(request: Request, ns: argparse.Namespace, model: str, chat: boo
     return body | (ns.extra_body or {})
 
 
-class SSEBuffer:
-    """Splits a response byte stream into the payloads of its `data:` lines. A network read can end
-    anywhere in an event, so the unfinished last line waits for the next read."""
-
-    def __init__(self) -> None:
-        self._pending = b""
-
-    def feed(self, chunk: bytes) -> list[str]:
-        lines = (self._pending + chunk).split(b"\n")
-        self._pending = lines.pop()
-        payloads = []
-        for raw in lines:
-            line = raw.rstrip(b"\r").decode("utf-8")
-            if line.startswith("data:"):
-                payloads.append(line[5:].removeprefix(" "))
-        return payloads
-
-
-def _event_error(event: dict) -> str | None:
-    """The message of an error event: OpenAI's {"error": {...}} or vLLM's {"object": "error", ...}."""
-    if "error" in event:
-        error = event["error"]
-        return error.get("message", str(error)) if isinstance(error, dict) else str(error)
-    if event.get("object") == "error":
-        return event.get("message", "error event")
-    return None
-
-
-def _event_text(event: dict, chat: bool) -> str:
-    """The generated text of one chunk (reasoning text counts, as it costs tokens like any other)."""
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    if not chat:
-        return choices[0].get("text") or ""
-    delta = choices[0].get("delta") or {}
-    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
-
-
-class _Stream:
-    """The timing state of one response while it streams, fed one SSE payload at a time."""
-
-    def __init__(self, chat: bool) -> None:
-        self.outcome, self.chat, self.pieces, self.done = Outcome(), chat, [], False
-        self.start = self.last = time.perf_counter()
-
-    def read(self, payload: str, now: float) -> None:
-        """TTFT at the first chunk with text, one ITL gap per later chunk with text (however many tokens it
-        carries, as vLLM counts), the usage figures wherever they come, and nothing after [DONE]."""
-        if self.done or payload == "[DONE]":
-            self.done = True
-            return
-        event, outcome = json.loads(payload), self.outcome
-        if (message := _event_error(event)) is not None:
-            outcome.error, self.done = f"error event: {message}", True
-            return
-        if usage := event.get("usage"):
-            outcome.prompt_tokens = usage.get("prompt_tokens")
-            outcome.output_tokens = usage.get("completion_tokens")
-        if text := _event_text(event, self.chat):
-            if outcome.chunks == 0:
-                outcome.ttft = now - self.start
-            else:
-                outcome.itl.append(now - self.last)
-            self.last = now
-            outcome.chunks += 1
-            self.pieces.append(text)
-
-
-async def send_request(session, url: str, body: dict, headers: dict, chat: bool) -> Outcome:
-    """Stream one request and time it. Every failure (HTTP status, connection, timeout, error event, a
-    stream without text) becomes an Outcome with its message: one bad request must not end the run. The
-    body is read to its end, past [DONE], so that the connection goes back to the pool for reuse."""
-    stream = _Stream(chat)
-    outcome = stream.outcome
-    try:
-        async with session.post(url, json=body, headers=headers) as response:
-            if response.status != 200:
-                outcome.error = f"HTTP {response.status}: {(await response.text())[:300]}"
-                return outcome
-            buffer = SSEBuffer()
-            async for chunk in response.content.iter_any():
-                now = time.perf_counter()
-                for payload in buffer.feed(chunk):
-                    stream.read(payload, now)
-                if outcome.error:
-                    return outcome
-        outcome.latency = time.perf_counter() - stream.start
-    except Exception as exc:  # noqa: BLE001 - any failure of one request is recorded, never raised
-        outcome.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-        return outcome
-    outcome.text = "".join(stream.pieces)
-    outcome.success = outcome.chunks > 0
-    if not outcome.success:
-        outcome.error = "the stream carried no generated text"
-    return outcome
-
-
-async def fetch_model(session, base_url: str, headers: dict) -> str:
-    """The first model the server lists, for runs without --model."""
-    url = f"{base_url}/v1/models"
-    try:
-        async with session.get(url, headers=headers) as response:
-            response.raise_for_status()
-            return (await response.json())["data"][0]["id"]
-    except Exception as exc:  # noqa: BLE001 - every cause gets the same advice
-        raise ValueError(f"could not read the model name from {url} ({type(exc).__name__}: {exc}); "
-                         f"pass --model") from None
-
-
 async def run_requests(ns: argparse.Namespace, requests: list[Request], url: str, model: str, headers: dict,
                        session) -> tuple[list[Outcome], float, int]:
     """Send the requests on their arrival schedule, at most --max-concurrency at a time; returns the outcomes
@@ -394,153 +253,6 @@ def _fill_token_counts(outcomes: list[Outcome], requests: list[Request], tokeniz
         if outcome.output_tokens is None:
             outcome.output_tokens = (len(tokenizer.encode(outcome.text, add_special_tokens=False))
                                      if tokenizer is not None else outcome.chunks)
-
-
-def _percentile_name(p: float) -> str:
-    return str(int(p)) if p == int(p) else str(p)
-
-
-def summarize(values_s: list[float], percentiles: list[float]) -> dict[str, float]:
-    """Mean, median, standard deviation and percentiles in milliseconds (numpy's linear interpolation, as
-    vLLM). An empty list gives zeros, as in vLLM, so that result files always hold numbers."""
-    values = np.asarray(values_s, dtype=float) * 1000.0 if values_s else np.zeros(1)
-    stats = {"mean": float(values.mean()), "median": float(np.median(values)), "std": float(values.std())}
-    for p in percentiles:
-        stats[f"p{_percentile_name(p)}"] = float(np.percentile(values, p))
-    return stats
-
-
-def _tpot(outcome: Outcome) -> float | None:
-    """Decode time per output token after the first; undefined for a single-token output."""
-    if outcome.output_tokens is None or outcome.output_tokens < 2:
-        return None
-    return (outcome.latency - outcome.ttft) / (outcome.output_tokens - 1)
-
-
-def metric_values(outcomes: list[Outcome]) -> dict[str, list[float]]:
-    """Each metric's samples in seconds over the successful requests; ITL pools the gaps of all of them."""
-    done = [o for o in outcomes if o.success]
-    return {"ttft": [o.ttft for o in done],
-            "tpot": [t for t in map(_tpot, done) if t is not None],
-            "itl": [gap for o in done for gap in o.itl],
-            "e2el": [o.latency for o in done]}
-
-
-def compute_result(ns: argparse.Namespace, outcomes: list[Outcome], duration: float, peak: int, model: str,
-                   base_url: str) -> dict:
-    """The figures of the run under vLLM's result-file keys, the per-request lists, and the arguments."""
-    done = [o for o in outcomes if o.success]
-    input_tokens = sum(o.prompt_tokens for o in done)
-    output_tokens = sum(o.output_tokens for o in done)
-    result = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": ns.backend,
-        "base_url": base_url,
-        "endpoint": ns.endpoint,
-        "model_id": model,
-        "tokenizer_id": ns.tokenizer,
-        "num_prompts": len(outcomes),
-        "request_rate": "inf" if math.isinf(ns.request_rate) else ns.request_rate,
-        "burstiness": ns.burstiness,
-        "max_concurrency": ns.max_concurrency,
-        "duration": duration,
-        "completed": len(done),
-        "failed": len(outcomes) - len(done),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(done) / duration,
-        "output_throughput": output_tokens / duration,
-        "total_token_throughput": (input_tokens + output_tokens) / duration,
-        "max_concurrent_requests": peak,
-    }
-    values = metric_values(outcomes)
-    for metric in _metrics(ns):
-        for stat, value in summarize(values[metric], _percentiles(ns)).items():
-            result[f"{stat}_{metric}_ms"] = value
-    result |= {
-        "input_lens": [o.prompt_tokens or 0 for o in outcomes],
-        "output_lens": [o.output_tokens or 0 for o in outcomes],
-        "ttfts": [o.ttft for o in outcomes],
-        "itls": [o.itl for o in outcomes],
-        "e2els": [o.latency for o in outcomes],
-        "errors": [o.error for o in outcomes],
-        "args": _arguments(ns),
-    }
-    return result
-
-
-def _arguments(ns: argparse.Namespace) -> dict:
-    """The arguments as JSON values: no callables, no API key, and infinity as the string "inf"."""
-    args = {k: v for k, v in vars(ns).items() if not callable(v) and k != "api_key"}
-    return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in args.items()}
-
-
-def print_report(result: dict, ns: argparse.Namespace) -> None:
-    """vLLM's report layout: totals and rates, then one block per selected metric."""
-    line = "{:<40} {:<10}".format
-    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
-    print(line("Successful requests:", result["completed"]))
-    print(line("Failed requests:", result["failed"]))
-    print(line("Maximum request concurrency:", str(result["max_concurrency"])))
-    print(line("Max concurrency reached:", result["max_concurrent_requests"]))
-    print(line("Benchmark duration (s):", f"{result['duration']:.2f}"))
-    print(line("Total input tokens:", result["total_input_tokens"]))
-    print(line("Total generated tokens:", result["total_output_tokens"]))
-    print(line("Request throughput (req/s):", f"{result['request_throughput']:.2f}"))
-    print(line("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"))
-    print(line("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"))
-    for metric in _metrics(ns):
-        name = metric.upper()
-        print("{s:{c}^50}".format(s=METRICS[metric], c="-"))
-        print(line(f"Mean {name} (ms):", f"{result[f'mean_{metric}_ms']:.2f}"))
-        print(line(f"Median {name} (ms):", f"{result[f'median_{metric}_ms']:.2f}"))
-        for p in _percentiles(ns):
-            key = f"p{_percentile_name(p)}"
-            print(line(f"{key.upper()} {name} (ms):", f"{result[f'{key}_{metric}_ms']:.2f}"))
-    print("=" * 50)
-    errors = Counter(e for e in result["errors"] if e)
-    if errors:
-        print(f"{errors.total()} failed requests; the most frequent errors:")
-        for message, count in errors.most_common(5):
-            print(f"  {count} x {message}")
-
-
-def result_path(result: dict, ns: argparse.Namespace) -> str:
-    """--result-dir / --result-filename, or vLLM's naming: backend, rate, cap, model and date."""
-    name = ns.result_filename
-    if not name:
-        cap = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
-        model = result["model_id"].rstrip("/").split("/")[-1]
-        name = f"{ns.backend}-{result['request_rate']}qps{cap}-{model}-{result['date']}.json"
-    return os.path.join(ns.result_dir or ".", name)
-
-
-def plot_latencies(result: dict, outcomes: list[Outcome], path: str) -> None:
-    """One column per metric: its histogram above, its empirical CDF below, in milliseconds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    values = metric_values(outcomes)
-    fig, axes = plt.subplots(2, len(METRICS), figsize=(4 * len(METRICS), 7), squeeze=False)
-    for column, (metric, title) in enumerate(METRICS.items()):
-        samples = np.sort(np.asarray(values[metric]) * 1000.0)
-        hist, cdf = axes[0][column], axes[1][column]
-        hist.set_title(f"{metric.upper()}: {title}", fontsize=9)
-        cdf.set_xlabel(f"{metric.upper()} (ms)")
-        if samples.size:
-            hist.hist(samples, bins=min(50, max(5, samples.size // 4)))
-            cdf.step(samples, np.arange(1, samples.size + 1) / samples.size, where="post")
-        cdf.set_ylim(0, 1.01)
-        cdf.grid(alpha=0.3)
-    axes[0][0].set_ylabel("requests (ITL: gaps)")
-    axes[1][0].set_ylabel("fraction <= x")
-    fig.suptitle(f"{result['model_id']}: {result['completed']} requests, rate {result['request_rate']}/s, "
-                 f"max concurrency {result['max_concurrency']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 async def _benchmark(ns: argparse.Namespace, requests: list[Request], base_url: str, headers: dict):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from splitserve.benchmarks import serve
+from splitserve.benchmarks import serve, serve_client, serve_report
 from splitserve.entrypoints.cli import build_parser
 
 FIRST_DELAY = 0.06  # seconds before the first chunk with text
@@ -236,15 +236,15 @@ def test_arrival_gaps():
 
 
 def test_summarize_percentiles():
-    stats = serve.summarize([1.0, 2.0, 3.0, 4.0], [50, 99, 99.9])
+    stats = serve_report.summarize([1.0, 2.0, 3.0, 4.0], [50, 99, 99.9])
     assert stats["mean"] == stats["median"] == stats["p50"] == 2500.0
     assert stats["p99"] == pytest.approx(3970.0) and stats["p99.9"] == pytest.approx(3997.0)
     assert stats["std"] == pytest.approx(1118.034, abs=1e-3)
-    assert serve.summarize([], [99]) == {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+    assert serve_report.summarize([], [99]) == {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
 
 
 def test_sse_buffer_joins_split_events():
-    buffer = serve.SSEBuffer()
+    buffer = serve_client.SSEBuffer()
     stream = b'data: {"a": 1}\r\n\r\n: keep-alive\n\ndata:{"b": "\xc3\xa9"}\n\ndata: [DONE]\n\n'
     payloads = [p for i in range(0, len(stream), 5) for p in buffer.feed(stream[i:i + 5])]
     assert payloads == ['{"a": 1}', '{"b": "\u00e9"}', "[DONE]"]
@@ -278,7 +278,7 @@ def test_tokenizer_prompts(smollm_tokenizer):
     for r, ids in zip(chat, requests):
         assert len(smollm_tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len
         assert abs(r.prompt_len - len(ids.prompt)) <= 2
-    outcome = serve.Outcome(success=True, text=" hello world, again", chunks=1)
+    outcome = serve_client.Outcome(success=True, text=" hello world, again", chunks=1)
     serve._fill_token_counts([outcome], requests[:1], smollm_tokenizer)
     assert outcome.output_tokens == len(smollm_tokenizer.encode(" hello world, again", add_special_tokens=False))
     assert outcome.prompt_tokens == requests[0].prompt_len
