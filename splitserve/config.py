@@ -1,9 +1,10 @@
-"""Engine configuration: one set of dataclasses that every front-end (vLLM-style `LLM`,
-LMDeploy-style `pipeline`, the CLI) maps onto. Field names and defaults follow vLLM."""
+"""Engine configuration: the resolved dataclasses the engine runs with (EngineArgs, in
+engine/arg_utils.py, is what users set; every front-end maps onto it). Field names and defaults
+follow vLLM."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -141,119 +142,6 @@ class EngineConfig:
     async_scheduling: bool = False  # overlap: schedule step N+1 while the device runs step N
     use_tqdm_on_load: bool = True
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
-
-
-@dataclass
-class EngineArgs:
-    """Everything a user can set, flat, with vLLM's names. `create_engine_config()` resolves it."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    revision: str | None = None
-    trust_remote_code: bool = False
-    dtype: str = "auto"
-    load_format: str = "auto"
-    use_tqdm_on_load: bool = True
-    seed: int = 0
-    max_model_len: int | None = None
-    served_model_name: str | None = None
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
-    long_prefill_token_threshold: int = 0
-    kv_cache_ratio: float = 1.0
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    device: str = "auto"
-    quantization: str | None = None
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | None = None
-    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
-    swap_space: float = 0.0
-    preemption_mode: str = "recompute"
-    pd_role: str = "mixed"
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 0
-    kv_lease_seconds: float = 60.0
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
-
-    def create_engine_config(self) -> EngineConfig:
-        from splitserve.loader.resolve import load_model_config
-
-        self._verify_supported()
-        device = resolve_device(self.device)
-        model_config = load_model_config(self, device)
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
-            cache_dtype=self.kv_cache_dtype,
-        )
-        cache_config.verify()
-        max_len = model_config.max_model_len
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or _default_step_budget(
-                device, max_len, self.enable_chunked_prefill),
-            max_model_len=max_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            kv_cache_ratio=self.kv_cache_ratio,
-        )
-        scheduler_config.verify()
-        kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
-        kv_transfer_config.verify()
-        return EngineConfig(model_config, cache_config, scheduler_config, device,
-                            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
-                            cuda_graph_sizes=self.cuda_graph_sizes,
-                            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device),
-                            use_tqdm_on_load=self.use_tqdm_on_load,
-                            kv_transfer_config=kv_transfer_config)
-
-    def _verify_supported(self) -> None:
-        """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""
-        unsupported = {
-            "tensor_parallel_size": (self.tensor_parallel_size, 1),
-            "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
-            "swap_space": (self.swap_space, 0.0),
-        }
-        for name, (value, supported) in unsupported.items():
-            if value != supported:
-                raise ValueError(f"{name}={value!r} is not supported yet (only {supported!r} is).")
-        if self.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not supported yet; "
-                             "only 'recompute' is (swapping to host memory is not implemented).")
-        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
-            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
-
-
-def _resolve_async_scheduling(asked: bool | None, device: torch.device) -> bool:
-    """Overlap pays where the device computes while the host works: on a GPU. A CPU forward runs
-    on the host's own cores, so there it only reorders work (it stays available, for testing)."""
-    return device.type == "cuda" if asked is None else asked
-
-
-def _default_step_budget(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:
-    """max_num_batched_tokens when not given. Without chunked prefill a whole prompt must fit.
-    With it: 8192 on GPUs; 2048 on CPUs, where smaller prompt chunks mixed with the running decodes
-    measured ~8% more output tokens/s than 8192 (docs/cpu-performance.md) and let the first
-    requests of a burst start streaming after one chunk instead of after every prompt."""
-    if not chunked_prefill:
-        return max(8192, max_model_len)
-    return 2048 if device.type == "cpu" else 8192
 
 
 def resolve_device(device: str) -> torch.device:

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 
 # A few paragraphs written for this project, so that a perplexity can be had with no file at hand.
 BUILTIN_TEXT = (

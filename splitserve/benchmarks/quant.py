@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from splitserve.benchmarks import perplexity, throughput
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.quantization.linear import ONLINE_METHODS, weight_bytes
 
 

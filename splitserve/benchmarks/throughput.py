@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
     import torch
     from tqdm.auto import tqdm
     from splitserve.config import resolve_device
+    from splitserve.loader.hf_model import dummy_hf_model, load_hf_model
     from splitserve.loader.resolve import load_model_config, split_gguf
 
     device = resolve_device(args.device)
@@ -135,36 +136,6 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return Result("hf", elapsed, len(workload.prompts), workload.num_prompt_tokens, produced)
-
-
-def load_hf_model(directory: str, gguf_file: str | None, dtype):
-    """transformers' model on the same weights; a GGUF file is dequantized to dense weights, as
-    splitserve does, so that both sides run the same dense matmuls."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {}
-    if gguf_file is not None:
-        from transformers import GgufConfig
-
-        kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype, **kwargs).eval()
-
-
-def dummy_hf_model(hf_config, dtype, seed: int, device):
-    """transformers' model of the same config with random weights (load_format="dummy"): built with
-    `from_config` and filled as splitserve fills its own (uniform in +-1e-3, seeded), so both sides
-    run the same shapes on values of the same scale (not the same values: the layouts differ)."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from splitserve.loader.weights import fill_dummy
-
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
-    fill_dummy(model, seed)
-    return model.eval()
 
 
 def _hf_generate(model, prompts: list[list[int]], max_new: int, pad: int, temperature: float):

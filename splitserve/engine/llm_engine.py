@@ -1,7 +1,8 @@
 """LLMEngine: the in-process front-end over an EngineCore (tokenize -> core -> detokenize)."""
 from __future__ import annotations
 
-from splitserve.config import EngineArgs, EngineConfig
+from splitserve.config import EngineConfig
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
@@ -32,7 +33,8 @@ class LLMEngine(FrontEnd):
         self.engine_core.abort_requests(self.output_processor.abort(request_ids))
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        self.engine_core.poll_connector()
+        core_outputs = self.engine_core.step_fn()
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.engine_core.abort_requests(stopped)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType

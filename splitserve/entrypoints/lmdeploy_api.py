@@ -24,7 +24,9 @@ from dataclasses import dataclass, field, fields
 
 from tqdm.auto import tqdm
 
-from splitserve.config import EngineArgs, resolve_device
+from splitserve.config import resolve_device
+
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.outputs import RequestOutput

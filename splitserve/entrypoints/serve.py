@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.disagg import launch
 from splitserve.disagg.ranktable import resolve_pd_environment
 from splitserve.engine.arg_utils import engine_flags

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from splitserve.config import EngineArgs, ModelConfig, resolve_dtype
+from splitserve.config import ModelConfig, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def _resolve_load_format(load_format: str, path: str) -> str:
     return load_format
 
 
-def load_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
+def load_model_config(args, device: torch.device) -> ModelConfig:
     from splitserve.models.registry import get_model_class
     from splitserve.quantization.linear import quantization_config_for
 

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(ns: argparse.Namespace) -> str:
     """Quantize as `ns` says; returns the output directory."""
-    from splitserve.benchmarks.throughput import load_hf_model
+    from splitserve.loader.hf_model import load_hf_model
     from splitserve.loader.resolve import load_hf_config, split_gguf
     from splitserve.tokenizer import get_tokenizer
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.benchmarks.throughput import load_hf_model
+from splitserve.loader.hf_model import load_hf_model
 from tests.parity.hf_reference import assert_greedy_match, hf_greedy
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Water boils at"]

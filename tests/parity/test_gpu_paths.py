@@ -42,7 +42,7 @@ def test_capture_sizes_follow_vllm():
 
 
 def test_cuda_graph_sizes_are_validated():
-    from splitserve.config import EngineArgs
+    from splitserve.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="cuda_graph_sizes"):
         EngineArgs(model="x", cuda_graph_sizes=[-1]).create_engine_config()

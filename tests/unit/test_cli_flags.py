@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.arg_utils import add_engine_args, engine_args_from, engine_flags
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.loader import known_configs
 from splitserve.loader.resolve import DEFAULT_MODEL_HUB_ID, default_model_path, load_model_config
 from splitserve.models.registry import get_model_class
@@ -212,7 +212,8 @@ def test_nano_vllm_workload_flags():
 def test_transformers_baseline_with_dummy_weights():
     import transformers
 
-    from splitserve.benchmarks.throughput import _hf_generate, dummy_hf_model
+    from splitserve.benchmarks.throughput import _hf_generate
+    from splitserve.loader.hf_model import dummy_hf_model
 
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

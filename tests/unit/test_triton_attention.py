@@ -19,7 +19,8 @@ from splitserve.executor.attention.cpu_backend import CPUAttentionBackend  # noq
 from splitserve.executor.attention.backend import BACKEND_ENV  # noqa: E402
 from splitserve.executor.attention.torch_ref import (  # noqa: E402
     TorchAttentionBackend, write_kv, write_quantized_kv)
-from splitserve.executor.attention.triton_attn import TritonAttentionBackend, num_decode_splits  # noqa: E402
+from splitserve.executor.attention.triton_attn import TritonAttentionBackend  # noqa: E402
+from splitserve.executor.attention.triton_decode import num_decode_splits  # noqa: E402
 from splitserve.layers.attention import Attention  # noqa: E402
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec  # noqa: E402
 
@@ -191,7 +192,7 @@ def no_backend_env(monkeypatch):
 def test_default_backend_per_device(no_backend_env, caplog):
     assert isinstance(get_attention_backend(torch.device("cpu")), CPUAttentionBackend)
     assert isinstance(get_attention_backend(torch.device("cuda")), TritonAttentionBackend)
-    with caplog.at_level("INFO", logger="splitserve.executor.attention.backend"):
+    with caplog.at_level("INFO", logger="splitserve.executor.attention.selector"):
         assert isinstance(get_attention_backend(torch.device("cuda"), "int4"), TorchAttentionBackend)
     assert "int4" in caplog.text
 
@@ -206,7 +207,7 @@ def test_fp8_e4m3_needs_sm89(no_backend_env):
 
 def test_cuda_without_triton_gets_torch(no_backend_env, caplog):
     no_backend_env.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    with caplog.at_level("INFO", logger="splitserve.executor.attention.backend"):
+    with caplog.at_level("INFO", logger="splitserve.executor.attention.selector"):
         assert isinstance(get_attention_backend(torch.device("cuda")), TorchAttentionBackend)
     assert "not installed" in caplog.text
     no_backend_env.setenv(BACKEND_ENV, "triton")

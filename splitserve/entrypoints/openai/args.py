@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from splitserve.config import EngineArgs
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.arg_utils import add_engine_args, engine_args_from
 
 

@@ -15,7 +15,9 @@ import signal
 import socket
 import tempfile
 
-from splitserve.config import EngineArgs, EngineConfig
+from splitserve.config import EngineConfig
+
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs
 
 logger = logging.getLogger("splitserve.api_server")

@@ -1,0 +1,33 @@
+"""transformers' own model on the same source as splitserve's: the baseline of `bench throughput`
+and the model the quantize tool calibrates."""
+from __future__ import annotations
+
+
+def load_hf_model(directory: str, gguf_file: str | None, dtype):
+    """transformers' model on the same weights; a GGUF file is dequantized to dense weights, as
+    splitserve does, so that both sides run the same dense matmuls."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if gguf_file is not None:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype, **kwargs).eval()
+
+
+def dummy_hf_model(hf_config, dtype, seed: int, device):
+    """transformers' model of the same config with random weights (load_format="dummy"): built with
+    `from_config` and filled as splitserve fills its own (uniform in +-1e-3, seeded), so both sides
+    run the same shapes on values of the same scale (not the same values: the layouts differ)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.loader.weights import fill_dummy
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
+    fill_dummy(model, seed)
+    return model.eval()
