@@ -23,7 +23,6 @@ A table that breaks a rule is refused with a RankTableError (a ValueError) whose
 """
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import logging
@@ -84,7 +83,7 @@ class Device:
 
 
 @dataclass
-class Instance:
+class RankTableServer:
     """One server_list entry: one engine (or, in group 0, the router), on server_ip, using `devices`."""
 
     server_id: str
@@ -114,7 +113,7 @@ class ServerGroup:
 
     group_id: str
     server_count: int
-    server_list: list[Instance] = field(default_factory=list)
+    server_list: list[RankTableServer] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"group_id": self.group_id, "server_count": str(self.server_count),
@@ -136,7 +135,7 @@ class RankTable:
                 return g
         raise RankTableError("groups", f"no group {group_id!r}")
 
-    def instances(self) -> list[tuple[str, Instance]]:
+    def instances(self) -> list[tuple[str, RankTableServer]]:
         """(group id, instance) of every engine in global order: all prefill instances, then all decode ones.
         NODE_PORTS and PDLaunch.instance_index count in this order."""
         return [(gid, inst) for gid in (PREFILL_GROUP, DECODE_GROUP) for inst in self.group(gid).server_list]
@@ -146,8 +145,8 @@ class RankTable:
                 "server_group_list": [g.to_json() for g in self.server_group_list]}
 
 
-def make_ranktable(scheduler: Sequence[Instance] = (), prefill: Sequence[Instance] = (),
-                   decode: Sequence[Instance] = ()) -> RankTable:
+def make_ranktable(scheduler: Sequence[RankTableServer] = (), prefill: Sequence[RankTableServer] = (),
+                   decode: Sequence[RankTableServer] = ()) -> RankTable:
     """A table with the three groups in order and server_count computed, as gen and merge write them."""
     lists = {SCHEDULER_GROUP: list(scheduler), PREFILL_GROUP: list(prefill), DECODE_GROUP: list(decode)}
     return RankTable(VERSION, STATUS, [ServerGroup(gid, len(lists[gid]), lists[gid]) for gid in GROUP_IDS])
@@ -172,9 +171,9 @@ def _number(obj: Mapping, key: str, where: str, source: str) -> int:
     return int(text)
 
 
-def _instance_from_json(obj: Mapping, where: str, source: str) -> Instance:
+def _instance_from_json(obj: Mapping, where: str, source: str) -> RankTableServer:
     devices = _expect(obj, "device", list, where, source) if isinstance(obj, Mapping) and "device" in obj else []
-    return Instance(
+    return RankTableServer(
         server_id=_expect(obj, "server_id", str, where, source),
         server_ip=_expect(obj, "server_ip", str, where, source),
         devices=[Device(_number(d, "device_id", f"{where}.device[{j}]", source),
@@ -243,7 +242,7 @@ def validate_ranktable(table: RankTable, *, complete: bool = True, source: str =
         raise RankTableError("complete", "a prefill or a decode instance is missing", source)
 
 
-def _check_instance(gid: str, inst: Instance, used: set[tuple[str, int]], source: str) -> None:
+def _check_instance(gid: str, inst: RankTableServer, used: set[tuple[str, int]], source: str) -> None:
     """The per-instance rules; `used` collects (server_ip, device_id) across the instances seen so far."""
     name = f"{ROLE_OF_GROUP[gid]} instance on {inst.server_ip}"
     if not inst.devices:
@@ -257,7 +256,8 @@ def _check_instance(gid: str, inst: Instance, used: set[tuple[str, int]], source
         used.add((inst.server_ip, d.device_id))
 
 
-def validate_local_ranktable(local: RankTable, global_table: RankTable, source: str = "") -> tuple[str, Instance]:
+def validate_local_ranktable(local: RankTable, global_table: RankTable,
+                             source: str = "") -> tuple[str, RankTableServer]:
     """(group id, instance) that a local table describes, after checking that the global table has it in the
     same group; for the host table the group is "0" and the instance the scheduler."""
     validate_ranktable(local, complete=False, source=source)
@@ -320,8 +320,8 @@ def default_server_ip() -> str:
         return "127.0.0.1"
 
 
-def _instance(server_ip: str, device_ids: Sequence[int]) -> Instance:
-    return Instance(server_ip, server_ip, [Device(d, server_ip, rank) for rank, d in enumerate(device_ids)])
+def _instance(server_ip: str, device_ids: Sequence[int]) -> RankTableServer:
+    return RankTableServer(server_ip, server_ip, [Device(d, server_ip, rank) for rank, d in enumerate(device_ids)])
 
 
 def generate_ranktables(server_ip: str, prefill: Sequence[Sequence[int]], decode: Sequence[Sequence[int]],
@@ -335,7 +335,7 @@ def generate_ranktables(server_ip: str, prefill: Sequence[Sequence[int]], decode
         raise ValueError(f"--server-ip {server_ip!r} is not an IP address") from exc
     if not (prefill or decode or api_server):
         raise ValueError("nothing to generate: give --prefill-server-list, --decode-server-list or --api-server")
-    scheduler = [Instance(server_ip, server_ip)] if api_server else []
+    scheduler = [RankTableServer(server_ip, server_ip)] if api_server else []
     roles = {PREFILL_GROUP: [_instance(server_ip, ids) for ids in prefill],
              DECODE_GROUP: [_instance(server_ip, ids) for ids in decode]}
     part = make_ranktable(scheduler, roles[PREFILL_GROUP], roles[DECODE_GROUP])
@@ -364,42 +364,6 @@ def merge_ranktables(tables: Sequence[RankTable], source: str = "") -> RankTable
     merged.version = tables[0].version
     validate_ranktable(merged, complete=True, source=source)
     return merged
-
-
-def add_gen_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill-server-list", default="",
-                        help="device ids of this machine's prefill instances: comma-separated within an instance, "
-                             "';' between instances (e.g. '4,5' or '0;1'); empty: none")
-    parser.add_argument("--decode-server-list", default="", help="the same for the decode instances")
-    parser.add_argument("--api-server", action="store_true", help="this machine also runs the router (group 0)")
-    parser.add_argument("--save-dir", required=True, help="directory for the tables (created if missing)")
-    parser.add_argument("--server-ip", default=None,
-                        help="this machine's IP (default: its hostname's address, or 127.0.0.1 if that does not "
-                             "resolve; a loopback result is only usable on one machine)")
-
-
-def gen_main(ns: argparse.Namespace) -> list[Path]:
-    """`splitserve ranktable gen`: write and print this machine's tables."""
-    tables = generate_ranktables(ns.server_ip or default_server_ip(), parse_server_list(ns.prefill_server_list),
-                                 parse_server_list(ns.decode_server_list), ns.api_server)
-    paths = [write_ranktable(table, Path(ns.save_dir) / name) for name, table in tables.items()]
-    for path in paths:
-        print(path)
-    return paths
-
-
-def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--global-ranktable-list", nargs="+", required=True,
-                        help="the machines' global_ranktable_<ip>.json files, in the order their instances take")
-    parser.add_argument("--save-dir", required=True, help=f"directory for {MERGED_FILE_NAME} (created if missing)")
-
-
-def merge_main(ns: argparse.Namespace) -> Path:
-    """`splitserve ranktable merge`: write and print global_ranktable_merge.json."""
-    merged = merge_ranktables([load_ranktable(p) for p in ns.global_ranktable_list], source=MERGED_FILE_NAME)
-    path = write_ranktable(merged, Path(ns.save_dir) / MERGED_FILE_NAME)
-    print(path)
-    return path
 
 
 # ---------------------------------------------------------------- start-up

@@ -101,14 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     rt = sub.add_parser("ranktable", help="rank tables of a prefill/decode disaggregated deployment")
     rt_sub = rt.add_subparsers(dest="ranktable_command", required=True)
-    from splitserve.disagg import ranktable
+    from splitserve.entrypoints import ranktable_cli
 
     rt_gen = rt_sub.add_parser("gen", help="this machine's part of the global rank table and its local tables")
-    ranktable.add_gen_arguments(rt_gen)
-    rt_gen.set_defaults(func=ranktable.gen_main)
+    ranktable_cli.add_gen_arguments(rt_gen)
+    rt_gen.set_defaults(func=ranktable_cli.gen_main)
     rt_merge = rt_sub.add_parser("merge", help="merge the machines' global rank tables into one, and validate it")
-    ranktable.add_merge_arguments(rt_merge)
-    rt_merge.set_defaults(func=ranktable.merge_main)
+    ranktable_cli.add_merge_arguments(rt_merge)
+    rt_merge.set_defaults(func=ranktable_cli.merge_main)
     return parser
 
 

@@ -19,10 +19,11 @@ import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.entrypoints.router.router import (
-    DECODE, PREFILL, Instance, InstanceLoad, LeastLoadPolicy, PrefixAwarePolicy, RoundRobinPolicy, RouterConfig,
-    build_router_app, config_from_args, decode_request_body, parse_instance_load, prefill_request_body,
-    prompt_prefix)
+from splitserve.disagg.policies import (InstanceLoad, LeastLoadPolicy, PrefixAwarePolicy, RoundRobinPolicy, Upstream,
+                                        parse_instance_load, prompt_prefix)
+from splitserve.entrypoints.router import RouterConfig, build_router_app
+from splitserve.entrypoints.router.config import DECODE, PREFILL, config_from_args
+from splitserve.entrypoints.router.relay import decode_request_body, prefill_request_body
 from splitserve.entrypoints.cli import build_parser
 
 CHUNKS = [b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"Hel"}]}\n\n',
@@ -604,8 +605,8 @@ def test_other_routes_go_to_a_decode_instance(cluster):
 
 
 # --- policies, bodies, parsing, configuration on their own ---------------------------------------------
-def _instances(*in_flight: int) -> list[Instance]:
-    return [Instance(f"http://10.0.0.{i}:8000", DECODE, in_flight=n) for i, n in enumerate(in_flight)]
+def _instances(*in_flight: int) -> list[Upstream]:
+    return [Upstream(f"http://10.0.0.{i}:8000", DECODE, in_flight=n) for i, n in enumerate(in_flight)]
 
 
 def test_round_robin_policy_cycles():

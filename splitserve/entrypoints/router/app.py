@@ -1,0 +1,81 @@
+"""The PD router's FastAPI application and its uvicorn runner (`splitserve router`)."""
+from __future__ import annotations
+
+import argparse
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from splitserve import __version__
+from splitserve.entrypoints.http import ApiKeyMiddleware, install_error_handlers
+from splitserve.entrypoints.router.config import RouterConfig, config_from_args
+from splitserve.entrypoints.router.router import Router
+
+
+def build_router_app(config: RouterConfig) -> FastAPI:
+    """The router's FastAPI app; its lifespan opens the shared HTTP session and runs the health
+    checks. `app.state.router` is the Router (instances, metrics), for tests and embedding."""
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="splitserve router", version=__version__, lifespan=lifespan)
+    app.state.router = router
+
+    install_error_handlers(app, "router")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.handle_generation(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.handle_generation(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.forward(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await router.forward(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await router.forward(request, "POST", "/detokenize")
+
+    @app.get("/version")
+    async def version(request: Request):
+        return await router.forward(request, "GET", "/version")
+
+    @app.get("/health")
+    async def health():
+        return router.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if config.api_key:  # load balancers and Prometheus need no key
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=("/health", "/metrics"))
+    return app
+
+
+def run_router(config: RouterConfig, host: str = "0.0.0.0", port: int = 9000) -> None:
+    """Serve the router with uvicorn until interrupted (no access log: the router logs one line per
+    completion request itself)."""
+    import uvicorn
+
+    uvicorn.run(build_router_app(config), host=host, port=port, access_log=False, log_level="info")
+
+
+def main(ns: argparse.Namespace) -> None:
+    run_router(config_from_args(ns), ns.host, ns.port)

@@ -1,0 +1,165 @@
+"""The PD router's instances: both roles' Upstreams, their health checks, the policy that picks one for a
+request, and one HTTP exchange with an instance over the router's shared session."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import aiohttp
+from fastapi import Request
+
+from splitserve.disagg.policies import InstanceLoad, Policy, Upstream, make_policy, parse_instance_load
+from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES, RouterConfig
+from splitserve.entrypoints.router.metrics import RouterMetrics
+from splitserve.entrypoints.router.relay import (UPSTREAM_ERRORS, OpenRequest, describe_error, status_reason,
+                                                 until_disconnected)
+
+logger = logging.getLogger("splitserve.router")
+
+
+class UpstreamPool:
+    """The instances, their health and the policies; the request flow is the Router's, on top of it."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.instances: dict[str, list[Upstream]] = {
+            PREFILL: [Upstream(u, PREFILL) for u in config.prefill_urls],
+            DECODE: [Upstream(u, DECODE) for u in config.decode_urls]}
+        self.policies: dict[str, Policy] = {role: make_policy(config.policy) for role in ROLES}
+        self.metrics = RouterMetrics()
+        for inst in self.all_instances():
+            self.metrics.instance_healthy.labels(instance=inst.url, role=inst.role).set(1)
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    def all_instances(self) -> list[Upstream]:
+        return self.instances[PREFILL] + self.instances[DECODE]
+
+    def healthy(self, role: str) -> list[Upstream]:
+        return [i for i in self.instances[role] if i.healthy]
+
+    def pick(self, role: str, request_body: dict, exclude: Sequence[Upstream] = ()) -> Upstream | None:
+        """The policy's choice among the up instances not tried yet for this request. With no decode
+        instance up, the down ones are tried anyway: a health mark is a hint (a busy instance can miss
+        a check), and a failed attempt costs less than refusing the request; prefill has its fallback."""
+        candidates = [i for i in self.instances[role] if i.healthy and i not in exclude]
+        if not candidates and role == DECODE:
+            candidates = [i for i in self.instances[role] if i not in exclude]
+        return self.policies[role].choose(candidates, request_body) if candidates else None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """One shared session (connection reuse to every instance; no limit on connections, since
+        each open stream holds one), a first health check so that the router starts with the real
+        state, then the periodic checks."""
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                                             timeout=timeout)
+        await self.check_all()
+        for role in ROLES:
+            logger.info("Router: %d of %d %s instance(s) up: %s", len(self.healthy(role)), len(self.instances[role]),
+                        role, ", ".join(i.url for i in self.healthy(role)) or "none")
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    # --- health ------------------------------------------------------------------------------
+    def _headers(self, request_id: str | None = None, content_type: str | None = None) -> dict[str, str]:
+        headers = {}
+        if self.config.instance_api_key:
+            headers["Authorization"] = f"Bearer {self.config.instance_api_key}"
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    def mark_down(self, inst: Upstream, reason: str) -> None:
+        inst.down_reason = reason
+        self.metrics.instance_healthy.labels(instance=inst.url, role=inst.role).set(0)
+        if inst.healthy:
+            inst.healthy = False
+            logger.warning("%s instance %s is down: %s", inst.role, inst.url, reason)
+
+    def mark_up(self, inst: Upstream) -> None:
+        inst.down_reason = None
+        self.metrics.instance_healthy.labels(instance=inst.url, role=inst.role).set(1)
+        if not inst.healthy:
+            inst.healthy = True
+            logger.info("%s instance %s is up again", inst.role, inst.url)
+
+    def _failed(self, inst: Upstream, reason: str) -> None:
+        """A request failed on `inst`: count it, and send nothing more there until a health check passes."""
+        self.metrics.failures.labels(role=inst.role).inc()
+        self.mark_down(inst, reason)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check_instance(i) for i in self.all_instances()))
+
+    async def check_instance(self, inst: Upstream) -> None:
+        """GET /health (up: a 200 in time), then /metrics for the instance's load."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        try:
+            async with self.session.get(inst.url + "/health", headers=self._headers(), timeout=timeout) as resp:
+                data = await resp.read()
+                status = resp.status
+        except UPSTREAM_ERRORS as exc:
+            self.mark_down(inst, describe_error(exc, self.config.health_timeout))
+            return
+        if status != 200:
+            self.mark_down(inst, "/health " + status_reason(status, data))
+            return
+        self.mark_up(inst)
+        inst.load = await self._fetch_load(inst, timeout)
+
+    async def _fetch_load(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> InstanceLoad | None:
+        """None when the metrics cannot be had (a separate --metrics-port, a metrics key): the
+        instance is still up, least_load then goes by this router's own in-flight counts."""
+        try:
+            async with self.session.get(inst.url + "/metrics", headers=self._headers(), timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+        except UPSTREAM_ERRORS:
+            return None
+        return parse_instance_load(text)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop the checks for good
+                logger.exception("Health check round failed")
+
+    # --- one upstream exchange ---------------------------------------------------------------
+    async def _open(self, request: Request, open_request: OpenRequest, method: str, path: str, *, json_body=None,
+                    data: bytes | None = None, request_id: str | None = None,
+                    content_type: str | None = None) -> aiohttp.ClientResponse:
+        """Send the request and wait for the answer's headers (the client may leave meanwhile)."""
+        inst = open_request.instance
+        self.metrics.requests.labels(instance=inst.url, role=inst.role).inc()
+
+        async def send() -> aiohttp.ClientResponse:
+            return await self.session.request(method, inst.url + path, json=json_body, data=data,
+                                              headers=self._headers(request_id, content_type))
+
+        open_request.resp = await until_disconnected(request, send())
+        return open_request.resp
+
+    async def _exchange(self, request: Request, inst: Upstream, method: str, path: str,
+                        **kwargs) -> tuple[int, bytes, str | None]:
+        """A whole non-streamed request: (status, body, content type)."""
+        open_request = OpenRequest(inst)
+        try:
+            resp = await self._open(request, open_request, method, path, **kwargs)
+            data = await until_disconnected(request, resp.read())
+            return resp.status, data, resp.headers.get("Content-Type")
+        finally:
+            open_request.release()

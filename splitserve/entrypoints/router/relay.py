@@ -1,0 +1,165 @@
+"""The PD router's upstream side: the bodies it sends to prefill and decode instances, one request open
+on an instance (counted, and released exactly once), the response that relays a decode stream, waiting
+on an instance while watching for the client to leave, and upstream failures in words."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from splitserve.disagg.policies import Upstream
+from splitserve.entrypoints.http import error_body
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_DISCONNECT_POLL_S = 0.5
+
+
+# --- request bodies ----------------------------------------------------------------------------
+def prefill_request_body(body: dict) -> dict:
+    """The prefill instance's copy: one token, no streaming, and the ask to keep the KV for a remote
+    decode. min_tokens goes (also as metadata.min_tokens), and so does max_completion_tokens, since
+    both would contradict max_tokens=1 and turn a good request into a 400."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "max_completion_tokens")}
+    metadata = out.get("metadata")
+    if isinstance(metadata, dict) and "min_tokens" in metadata:
+        out["metadata"] = {k: v for k, v in metadata.items() if k != "min_tokens"}
+    out["max_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def decode_request_body(body: dict, prefill_kv: dict) -> dict:
+    """The client's body plus where the prefill instance keeps the KV."""
+    return {**body, "kv_transfer_params": {**prefill_kv, "do_remote_prefill": True}}
+
+
+def fallback_request_body(body: dict) -> dict:
+    """The client's body without any kv_transfer_params: the decode instance computes the prompt."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+def is_batch(body: dict) -> bool:
+    """A completion request holding several prompts (a list of texts or of token-id lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
+def kv_params(data: bytes) -> dict | None:
+    """The kv_transfer_params of a prefill answer; None when it has none, so that the instance counts as failed."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    kv = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    return kv if isinstance(kv, dict) else None
+
+
+# --- errors ------------------------------------------------------------------------------------
+class ClientGone(Exception):
+    """The client closed its connection while the router waited on an instance."""
+
+
+def sse_error_event(message: str) -> bytes:
+    body = error_body(message, "service_unavailable", None, 503)
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def describe_error(exc: BaseException, timeout: float | None = None) -> str:
+    """An upstream failure in words an operator understands."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's timeouts derive from it
+        return f"no answer within {timeout:g} s" if timeout else "timed out"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "it closed the connection"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the connection closed before the answer was complete"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def status_reason(status: int, data: bytes) -> str:
+    """'answered HTTP 500 (the instance's own message)'."""
+    try:
+        message = json.loads(data)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = data[:200].decode("utf-8", "replace").strip()
+    return f"answered HTTP {status}" + (f" ({message})" if message else "")
+
+
+# --- one open request --------------------------------------------------------------------------
+async def until_disconnected(request: Request, awaitable: Awaitable):
+    """Await `awaitable` while checking every half second whether the client went away (as
+    serving.py's _collect does); if it did, cancel the wait (closing the upstream request) and raise
+    ClientGone. Without this, a non-streamed request whose client gave up would keep an instance
+    busy, and its KV blocks taken, until the answer was complete."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    except BaseException:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
+            task.result().close()
+        raise
+
+
+class OpenRequest:
+    """One request open on an instance: counted in its in-flight number, and its connection given
+    back (answer read to the end) or closed (anything else: the instance then sees a disconnect and
+    aborts) exactly once, however the request ends."""
+
+    def __init__(self, instance: Upstream):
+        self.instance = instance
+        self.resp: aiohttp.ClientResponse | None = None
+        self.on_release: Callable[[], None] | None = None  # called once, after the release
+        self._released = False
+        instance.in_flight += 1
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.instance.in_flight -= 1
+        if self.resp is not None:
+            if self.resp.content.at_eof():
+                self.resp.release()
+            else:
+                self.resp.close()
+        if self.on_release is not None:
+            self.on_release()
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that releases its open request even when its body is never iterated (the
+    client left between the headers and the first chunk), where a generator's `finally` never runs."""
+
+    def __init__(self, content: AsyncIterator[bytes], open_request: OpenRequest, **kwargs):
+        super().__init__(content, **kwargs)
+        self._open_request = open_request
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._open_request.release()
+
+
+async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:
+    """The first bytes of a stream (b"" if it ends at once). Read before the response starts, so that
+    a decode instance failing that early can still be replaced by another."""
+    async for chunk in resp.content.iter_any():
+        if chunk:
+            return chunk
+    return b""
