@@ -1,5 +1,5 @@
-"""Rank tables: the cluster topology of a prefill/decode (PD) disaggregated deployment, in the MindIE format,
-and the start-up environment that points an engine or the router at them.
+"""Rank tables: the cluster topology of a prefill/decode (PD) disaggregated deployment, in the MindIE format:
+the files, their rules, and how `splitserve ranktable gen|merge` makes them.
 
 A rank table is JSON with three server groups: "0" the scheduler (the router, one server, no devices), "1" the
 prefill instances and "2" the decode instances. Each entry of a group's server_list is one instance (one
@@ -16,7 +16,7 @@ Each machine runs `splitserve ranktable gen` for its own instances, giving its p
 local table per instance (plus a host table for the router). `splitserve ranktable merge` joins the machines'
 parts into the global table. At start-up, GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH and NODE_PORTS
 (one port per instance, in global order: every prefill instance, then every decode instance) tell a process
-which role it plays; see resolve_pd_environment.
+which role it plays; see disagg/environment.py.
 
 A table that breaks a rule is refused with a RankTableError (a ValueError) whose message starts with
 "[rule: NAME]", NAME being one of RULES.
@@ -364,48 +364,3 @@ def merge_ranktables(tables: Sequence[RankTable], source: str = "") -> RankTable
     merged.version = tables[0].version
     validate_ranktable(merged, complete=True, source=source)
     return merged
-
-
-# ---------------------------------------------------------------- start-up
-@dataclass(frozen=True)
-class PDLaunch:
-    """What a process of a PD deployment is: an engine ("prefill"/"decode") on device_ids, instance_index
-    counting in global order; or the "router" (instance_index None), with the URLs of every instance."""
-
-    role: str
-    server_ip: str
-    device_ids: list[int]
-    instance_index: int | None
-    global_ranktable: RankTable
-    prefill_urls: list[str] = field(default_factory=list)
-    decode_urls: list[str] = field(default_factory=list)
-
-
-def _url(server_ip: str, port: int) -> str:
-    host = f"[{server_ip}]" if ":" in server_ip else server_ip  # an IPv6 address needs brackets in a URL
-    return f"http://{host}:{port}"
-
-
-def resolve_pd_environment(env: Mapping[str, str] = os.environ) -> PDLaunch | None:
-    """The PD role of this process from GLOBAL_RANK_TABLE_FILE_PATH (None when unset: no disaggregation),
-    RANK_TABLE_FILE_PATH (the local table, whose content decides the role) and NODE_PORTS (required by the
-    router; checked for engines too when set, so that a wrong deployment fails at every start)."""
-    global_path = env.get(GLOBAL_ENV)
-    if not global_path:
-        return None
-    local_path = env.get(LOCAL_ENV)
-    if not local_path:
-        raise ValueError(f"{LOCAL_ENV} (the local rank table) must be set when {GLOBAL_ENV} is")
-    global_table = load_ranktable(global_path, complete=True)
-    gid, entry = validate_local_ranktable(load_ranktable(local_path), global_table, source=local_path)
-    ports_text = env.get(PORTS_ENV)
-    if gid == SCHEDULER_GROUP and not ports_text:
-        raise ValueError(f"{PORTS_ENV} (one port per instance, prefill then decode) must be set for the router")
-    ports = parse_node_ports(ports_text, global_table) if ports_text else []
-    instances = global_table.instances()
-    if gid != SCHEDULER_GROUP:
-        index = [inst.key for _, inst in instances].index(entry.key)
-        return PDLaunch(ROLE_OF_GROUP[gid], entry.server_ip, entry.device_ids, index, global_table)
-    urls = {g: [_url(inst.server_ip, port) for (ig, inst), port in zip(instances, ports) if ig == g]
-            for g in (PREFILL_GROUP, DECODE_GROUP)}
-    return PDLaunch("router", entry.server_ip, [], None, global_table, urls[PREFILL_GROUP], urls[DECODE_GROUP])

@@ -4,7 +4,7 @@ decides what this process runs.
 - no PD setting: one OpenAI-compatible server instance (entrypoints/openai/server.py);
 - `--pd XpYd`: a whole PD deployment on this machine: X prefill and Y decode instances as child
   processes, then the router in this process;
-- a rank-table environment (disagg/ranktable.py): the role it gives this process, a prefill or
+- a rank-table environment (disagg/environment.py): the role it gives this process, a prefill or
   decode instance on its devices, or the router in front of the instances the table lists.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.disagg import launch
-from splitserve.disagg.ranktable import resolve_pd_environment
+from splitserve.disagg.environment import resolve_pd_environment
 from splitserve.engine.arg_utils import engine_flags
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server

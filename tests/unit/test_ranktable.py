@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from splitserve.disagg.environment import PDLaunch, resolve_pd_environment
 from splitserve.disagg.ranktable import (
-    PDLaunch, RankTableError, generate_ranktables, load_ranktable, parse_node_ports, parse_server_list,
-    ranktable_from_json, resolve_pd_environment, validate_local_ranktable)
+    RankTableError, generate_ranktables, load_ranktable, parse_node_ports, parse_server_list, ranktable_from_json,
+    validate_local_ranktable)
 from splitserve.entrypoints.cli import main
 
 IP = "10.0.0.1"
