@@ -310,7 +310,7 @@ def test_pytorch_engine_config_mapping():
 
 
 def test_cache_max_entry_count_is_a_share_of_free_memory():
-    from splitserve.entrypoints.lmdeploy_api import _mem_available_bytes
+    from splitserve.entrypoints.lmdeploy_config import _mem_available_bytes
 
     free = _mem_available_bytes()
     budget = PytorchEngineConfig(cache_max_entry_count=0.1, device_type="cpu").to_engine_args("m")

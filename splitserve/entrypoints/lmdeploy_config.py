@@ -1,0 +1,276 @@
+"""The LMDeploy-style configuration objects, mapped onto splitserve's EngineArgs and SamplingParams:
+`GenerationConfig`, `PytorchEngineConfig` and `TurbomindEngineConfig` (see lmdeploy_api.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from splitserve.config import resolve_device
+from splitserve.engine.arg_utils import EngineArgs
+from splitserve.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationConfig:
+    """LMDeploy's generation settings, turned into a `SamplingParams` by `to_sampling_params()`.
+
+    Greedy or sampling: `do_sample=True` samples with temperature/top_p/top_k/min_p. With
+    `do_sample=False` decoding is greedy, as in LMDeploy >= 0.6, UNLESS temperature, top_p or top_k
+    differ from their defaults (0.8, 1.0, 50): older LMDeploy sampled whenever they were given, and
+    its documented examples still pass them without do_sample, so setting them means "sample".
+
+    Other differences from LMDeploy: `stop_words` are matched as strings in the text (cut from it
+    unless `include_stop_str_in_output`), not as single tokens; `bad_token_ids` get a logit bias of
+    -inf; `logprobs=k` gives, per generated token, the chosen token and the k most likely ones;
+    `n` must be 1, as LMDeploy documents.
+    """
+
+    n: int = 1
+    max_new_tokens: int | None = 512
+    do_sample: bool = False
+    top_p: float = 1.0
+    top_k: int = 50
+    min_p: float = 0.0
+    temperature: float = 0.8
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def is_sampling(self) -> bool:
+        """Whether this config samples; see the class docstring for the do_sample rule."""
+        if self.do_sample:
+            return True
+        defaults = {f.name: f.default for f in fields(GenerationConfig)}
+        return any(getattr(self, name) != defaults[name] for name in ("temperature", "top_p", "top_k"))
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError(f"GenerationConfig.n={self.n} is not supported: as in LMDeploy, only n=1 is.")
+        bad_ids = list(self.bad_token_ids or [])
+        if not all(isinstance(t, int) for t in bad_ids):
+            raise ValueError(f"GenerationConfig.bad_token_ids must be integers, got {self.bad_token_ids!r}.")
+        return SamplingParams(
+            n=1,
+            max_tokens=self.max_new_tokens,
+            temperature=self.temperature if self.is_sampling() else 0.0,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            seed=self.random_seed,
+            stop=self.stop_words,
+            bad_words=self.bad_words,
+            stop_token_ids=self.stop_token_ids,
+            logit_bias={t: -math.inf for t in bad_ids} or None,
+            min_tokens=self.min_new_tokens or 0,
+            logprobs=self.logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+def _refuse_unsupported(config, unsupported: dict[str, tuple[object, str]]) -> None:
+    """Raise for the first field whose value is not its supported default: silently ignoring a
+    setting would hand the user a different engine from the one asked for."""
+    for name, (supported, why) in unsupported.items():
+        value = getattr(config, name)
+        if value != supported:
+            raise ValueError(f"{type(config).__name__}.{name}={value!r} is not supported by splitserve: {why} "
+                             f"Leave it at {supported!r}.")
+
+
+def _check_range(config, name: str, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{type(config).__name__}.{name} must be {expected}, got {getattr(config, name)!r}.")
+
+
+def _mem_available_bytes() -> int:
+    """Free host memory as the kernel counts it (MemAvailable), for the CPU KV-cache budget."""
+    try:
+        import psutil
+    except ImportError:
+        pass
+    else:
+        return int(psutil.virtual_memory().available)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise ValueError("Cannot tell how much host memory is free (no psutil, no /proc/meminfo), so "
+                     "cache_max_entry_count cannot be turned into a KV-cache size: set num_gpu_blocks instead.")
+
+
+def _kv_cache_kwargs(fraction: float, device: str) -> dict:
+    """cache_max_entry_count is LMDeploy's share of free memory for the KV cache. On CUDA it becomes
+    gpu_memory_utilization (the cache then gets free - (1 - fraction) * total bytes: the same share
+    when the GPU holds nothing else). On CPU it is that share of MemAvailable, measured now, before
+    the weights are loaded."""
+    if resolve_device(device).type == "cuda":
+        return {"gpu_memory_utilization": fraction}
+    return {"kv_cache_memory_bytes": int(fraction * _mem_available_bytes())}
+
+
+def _common_engine_args(config, model_path: str, block_size: int, device: str, **extra) -> EngineArgs:
+    """The EngineArgs that both backend configs share; their fields have the same names here."""
+    _check_range(config, "cache_max_entry_count", 0.0 < config.cache_max_entry_count <= 1.0,
+                 "a fraction of free memory in (0, 1]")
+    _check_range(config, "max_prefill_token_num", config.max_prefill_token_num >= 1, ">= 1")
+    _check_range(config, "max_batch_size", config.max_batch_size is None or config.max_batch_size >= 1,
+                 "None or >= 1")
+    _check_range(config, "session_len", config.session_len is None or config.session_len >= 1, "None or >= 1")
+    kwargs = dict(
+        model=model_path,
+        dtype=config.dtype,
+        kv_cache_dtype=_kv_cache_dtype(config),
+        revision=config.revision,
+        max_model_len=config.session_len,
+        block_size=block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_num_batched_tokens=config.max_prefill_token_num,
+        tensor_parallel_size=config.tp,
+        device=device,
+        **extra,
+    )
+    if config.max_batch_size is not None:
+        kwargs["max_num_seqs"] = config.max_batch_size
+    if kwargs.get("num_gpu_blocks_override") is None:
+        kwargs.update(_kv_cache_kwargs(config.cache_max_entry_count, device))
+    return EngineArgs(**kwargs)
+
+
+_QUANT_POLICY_KV_CACHE_DTYPES = {0: "auto", 8: "int8", 4: "int4"}
+
+
+def _kv_cache_dtype(config) -> str:
+    """LMDeploy's quant_policy as a kv_cache_dtype: 0 none, 8 int8, 4 int4. Like LMDeploy's, both
+    quantize per token and KV head with no calibration (int8 symmetric here, int4 asymmetric)."""
+    if config.quant_policy not in _QUANT_POLICY_KV_CACHE_DTYPES:
+        raise ValueError(f"{type(config).__name__}.quant_policy must be 0 (no KV-cache quantization), 8 (int8 KV "
+                         f"cache) or 4 (int4 KV cache), got {config.quant_policy!r}.")
+    return _QUANT_POLICY_KV_CACHE_DTYPES[config.quant_policy]
+
+
+_TP_WHY = "tensor parallelism is not implemented yet."
+_DOWNLOAD_WHY = "models are cached where huggingface_hub puts them (set HF_HUB_CACHE to move it)."
+
+
+@dataclass
+class PytorchEngineConfig:
+    """LMDeploy's PyTorch-backend settings; `to_engine_args()` maps them onto EngineArgs.
+
+    session_len -> max_model_len (None: the model's maximum); max_batch_size -> max_num_seqs
+    (None: splitserve's default); block_size -> block_size; num_gpu_blocks > 0 ->
+    num_gpu_blocks_override; max_prefill_token_num -> max_num_batched_tokens (the step budget,
+    which decodes share); cache_max_entry_count -> the KV-cache budget (see `_kv_cache_kwargs`);
+    eager_mode -> enforce_eager; quant_policy 0 / 8 / 4 -> kv_cache_dtype auto / int8 / int4;
+    dtype, revision, enable_prefix_caching keep their names.
+    device_type 'cuda' runs on CUDA when it is there and on the CPU otherwise (refusing would
+    break every LMDeploy example on a CPU machine); 'cpu' forces the CPU.
+    prefill_interval is accepted (>= 1): the chunked-prefill scheduler admits waiting prompts on
+    every step, which meets "a prefill at least every prefill_interval steps".
+    thread_safe is accepted: a Pipeline may always be used from several threads.
+    """
+
+    dtype: str = "auto"
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int | None = None
+    cache_max_entry_count: float = 0.8
+    prefill_interval: int = 16
+    block_size: int = 64
+    num_cpu_blocks: int = 0
+    num_gpu_blocks: int = 0
+    adapters: dict[str, str] | None = None
+    max_prefill_token_num: int = 4096
+    thread_safe: bool = False
+    enable_prefix_caching: bool = False
+    device_type: str = "cuda"
+    eager_mode: bool = False
+    download_dir: str | None = None
+    revision: str | None = None
+    quant_policy: int = 0
+    eviction_type: str = "recompute"
+
+    def to_engine_args(self, model_path: str) -> EngineArgs:
+        _refuse_unsupported(self, {
+            "tp": (1, _TP_WHY),
+            "num_cpu_blocks": (0, "KV blocks are never swapped to host memory (preempted requests are recomputed)."),
+            "eviction_type": ("recompute", "preempted requests are recomputed, never copied to host memory."),
+            "adapters": (None, "LoRA adapters are not implemented yet."),
+            "download_dir": (None, _DOWNLOAD_WHY),
+        })
+        _check_range(self, "prefill_interval", self.prefill_interval >= 1, ">= 1")
+        _check_range(self, "num_gpu_blocks", self.num_gpu_blocks >= 0, ">= 0")
+        return _common_engine_args(
+            self, model_path, self.block_size, _device(self.device_type),
+            num_gpu_blocks_override=self.num_gpu_blocks or None, enforce_eager=self.eager_mode)
+
+
+# LMDeploy's model_format -> splitserve's quantization (None: as the checkpoint says)
+_MODEL_FORMATS = {None: None, "hf": None, "awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+
+
+@dataclass
+class TurbomindEngineConfig:
+    """LMDeploy's TurboMind-backend settings, served by splitserve's engine like PytorchEngineConfig
+    (cache_block_seq_len -> block_size; the other shared fields map the same way). The engine runs
+    on CUDA when it is there and on the CPU otherwise. model_format 'awq' / 'gptq' / 'fp8' ->
+    quantization (the checkpoint must be in that format; None or 'hf' take whatever the checkpoint's
+    quantization_config says). TurboMind-only features (RoPE scaling and log-n attention overrides,
+    the iteration knobs) are refused."""
+
+    dtype: str = "auto"
+    model_format: str | None = None
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int | None = None
+    cache_max_entry_count: float = 0.8
+    cache_block_seq_len: int = 64
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    rope_scaling_factor: float = 0.0
+    use_logn_attn: bool = False
+    download_dir: str | None = None
+    revision: str | None = None
+    max_prefill_token_num: int = 8192
+    num_tokens_per_iter: int = 0
+    max_prefill_iters: int = 1
+
+    def to_engine_args(self, model_path: str) -> EngineArgs:
+        if self.model_format not in _MODEL_FORMATS:
+            raise ValueError(f"TurbomindEngineConfig.model_format must be one of {sorted(_MODEL_FORMATS, key=str)}, "
+                             f"got {self.model_format!r}.")
+        _refuse_unsupported(self, {
+            "tp": (1, _TP_WHY),
+            "rope_scaling_factor": (0.0, "RoPE scaling comes from the model's config.json only."),
+            "use_logn_attn": (False, "log-n attention scaling is not implemented."),
+            "download_dir": (None, _DOWNLOAD_WHY),
+            "num_tokens_per_iter": (0, "the step budget is max_prefill_token_num; there is no separate one."),
+            "max_prefill_iters": (1, "long prompts are chunked by the step budget, not by an iteration count."),
+        })
+        return _common_engine_args(self, model_path, self.cache_block_seq_len, "auto",
+                                   quantization=_MODEL_FORMATS[self.model_format])
+
+
+def _device(device_type: str) -> str:
+    """LMDeploy's device_type as an EngineArgs device; see PytorchEngineConfig for why 'cuda' is 'auto'."""
+    if device_type == "cuda":
+        return "auto"
+    if device_type == "cpu":
+        return "cpu"
+    raise ValueError(f"PytorchEngineConfig.device_type={device_type!r} is not supported by splitserve: "
+                     "use 'cuda' (CUDA when available, else the CPU) or 'cpu'.")
