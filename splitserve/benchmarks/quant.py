@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from splitserve.benchmarks import perplexity, throughput
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.quantization.linear import ONLINE_METHODS, weight_bytes
+from splitserve.quantization.config import ONLINE_METHODS
+from splitserve.quantization.linear import weight_bytes
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 
 from splitserve import kernels
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
+from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
@@ -65,7 +66,8 @@ class ModelRunner:
         torch.manual_seed(config.model_config.seed)
         if self.device.type == "cpu":
             kernels.enable_transparent_huge_pages()
-        self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load)
+        self.rank = get_parallel_rank()
+        self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load and self.rank.rank == 0)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the runner's own view of each live request
@@ -78,6 +80,9 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         if self.device.type != "cuda":
             return False
+        if self.rank.pp_size > 1:
+            logger.info("CUDA graphs are off: pipeline stages hand activations to each other between layers.")
+            return False
         if self.config.enforce_eager:
             logger.info("CUDA graphs are off (--enforce-eager): every step launches its kernels one by one.")
             return False
@@ -88,8 +93,10 @@ class ModelRunner:
 
     # --- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        mc = self.config.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * self.kv_spec.bytes_per_vector(mc.head_dim)
+        """Of this rank: its layers (pipeline stage) and KV heads (tensor-parallel share)."""
+        layers = self.model.attention_layers()
+        head = layers[0]
+        return 2 * len(layers) * self.block_size * head.num_kv_heads * self.kv_spec.bytes_per_vector(head.head_dim)
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -111,16 +118,16 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per layer: the cache [2, heads, blocks, block_size, packed head_dim] and, when quantized,
         the scales; attached to the model's attention layers."""
-        mc, spec = self.config.model_config, self.kv_spec
+        spec, layers = self.kv_spec, self.model.attention_layers()
         # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
-        shape = (2, mc.num_kv_heads, num_blocks, self.block_size, spec.packed_head_dim(mc.head_dim))
-        caches = [torch.zeros(shape, dtype=spec.storage_dtype, device=self.device) for _ in range(mc.num_layers)]
+        shape = (2, layers[0].num_kv_heads, num_blocks, self.block_size, spec.packed_head_dim(layers[0].head_dim))
+        caches = [torch.zeros(shape, dtype=spec.storage_dtype, device=self.device) for _ in layers]
         scales = None
         if spec.quantized:
             # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
             scales = [torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device)
-                      for _ in range(mc.num_layers)]
-        for i, layer in enumerate(self.model.attention_layers()):
+                      for _ in layers]
+        for i, layer in enumerate(layers):
             layer.kv_cache = caches[i]
             layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
         return caches, scales
@@ -168,15 +175,16 @@ class ModelRunner:
         batch = InputBatch.build(rows, self.block_size)
         meta = self._attention_metadata(batch)
         dev = self.device
-        hidden = self.model(to_device(batch.input_ids, torch.long, dev), to_device(batch.positions, torch.long, dev),
-                            meta)
-        last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
-        logits = self.model.compute_logits(hidden[last_tokens])
-        vocab = logits.shape[-1]
-        self.sampler(logits, SamplingMetadata(
-            temperature=torch.ones(len(logits), device=dev), all_greedy=False,
-            top_k=torch.full((len(logits),), vocab // 2, dtype=torch.long, device=dev),
-            top_p=torch.full((len(logits),), 0.9, device=dev)))
+        hidden = self._forward(to_device(batch.input_ids, torch.long, dev), to_device(batch.positions, torch.long, dev),
+                               meta)
+        if hidden is not None:
+            last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
+            logits = self.model.compute_logits(hidden[last_tokens])
+            vocab = logits.shape[-1]
+            self.sampler(logits, SamplingMetadata(
+                temperature=torch.ones(len(logits), device=dev), all_greedy=False,
+                top_k=torch.full((len(logits),), vocab // 2, dtype=torch.long, device=dev),
+                top_p=torch.full((len(logits),), 0.9, device=dev)))
         for layer, (cache, scales) in zip(self.model.attention_layers(), bound):
             layer.kv_cache, layer.kv_scales = cache, scales
         return num_tokens, num_blocks * self.kv_bytes_per_block()
@@ -209,7 +217,9 @@ class ModelRunner:
             hidden = self.graph_runner.run(input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor,
                                            meta.block_tables)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            hidden = self._forward(input_ids, positions, meta)
+        if hidden is None:  # a pipeline stage before the last: its share of the step is done
+            return InFlightStep([], [], ready=StepReady(self.device))
         sampling = batch.sampling_requests
         step = InFlightStep([r.request_id for r in sampling], [r.sampling_params.logprobs for r in sampling])
         if sampling:
@@ -233,6 +243,19 @@ class ModelRunner:
         for request_id, (ids, lps, ranks) in step.prompt_host.items():
             out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """This rank's part of the forward: the final hidden states on the last pipeline stage, None
+        on the others (which hand their (hidden, residual) to the next stage)."""
+        intermediate = None
+        if not self.rank.is_first_stage:
+            shape = (positions.shape[0], self.config.model_config.hf_config.hidden_size)
+            intermediate = pp_recv([shape, shape], self.config.model_config.dtype, self.device)
+        out = self.model(input_ids, positions, meta, intermediate)
+        if self.rank.is_last_stage:
+            return out
+        pp_send(list(out))
+        return None
 
     def _sampled_rows(self, hidden: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         """The hidden states of the tokens that sample. Indexing with a host list would copy it to

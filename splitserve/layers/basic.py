@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve import kernels
+from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
+from splitserve.distributed.parallel_state import get_parallel_rank
 
 
 class LinearMethod:
@@ -39,38 +41,138 @@ class LinearMethod:
 class Linear(nn.Module):
     """y = x W^T (+ b), where W may be several checkpoint matrices stacked along the output dim
     (`output_sizes`), so that q/k/v or gate/up run as one matmul. With a `quant_method`, W is
-    stored and multiplied the way that method says."""
+    stored and multiplied the way that method says.
+
+    Under tensor parallelism (`parallel`): "column" gives each rank its share of every stacked
+    matrix's output rows (matrix s split into `output_partitions[s]` parts, tp by default; rank r
+    holds part r * parts // tp, so a matrix with fewer parts than ranks, such as the K and V of
+    fewer KV heads than ranks, is replicated); "row" gives each rank its share of the input
+    columns and sums the outputs over the ranks (the bias is added once, after the sum). Loading
+    takes the checkpoint's full tensors and keeps this rank's share (`checkpoint_slices`)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype | None = None, quant_method: LinearMethod | None = None):
+                 dtype: torch.dtype | None = None, quant_method: LinearMethod | None = None,
+                 parallel: str | None = None, output_partitions: list[int] | None = None):
         super().__init__()
-        self.output_sizes = list(output_sizes)
-        self.in_features, self.out_features = input_size, sum(self.output_sizes)
+        rank = get_parallel_rank()
+        assert parallel in (None, "column", "row"), parallel
+        self.parallel = parallel if rank.tp_size > 1 else None
+        self.tp_rank, self.tp_size = (rank.tp_rank, rank.tp_size) if self.parallel else (0, 1)
+        self.full_input_size, self.full_output_sizes = input_size, list(output_sizes)
+        self.output_partitions = self._partitions(output_partitions)
+        self.output_sizes = [_divide(s, p, "output rows") for s, p in zip(output_sizes, self.output_partitions)]
+        self.in_features = _divide(input_size, self.tp_size, "input columns") if self.parallel == "row" else input_size
+        self.out_features = sum(self.output_sizes)
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.quant_method = quant_method
         if quant_method is None:
-            self.weight = nn.Parameter(torch.empty(self.out_features, input_size, dtype=dtype), requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=dtype),
+                                       requires_grad=False)
         else:
             quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
+    def _partitions(self, given: list[int] | None) -> list[int]:
+        if self.parallel != "column":
+            return [1] * len(self.full_output_sizes)
+        parts = given or [self.tp_size] * len(self.full_output_sizes)
+        for p in parts:
+            if self.tp_size % p and p % self.tp_size:
+                raise ValueError(f"{p} parts cannot be spread over {self.tp_size} tensor-parallel ranks.")
+        return [min(p, self.tp_size) for p in parts]
+
     def shard_slice(self, shard: int) -> slice:
+        """Where stacked matrix `shard` lies in this rank's output rows."""
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    def checkpoint_slices(self, shard: int) -> tuple[slice, slice]:
+        """(rows, columns) of the checkpoint's full matrix `shard` that this rank holds."""
+        size, parts = self.output_sizes[shard], self.output_partitions[shard]
+        part = self.tp_rank * parts // self.tp_size
+        rows = slice(part * size, (part + 1) * size)
+        if self.parallel != "row":
+            return rows, slice(0, self.full_input_size)
+        return rows, slice(self.tp_rank * self.in_features, (self.tp_rank + 1) * self.in_features)
+
+    def load_checkpoint_tensor(self, name: str, shard: int | None, tensor: torch.Tensor) -> None:
+        """A full checkpoint tensor of this layer (`weight`, `bias`, or a quantized method's own)."""
+        if self.quant_method is not None and self.quant_method.takes(name):
+            self.quant_method.load(self, name, shard or 0, tensor)
+            return
+        rows, cols = self.checkpoint_slices(shard or 0)
+        dest = getattr(self, name).data
+        if shard is not None:
+            dest = dest[self.shard_slice(shard)]
+        if name == "bias":
+            tensor = tensor[rows] if self.parallel == "column" else tensor
+        elif tensor.dim() == 2:
+            tensor = tensor[rows, cols]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)} after taking this rank's "
+                             f"share, expected {tuple(dest.shape)}.")
+        dest.copy_(tensor)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row":
+            y = tp_all_reduce(self._matmul(x))
+            return y if self.bias is None else y + self.bias
         if self.quant_method is None:
             return F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight)
         return self.quant_method.apply(self, x)
 
 
+def _divide(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{size} {what} cannot be split evenly over {parts} tensor-parallel ranks.")
+    return size // parts
+
+
 class Embedding(nn.Module):
+    """The token embedding, split by vocabulary rows under tensor parallelism (vLLM's
+    VocabParallelEmbedding): each rank holds a contiguous share of the rows (the vocabulary padded
+    to a multiple of the ranks), looks up the ids it holds, and the ranks' results are summed.
+    The untied LM head is one too (vLLM's ParallelLMHead): `logits` multiplies by this rank's rows
+    and gathers the ranks' shares in order."""
+
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+        rank = get_parallel_rank()
+        self.num_embeddings, self.tp_size = num_embeddings, rank.tp_size
+        self.rows_per_rank = -(-num_embeddings // rank.tp_size)
+        self.first_row = rank.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, dim, dtype=dtype), requires_grad=False)
+
+    def load_checkpoint_tensor(self, name: str, shard: int | None, tensor: torch.Tensor) -> None:
+        assert name == "weight" and shard is None
+        if tensor.shape[0] != self.num_embeddings or tensor.shape[1:] != self.weight.shape[1:]:
+            raise ValueError(f"Checkpoint embedding has shape {tuple(tensor.shape)}, expected "
+                             f"{(self.num_embeddings, *self.weight.shape[1:])}.")
+        rows = tensor[self.first_row:self.first_row + self.rows_per_rank]
+        self.weight.data[:len(rows)].copy_(rows)
+        self.weight.data[len(rows):].zero_()  # padding rows of the last rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first_row
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return tp_all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
 
 
 class RMSNorm(nn.Module):

@@ -183,7 +183,7 @@ def _resolve_load_format(load_format: str, path: str) -> str:
 
 def load_model_config(args, device: torch.device) -> ModelConfig:
     from splitserve.models.registry import get_model_class
-    from splitserve.quantization.linear import quantization_config_for
+    from splitserve.quantization.config import quantization_config_for
 
     from splitserve.loader.known_configs import load_builtin_config
 

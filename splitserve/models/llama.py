@@ -3,6 +3,12 @@
 They differ only in a few switches read from the Hugging Face config, so one implementation serves
 all four; parameter names follow the checkpoints' so that loading is a rename plus the stacking of
 q/k/v and gate/up into single matmuls.
+
+The model is built for one rank (distributed.parallel_state): under tensor parallelism each rank
+holds its share of the attention heads (q/k/v column-parallel, o row-parallel), of the MLP
+(gate/up column-, down row-parallel) and of the vocabulary; under pipeline parallelism each stage
+holds a contiguous range of layers, the first stage the embedding and the last the final norm and
+the LM head, and the stages hand each other (hidden states, residual).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.layers.attention import Attention
 from splitserve.layers.basic import Embedding, Linear, RMSNorm, silu_and_mul
 from splitserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -41,15 +48,21 @@ def _method(quant_config, prefix: str):
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        tp = get_parallel_rank().tp_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        if total_heads % tp:
+            raise ValueError(f"{total_heads} attention heads cannot be split over {tp} tensor-parallel ranks.")
+        # Fewer KV heads than ranks: each rank holds one, shared by the ranks of its query heads.
+        self.num_heads, self.num_kv_heads = total_heads // tp, max(total_kv_heads // tp, 1)
+        q_size, kv_size = total_heads * self.head_dim, total_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias, dtype=dtype,
-                               quant_method=_method(quant_config, f"{prefix}.qkv_proj"))
+                               quant_method=_method(quant_config, f"{prefix}.qkv_proj"), parallel="column",
+                               output_partitions=[tp, total_kv_heads, total_kv_heads])
         self.o_proj = Linear(q_size, [config.hidden_size], bias=getattr(config, "attention_bias", False),
-                             dtype=dtype, quant_method=_method(quant_config, f"{prefix}.o_proj"))
+                             dtype=dtype, quant_method=_method(quant_config, f"{prefix}.o_proj"), parallel="row")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
@@ -74,9 +87,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype,
-                                   quant_method=_method(quant_config, f"{prefix}.gate_up_proj"))
+                                   quant_method=_method(quant_config, f"{prefix}.gate_up_proj"), parallel="column")
         self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias, dtype=dtype,
-                                quant_method=_method(quant_config, f"{prefix}.down_proj"))
+                                quant_method=_method(quant_config, f"{prefix}.down_proj"), parallel="row")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
 
@@ -105,22 +118,48 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The layers of pipeline stage `pp_rank`: contiguous, as even as possible, the earlier stages
+    taking the extra ones (the last stage also runs the LM head)."""
+    if num_layers < pp_size:
+        raise ValueError(f"{num_layers} layers cannot be split over {pp_size} pipeline stages.")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, quant_config)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        rank = get_parallel_rank()
+        self.is_first_stage, self.is_last_stage = rank.is_first_stage, rank.is_last_stage
+        self.layer_range = stage_layers(config.num_hidden_layers, rank.pp_rank, rank.pp_size)
+        if self.is_first_stage:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # Layers of other stages are empty placeholders, so that parameter names keep their indices.
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, quant_config) if i in self.layer_range
+                                    else nn.Module() for i in range(config.num_hidden_layers))
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def local_layers(self) -> list[LlamaDecoderLayer]:
+        return [self.layers[i] for i in self.layer_range]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The first stage starts from the token ids, the others from the previous stage's
+        (hidden, residual); the last returns the final hidden states, the others (hidden, residual)."""
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.local_layers():
             x, residual = layer(x, residual, cos_sin, meta)
+        if not self.is_last_stage:
+            return x, residual
         return self.norm(x, residual)[0]
 
 
@@ -133,46 +172,63 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, dtype, max_position, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, [config.vocab_size], dtype=dtype)
+        # Tied embeddings on a last stage that is not also the first: the head is a copy of them.
+        self.head_is_embedding = self.tie_word_embeddings and self.model.is_first_stage
+        if self.model.is_last_stage and not self.head_is_embedding:
+            self.lm_head = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None):
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (or, before the last pipeline
+        stage, the (hidden, residual) to hand on)."""
+        return self.model(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        head = self.model.embed_tokens if self.head_is_embedding else self.lm_head
+        return head.logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.local_layers()]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be filled."""
+        """Copy in the checkpoint tensors (Hugging Face names) this rank holds a share of; every
+        parameter must be filled."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         missing = {key for name in params for key in self._load_keys(name)}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
-                continue
-            target, shard = _target_name(name)
-            module_name, _, suffix = target.rpartition(".")
-            method = getattr(modules.get(module_name), "quant_method", None)
-            if method is not None and method.takes(suffix):
-                method.load(modules[module_name], suffix, shard or 0, tensor)
-                continue
-            if target not in params:
-                raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
-            dest = params[target].data
-            if shard is not None:
-                dest = dest[self._owner(target).shard_slice(shard)]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}.")
-            dest.copy_(tensor)
-            missing.discard(target if shard is None else f"{target}#{shard}")
+            for target, shard in self._targets(name):
+                module_name, _, suffix = target.rpartition(".")
+                module = modules.get(module_name)
+                if module is None or not _takes(module, suffix):
+                    if self._on_other_rank(target):
+                        continue
+                    raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+                if hasattr(module, "load_checkpoint_tensor"):
+                    module.load_checkpoint_tensor(suffix, shard, tensor)
+                else:
+                    _copy_checked(params[target].data, tensor, name)
+                missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
             raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}.")
+
+    def _targets(self, name: str) -> list[tuple[str, int | None]]:
+        """Where a checkpoint tensor goes on this rank: nowhere (rotary tables; a tied head), the
+        parameter of its name (q/k/v and gate/up into their stacked matrix), or, on the last stage
+        of a pipeline whose embeddings are tied, the embedding into the head."""
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+            return []
+        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and hasattr(self, "lm_head"):
+            return [("lm_head.weight", None)] + ([(name, None)] if self.model.is_first_stage else [])
+        return [_target_name(name)]
+
+    def _on_other_rank(self, target: str) -> bool:
+        """A parameter that exists in the model, but on another pipeline stage."""
+        parts = target.split(".")
+        if target.startswith("model.layers."):
+            return int(parts[2]) not in self.model.layer_range
+        if target.startswith("model.embed_tokens."):
+            return not self.model.is_first_stage
+        return (target.startswith("model.norm.") or target.startswith("lm_head.")) and not self.model.is_last_stage
 
     def process_weights_after_loading(self) -> None:
         """Let quantized linears turn what they loaded into their kernels' form."""
@@ -188,6 +244,19 @@ class LlamaForCausalLM(nn.Module):
         """A stacked parameter (q/k/v, gate/up) is filled shard by shard: one key per shard."""
         shards = len(getattr(self._owner(param_name), "output_sizes", [None]))
         return [param_name] if shards == 1 else [f"{param_name}#{s}" for s in range(shards)]
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    """Whether `module` has a place for its checkpoint tensor `name`: a parameter, or a tensor its
+    quantized method loads itself (AWQ's qweight ...)."""
+    method = getattr(module, "quant_method", None)
+    return isinstance(getattr(module, name, None), nn.Parameter) or (method is not None and method.takes(name))
+
+
+def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}.")
+    dest.copy_(tensor)
 
 
 def _target_name(name: str) -> tuple[str, int | None]:

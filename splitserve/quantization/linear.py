@@ -1,5 +1,5 @@
-"""Quantized linear layers at run time: which method a checkpoint asks for, how each method loads
-its tensors, and the kernels it multiplies with.
+"""Quantized linear layers at run time: how each method loads its tensors, and the kernels it
+multiplies with (which method a model runs with is quantization/config.py's to say).
 
 | method           | weight                          | activations             | CPU kernel                               |
 |------------------|---------------------------------|-------------------------|------------------------------------------|
@@ -37,80 +37,11 @@ from splitserve.quantization.packing import (
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("weight_only_int8", "smooth_quant", "awq", "gptq", "fp8")
-# Methods that can quantize an unquantized checkpoint while loading it (no calibration needed).
-ONLINE_METHODS = ("weight_only_int8", "fp8")
 # Rows up to which `_weight_int8pack_mm` beats converting the int8 weight for a bf16 matmul
 # (measured on a 2-core AVX-512 machine: 0.27 vs 0.30 ms at 16 rows, 1.0 vs 0.47 ms at 64).
 _INT8PACK_MAX_ROWS = 16
 _W8A8_CHUNK_ROWS = 256
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-class QuantizationConfig:
-    """What the checkpoint's `quantization_config` (or `--quantization`) says about its linears."""
-
-    def __init__(self, method: str, from_checkpoint: bool = True, group_size: int = -1,
-                 modules_to_not_convert: list[str] | None = None):
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization={method!r} is not supported; choose one of {QUANTIZATION_METHODS}.")
-        self.method = method
-        self.from_checkpoint = from_checkpoint
-        self.group_size = group_size
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
-
-    def __repr__(self) -> str:
-        source = "checkpoint" if self.from_checkpoint else "quantized while loading"
-        return f"QuantizationConfig({self.method}, {source})"
-
-    def linear_method(self, prefix: str) -> LinearMethod | None:
-        if any(skip in prefix for skip in self.modules_to_not_convert):
-            return None
-        if self.method == "weight_only_int8":
-            return Int8WeightOnlyMethod(self.from_checkpoint)
-        if self.method == "smooth_quant":
-            return W8A8Int8Method(self.from_checkpoint)
-        if self.method == "fp8":
-            return Fp8Method(self.from_checkpoint)
-        return Int4Method(self.method, self.group_size, self.from_checkpoint)
-
-
-def quantization_config_for(hf_config, requested: str | None, load_format: str) -> QuantizationConfig | None:
-    """The checkpoint's quantization (its `quantization_config`), checked against `--quantization`;
-    or the requested method applied while loading an unquantized checkpoint."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is not None and not isinstance(qc, dict):
-        qc = qc.to_dict()
-    found = (qc or {}).get("quant_method")
-    if requested is not None and requested not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={requested!r} is not supported; choose one of {QUANTIZATION_METHODS}.")
-    if found is not None and found not in QUANTIZATION_METHODS:
-        raise ValueError(f"The checkpoint is quantized with {found!r}, which is not supported; "
-                         f"supported: {QUANTIZATION_METHODS}.")
-    if found and requested and found != requested:
-        raise ValueError(f"--quantization {requested} was asked for, but the checkpoint is quantized with {found}.")
-    method = found or requested
-    if method is None:
-        return None
-    from_checkpoint = found is not None and load_format != "dummy"
-    if not from_checkpoint and load_format != "dummy" and method not in ONLINE_METHODS:
-        raise ValueError(
-            f"quantization={method!r} needs a checkpoint quantized with it (calibrated offline): run "
-            f"`splitserve quantize --quant-type {method}` first, or load a published {method} checkpoint. "
-            f"Unquantized checkpoints can be quantized while loading with {ONLINE_METHODS}.")
-    if method in ("awq", "gptq"):
-        qc = qc or {}
-        bits = qc.get("bits", qc.get("w_bit", 4))
-        if bits != 4:
-            raise ValueError(f"{method} with {bits} bits is not supported (only 4-bit).")
-        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
-            raise ValueError(f"AWQ version {qc.get('version')!r} is not supported (only the 'gemm' layout).")
-        if method == "gptq" and qc.get("checkpoint_format", "gptq") != "gptq":
-            raise ValueError(f"GPTQ checkpoint_format {qc.get('checkpoint_format')!r} is not supported "
-                             "(only 'gptq').")
-        group_size = qc.get("group_size", qc.get("q_group_size", 128))
-        return QuantizationConfig(method, from_checkpoint, group_size, qc.get("modules_to_not_convert"))
-    return QuantizationConfig(method, from_checkpoint, modules_to_not_convert=(qc or {}).get("modules_to_not_convert"))
 
 
 # --- shared plumbing ---------------------------------------------------------------------------------
@@ -143,13 +74,14 @@ class _QuantMethod(LinearMethod):
             self.build(layer, self.quantize_dense(dense))
             return
         shards = []
-        for shard, size in enumerate(layer.output_sizes):
+        for shard in range(len(layer.output_sizes)):
             missing = [n for n in self.required if (n, shard) not in layer.staged]
             if missing:
                 raise ValueError(f"The checkpoint lacks {missing} for shard {shard} of a {type(self).__name__} "
                                  f"layer ({layer.in_features} -> {layer.out_features}).")
             tensors = {n: layer.staged[(n, shard)] for n in self.required + self.optional if (n, shard) in layer.staged}
-            shards.append(self.from_tensors(tensors, size, layer.in_features))
+            full = self.from_tensors(tensors, layer.full_output_sizes[shard], layer.full_input_size)
+            shards.append(self.narrow(full, *layer.checkpoint_slices(shard)))
         del layer.staged
         self.build(layer, self.concat(shards))
 
@@ -158,6 +90,10 @@ class _QuantMethod(LinearMethod):
         raise NotImplementedError
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int):
+        raise NotImplementedError
+
+    def narrow(self, plain, rows: slice, cols: slice):
+        """This tensor-parallel rank's share of a whole checkpoint matrix's plain form."""
         raise NotImplementedError
 
     def concat(self, parts: list):
@@ -172,8 +108,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _finish(layer: Linear, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if layer.bias is not None:
-        y = y + layer.bias
+    """y [rows, out] in x's leading shape (the layer adds its bias itself)."""
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -213,6 +148,10 @@ class _RowScaledMethod(_QuantMethod):
         if weight.dtype != self.storage_dtype:
             raise ValueError(f"{type(self).__name__} expects {self.storage_dtype} weights, got {weight.dtype}.")
         return weight, _row_scales(tensors["weight_scale"], out_features)
+
+    def narrow(self, plain, rows, cols):
+        weight, scale = plain
+        return weight[rows, cols], scale[rows]
 
     def concat(self, parts):
         return torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts])
@@ -329,6 +268,17 @@ class Int4Method(_QuantMethod):
             plain = unpack_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"), group)
         _check_shape(f"{self.method} qweight (unpacked)", plain.q, (out_features, in_features))
         return plain
+
+    def narrow(self, plain: Int4Weight, rows: slice, cols: slice) -> Int4Weight:
+        g = plain.group_size
+        if cols.stop - cols.start == plain.q.shape[1]:
+            return Int4Weight(plain.q[rows], plain.scale[rows], plain.zero[rows], g, plain.g_idx)
+        if plain.g_idx is not None:
+            raise ValueError("A GPTQ checkpoint with act-order (desc_act / g_idx) cannot be split by input columns "
+                             "across tensor-parallel ranks: its channels of one group are spread over all ranks. "
+                             "Use tensor_parallel_size=1 or a checkpoint quantized without act-order.")
+        groups = slice(cols.start // g, cols.stop // g)
+        return Int4Weight(plain.q[rows, cols], plain.scale[rows, groups], plain.zero[rows, groups], g, None)
 
     def concat(self, parts: list[Int4Weight]) -> Int4Weight:
         g_idx = parts[0].g_idx

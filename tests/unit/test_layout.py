@@ -14,15 +14,17 @@ MAX_MODULE_LINES = 400
 # package's leaf modules (config, sampling_params, outputs, tokenizer, kernels).
 LEAVES = {"splitserve", "config", "sampling_params", "outputs", "tokenizer", "kernels"}
 ALLOWED = {
-    "entrypoints": {"engine", "executor", "disagg", "loader", "models", "layers", "quantization", "benchmarks"},
+    "entrypoints": {"engine", "executor", "disagg", "loader", "models", "layers", "quantization", "benchmarks",
+                    "distributed"},
     "benchmarks": {"engine", "executor", "disagg", "loader", "models", "layers", "quantization", "entrypoints"},
-    "disagg": {"engine", "executor", "quantization"},
-    "engine": {"executor", "disagg", "loader", "models", "layers", "quantization"},
-    "executor": {"loader", "models", "layers", "quantization"},
-    "loader": {"models", "layers", "quantization"},
-    "models": {"layers", "quantization"},
-    "layers": {"quantization"},
-    "quantization": {"layers", "models", "loader"},
+    "disagg": {"engine", "executor", "quantization", "distributed"},
+    "engine": {"executor", "disagg", "loader", "models", "layers", "quantization", "distributed"},
+    "executor": {"loader", "models", "layers", "quantization", "distributed"},
+    "loader": {"models", "layers", "quantization", "distributed"},
+    "models": {"layers", "quantization", "distributed"},
+    "layers": {"quantization", "distributed"},
+    "quantization": {"layers", "models", "loader", "distributed"},
+    "distributed": set(),
 }
 
 
