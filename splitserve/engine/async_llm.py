@@ -1,9 +1,9 @@
 """AsyncLLM: the front-end an API server worker uses to talk to the engine core process.
 
-Requests go out over a ZMQ DEALER socket; one asyncio task reads the core's outputs, detokenizes
-them and hands each RequestOutput to the queue of the request it belongs to. Tokenization runs in
-a worker thread so that a long prompt does not stall the event loop. If the engine process dies,
-every pending request fails at once with EngineDeadError.
+Requests come processed (the API server runs the Processor in a worker thread, so that a long
+prompt does not stall the event loop) and go out over a ZMQ DEALER socket; one asyncio task reads
+the core's outputs, detokenizes them and hands each RequestOutput to the queue of the request it
+belongs to. If the engine process dies, every pending request fails at once with EngineDeadError.
 """
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ import zmq.asyncio
 from splitserve.config import ModelConfig
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
-from splitserve.engine.processor import PromptType
+from splitserve.engine.processor import ProcessedRequest
 from splitserve.engine.messages import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
 from splitserve.outputs import RequestOutput
-from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +70,14 @@ class AsyncLLM(FrontEnd):
         self._nonce = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None,
+    async def generate(self, request_id: str, request: ProcessedRequest, arrival_time: float | None = None,
                        kind: RequestOutputKind = RequestOutputKind.DELTA,
                        kv_transfer: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
-        """A request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one output).
-        Closing the iterator early, or cancelling the task iterating it, aborts the request."""
+        """A processed request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one
+        output). Closing the iterator early, or cancelling the task iterating it, aborts the request."""
         self._start()
         self._check_alive()
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        if isinstance(prompt, str) or "prompt_token_ids" not in prompt:
-            processed = await asyncio.to_thread(self.processor.process_prompt, prompt)
-            prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
-        core_requests = self.prepare_request(request_id, prompt, params, kind, arrival, kv_transfer)
+        core_requests = self.prepare_request(request_id, request, kind, arrival_time, kv_transfer)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False

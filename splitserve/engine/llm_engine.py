@@ -24,8 +24,9 @@ class LLMEngine(FrontEnd):
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                     arrival_time: float | None = None) -> None:
-        for request in self.prepare_request(request_id, prompt, params, kind, arrival_time):
-            self.engine_core.add_request(request)
+        request = self.processor.process(prompt, params)
+        for core_request in self.prepare_request(request_id, request, kind, arrival_time):
+            self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):

@@ -1,4 +1,9 @@
-"""Input processing: prompts (text or token ids) and sampling parameters -> validated core Requests."""
+"""Input processing: prompts (text or token ids) and sampling parameters -> validated core Requests.
+
+Every front-end processes a request here, once: the prompt is tokenized and checked against the
+vocabulary and the context, the params are checked against the vocabulary and completed with what
+depends on the tokenizer. What the caller got wrong raises InvalidRequestError.
+"""
 from __future__ import annotations
 
 import os
@@ -6,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splitserve.config import ModelConfig
+from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import EngineCoreRequest
 from splitserve.sampling_params import SamplingParams
 
@@ -13,9 +19,12 @@ PromptType = str | Mapping  # "text", {"prompt": "text"} or {"prompt_token_ids":
 
 
 @dataclass
-class ProcessedPrompt:
+class ProcessedRequest:
+    """A prompt and its params as the Processor left them: tokenized, validated, completed."""
+
     prompt: str | None
     prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class Processor:
@@ -31,50 +40,37 @@ class Processor:
             self.eos_token_id = tokenizer.eos_token_id
             self.extra_eos_ids = _generation_config_eos_ids(model_config) - {self.eos_token_id}
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
-            return ProcessedPrompt(prompt.get("prompt"), ids)
-        if isinstance(prompt, Mapping) and "prompt" in prompt:
-            return self.process_prompt(prompt["prompt"])
-        raise TypeError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
-                        f"got {type(prompt).__name__}.")
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def validate_prompt(self, ids: list[int]) -> None:
-        max_len = self.model_config.max_model_len
-        if not ids:
-            raise ValueError("The prompt is empty: it must have at least one token.")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).")
-        if len(ids) >= max_len:
-            raise ValueError(f"The prompt is {len(ids)} tokens long; the maximum model length is {max_len}, "
-                             "which leaves no room for a generated token.")
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
+        """One request of the offline API; a max_tokens past the context is clamped to the room left."""
+        return self.process_prompt(prompt, self.process_params(params))
 
-    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+    def process_params(self, params: SamplingParams) -> SamplingParams:
         """A copy completed with what depends on the tokenizer: stop token ids and bad words."""
         params = params.clone()
         for token in list(params.logit_bias or {}) + list(params.allowed_token_ids or []):
             if not 0 <= token < self.vocab_size:
-                raise ValueError(f"Token id {token} in logit_bias/allowed_token_ids is outside the vocabulary "
-                                 f"(0..{self.vocab_size - 1}).")
+                raise InvalidRequestError(f"Token id {token} in logit_bias/allowed_token_ids is outside the "
+                                          f"vocabulary (0..{self.vocab_size - 1}).")
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         return params
 
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        out = []
-        for word in words:
-            # The word both at the start of a text and after a space tokenizes differently.
-            for variant in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer(variant, add_special_tokens=False).input_ids
-                # A sequence with ids past the model's vocabulary can never be generated anyway.
-                if ids and ids not in out and max(ids) < self.vocab_size:
-                    out.append(ids)
-        return out
+    def process_prompt(self, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True,
+                       param: str = "prompt", max_tokens_must_fit: bool = False) -> ProcessedRequest:
+        """Tokenize and validate a prompt for `params` (as process_params left them, so that a batch
+        of prompts shares one processing of its params). `param` names the prompt in errors;
+        `max_tokens_must_fit` is the API server's rule: prompt + max_tokens must fit the context."""
+        text, ids = self._tokenized(prompt, add_special_tokens)
+        self._check_prompt(ids, param)
+        if max_tokens_must_fit:
+            self._check_context(len(ids), params.max_tokens, param)
+        else:
+            self._check_room(len(ids), param)
+        return ProcessedRequest(text, ids, params)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float, kv_transfer=None) -> EngineCoreRequest:
@@ -82,6 +78,54 @@ class Processor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time,
                                  kv_transfer)
+
+    def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt, add_special_tokens)
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._tokenized(prompt["prompt"], add_special_tokens)
+        raise TypeError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
+                        f"got {type(prompt).__name__}.")
+
+    def _check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise InvalidRequestError("The prompt is empty: it must have at least one token.", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"Prompt token ids {bad[:5]} are outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1}).", param)
+
+    def _check_room(self, n: int, param: str) -> None:
+        """The prompt must leave room for one generated token; make_request clamps max_tokens to the rest."""
+        max_len = self.model_config.max_model_len
+        if n >= max_len:
+            raise InvalidRequestError(f"The prompt is {n} tokens long; the maximum model length is {max_len}, "
+                                      "which leaves no room for a generated token.", param)
+
+    def _check_context(self, n: int, max_tokens: int | None, param: str) -> None:
+        """The API server's rule, in OpenAI's words: clients match "maximum context length" to tell
+        a context overflow from other errors."""
+        max_len = self.model_config.max_model_len
+        if n >= max_len:
+            raise InvalidRequestError(f"This model's maximum context length is {max_len} tokens, but the prompt "
+                                      f"has {n} tokens, leaving no room for output.", param)
+        if max_tokens is not None and n + max_tokens > max_len:
+            raise InvalidRequestError(f"This model's maximum context length is {max_len} tokens. However, you "
+                                      f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+                                      "completion). Reduce the prompt or max_tokens.", "max_tokens")
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        out = []
+        for word in words:
+            # The word both at the start of a text and after a space tokenizes differently.
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenize(variant, add_special_tokens=False)
+                # A sequence with ids past the model's vocabulary can never be generated anyway.
+                if ids and ids not in out and max(ids) < self.vocab_size:
+                    out.append(ids)
+        return out
 
 
 def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:

@@ -9,6 +9,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from splitserve.engine.errors import InvalidRequestError
+
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -44,11 +46,16 @@ def error_response(message: str, status: int, err_type: str = "invalid_request_e
 
 
 def install_error_handlers(app: FastAPI, what: str) -> None:
-    """APIError, unknown routes and wrong methods all answer with OpenAI's error body."""
+    """APIError, a request the engine's Processor refuses (InvalidRequestError: 400 with its param),
+    unknown routes and wrong methods all answer with OpenAI's error body."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
         return error_response(exc.message, exc.status, exc.err_type, exc.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError):
+        return error_response(str(exc), 400, param=exc.param)
 
     @app.exception_handler(404)
     async def not_found(request: Request, _exc):

@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from splitserve.entrypoints.http import error_body
+from splitserve.engine.errors import InvalidRequestError
+from splitserve.entrypoints.http import error_body, install_error_handlers
 from splitserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse, ChatMessage, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    DeltaMessage, DetokenizeRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-    UsageInfo, parse_tokenize_request, validation_error_message)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+    parse_tokenize_request, validation_error_message)
+from splitserve.entrypoints.openai.response_models import (
+    ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
+    ChatMessage, CompletionResponse, CompletionResponseChoice, DeltaMessage, ModelCard, ModelList, UsageInfo)
 from splitserve.outputs import Logprob
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -318,6 +322,18 @@ def test_error_body_shape():
     assert error_body("bad n", param="n") == {
         "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": 400}}
     assert error_body("boom", type="internal_server_error", code=500)["error"]["code"] == 500
+
+
+def test_engine_refusals_answer_400_naming_their_parameter():
+    app = FastAPI()
+    install_error_handlers(app, "server")
+
+    @app.post("/refuse")
+    async def refuse():
+        raise InvalidRequestError("too long", "max_tokens")
+
+    r = TestClient(app).post("/refuse")
+    assert r.status_code == 400 and r.json() == error_body("too long", param="max_tokens")
 
 
 def test_validation_error_message_picks_the_first_parameter():

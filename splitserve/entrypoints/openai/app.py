@@ -10,10 +10,11 @@ from fastapi.responses import Response
 from splitserve import __version__
 from splitserve.config import EngineConfig
 from splitserve.engine.async_llm import AsyncLLM
-from splitserve.entrypoints.http import (ApiKeyMiddleware, error_response, install_error_handlers,
-                                                read_json_body)
+from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, install_error_handlers, read_json_body
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
-from splitserve.entrypoints.openai.serving import OpenAIServing
+from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -23,12 +24,15 @@ _OPEN_PATHS = ("/health",)
 def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 0) -> FastAPI:
     metrics = Metrics(config.model_config.served_model_name, index)
     engine.on_stats = metrics.record_engine_stats
-    serving = OpenAIServing(engine, config, server_args, metrics)
+    engine.output_processor.on_inter_token = metrics.record_inter_token
+    completion = OpenAIServingCompletion(engine, config, server_args, metrics)
+    chat = OpenAIServingChat(engine, config, server_args, metrics)
+    tokenization = OpenAIServingTokenization(engine, config, server_args, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if server_args.use_warmup and index == 0:
-            await serving.warmup()
+            await completion.warmup()
         yield
         engine.shutdown()
 
@@ -38,23 +42,23 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.create_completion(await read_json_body(request), request)
+        return await completion.create_completion(await read_json_body(request), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving.create_chat_completion(await read_json_body(request), request)
+        return await chat.create_chat_completion(await read_json_body(request), request)
 
     @app.get("/v1/models")
     async def models():
-        return serving.models()
+        return tokenization.models()
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await serving.tokenize(await read_json_body(request))
+        return await tokenization.tokenize(await read_json_body(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await serving.detokenize(await read_json_body(request))
+        return await tokenization.detokenize(await read_json_body(request))
 
     @app.get("/version")
     async def version():

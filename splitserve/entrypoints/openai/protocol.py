@@ -1,30 +1,22 @@
-"""Request and response bodies of the OpenAI-compatible server: OpenAI's field names plus vLLM's
-extensions, as pydantic v2 models.
+"""Request bodies of the OpenAI-compatible server: OpenAI's field names plus vLLM's extensions, as
+pydantic v2 models (the response bodies are in response_models.py).
 
 Requests refuse what they cannot honour. An unknown field is an error (a misspelt parameter must
 not be silently ignored), and so is a known OpenAI/vLLM parameter that splitserve lacks (tools,
-guided decoding, ...) unless it is null or its harmless default. An explicit null for a parameter
-with a non-null default means "use the default", as in OpenAI's API. Checks that span several
-fields raise `ParameterError`, which names the parameter at fault; `validation_error_message()`
-turns any `pydantic.ValidationError` into the message and parameter of a 400 body.
-
-Responses are plain models whose optional fields default to None. OpenAI's own nullable fields
-(`finish_reason`, `logprobs`, `stop_reason`, ...) are always serialized, null included, while
-vLLM-style extensions the server did not fill (`token_ids`, `prompt_logprobs`, `reasoning_content`,
-...) are left out of the JSON when None (`Field(exclude_if=...)`, pydantic >= 2.11), so a plain
-`model_dump_json()` gives OpenAI's shapes.
+guided decoding, ...: unsupported_params.py) unless it is null or its harmless default. An
+explicit null for a parameter with a non-null default means "use the default", as in OpenAI's API.
+Checks that span several fields raise `ParameterError`, which names the parameter at fault;
+`validation_error_message()` turns any `pydantic.ValidationError` into the message and parameter
+of a 400 body.
 """
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from splitserve.outputs import Logprob
+from splitserve.entrypoints.openai.unsupported_params import refuse_unsupported
 from splitserve.sampling_params import MAX_N, SamplingParams
 
 MAX_LOGPROBS = 20
@@ -35,15 +27,6 @@ MAX_LOGIT_BIAS = 100.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def random_id(prefix: str) -> str:
-    """A fresh response id such as "cmpl-<32 hex digits>"; stream chunks of one request share one."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _now() -> int:
-    return int(time.time())
-
-
 class ParameterError(ValueError):
     """A request error that names its parameter: pydantic gives a check that spans several fields
     no location, so the 400 body could not otherwise say which parameter was wrong."""
@@ -51,42 +34,6 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-# --- requests --------------------------------------------------------------------------------
-# Known OpenAI/vLLM parameters that splitserve does not implement, with the only values accepted
-# (the ones meaning "feature off"); any other value is refused rather than silently ignored.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None,),
-    "use_beam_search": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "response_format": (None, {"type": "text"}),
-    "service_tier": (None, "auto", "default"),
-    "store": (None, False),
-    # chat only
-    "tools": (None,),
-    "functions": (None,),
-    "tool_choice": (None, "none"),
-    "reasoning_effort": (None,),
-    "audio": (None,),
-    "modalities": (None, ["text"]),
-    "prediction": (None,),
-    "web_search_options": (None,),
-}
-
-
-def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
-    """Let a known-but-unimplemented parameter through only with a value that turns it off."""
-    accepted = _UNSUPPORTED[info.field_name]
-    # The type check keeps 0 from passing as False (0 == False in Python).
-    if any(value == ok and type(value) is type(ok) for ok in accepted):
-        return value
-    allowed = " or ".join(json.dumps(ok) for ok in accepted)
-    raise ValueError(f"'{info.field_name}' is not supported by splitserve (only {allowed} is accepted).")
 
 
 def _accepts_none(field: FieldInfo) -> bool:
@@ -172,7 +119,7 @@ class _GenerationRequest(RequestModel):
     echo: bool = False
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (set by the router)
-    # Known but unsupported: accepted only as "off" (see _UNSUPPORTED).
+    # Known but unsupported: accepted only as "off" (see unsupported_params.py).
     suffix: Any = None
     use_beam_search: Any = None
     guided_json: Any = None
@@ -186,7 +133,7 @@ class _GenerationRequest(RequestModel):
 
     _refuse = field_validator("suffix", "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                               "guided_grammar", "structured_outputs", "response_format", "service_tier",
-                              "store")(_refuse_unsupported)
+                              "store")(refuse_unsupported)
     _stop = field_validator("stop", mode="before")(_check_stop)
 
     @field_validator("logit_bias")
@@ -373,7 +320,7 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None  # meaningless without tools, so any value is harmless
-    # Known but unsupported: accepted only as "off" (see _UNSUPPORTED).
+    # Known but unsupported: accepted only as "off" (see unsupported_params.py).
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
@@ -384,7 +331,7 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
     web_search_options: Any = None
 
     _refuse_chat = field_validator("tools", "functions", "tool_choice", "reasoning_effort", "audio",
-                                   "modalities", "prediction", "web_search_options")(_refuse_unsupported)
+                                   "modalities", "prediction", "web_search_options")(refuse_unsupported)
 
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> ChatCompletionRequest:
@@ -431,150 +378,6 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
-# --- responses -------------------------------------------------------------------------------
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
-def _extension(default: Any = None) -> Any:
-    """A vLLM-style field beyond OpenAI's schema: left out of the JSON while None."""
-    return Field(default, exclude_if=_is_none)
-
-
-class PromptTokenUsageInfo(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = _extension()
-
-
-class CompletionLogProbs(BaseModel):
-    """OpenAI's legacy logprobs: per token its text offset, logprob, text and top alternatives."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = _extension()
-    token_ids: list[int] | None = _extension()
-    prompt_token_ids: list[int] | None = _extension()
-    cum_log_probs: float | None = _extension()
-    sentence_length: int | None = _extension()
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    kv_transfer_params: dict[str, Any] | None = _extension()
-
-
-class CompletionStreamChoice(CompletionResponseChoice):
-    """A streamed piece of one choice; `arrival_time` is the seconds since the request arrived."""
-
-    arrival_time: float
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = _extension()
-    system_fingerprint: str | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = _extension()
-
-
-class ChatCompletionLogProb(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(BaseModel):
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatCompletionResponseChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = _extension()
-    cum_log_probs: float | None = _extension()
-    sentence_length: int | None = _extension()
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = _extension()
-    prompt_token_ids: list[int] | None = _extension()
-    kv_transfer_params: dict[str, Any] | None = _extension()
-
-
-class DeltaMessage(BaseModel):
-    """The change a stream chunk brings; absent parts are left out (the last chunk's delta is {})."""
-
-    role: str | None = _extension()
-    content: str | None = _extension()
-    reasoning_content: str | None = _extension()
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    """A streamed piece of one choice; `arrival_time` is the seconds since the request arrived."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = _extension()
-    arrival_time: float
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = _extension()
-    system_fingerprint: str | None = None
-
-
 def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
     """A readable message for a 400 and the offending parameter (the first error's location joined
     by '.', e.g. "messages.0.content"; a ParameterError's own parameter for a cross-field check)."""
@@ -588,28 +391,3 @@ def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
     if error["type"] == "value_error":  # our own checks: the message already names its subject
         return str(cause) if cause is not None else error["msg"], param
     return (f"{param}: {error['msg']}" if param else error["msg"]), param
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "splitserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = _extension()
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

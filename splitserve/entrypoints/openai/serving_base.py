@@ -1,0 +1,292 @@
+"""What the OpenAI-compatible endpoints share: the checks only the server can make, running
+requests, collecting or merging their streams, client disconnects, and the JSON and server-sent
+event answers.
+
+Everything a client can get wrong is checked here, in the API process, before it reaches the
+engine: the body's fields (protocol.py); the model name, the queue limit, a running engine and the
+PD kv_transfer_params (this module); then the prompt and params, once, by the engine's Processor,
+whose InvalidRequestError is answered with a 400 naming its param (entrypoints/http.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from splitserve import __version__
+from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
+from splitserve.engine.messages import KVTransferParams
+from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.engine.processor import ProcessedRequest, PromptType
+from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
+from splitserve.entrypoints.openai.protocol import validation_error_message
+from splitserve.entrypoints.openai.response_models import PromptTokenUsageInfo, UsageInfo
+from splitserve.outputs import Logprob, RequestOutput
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokenizer import apply_chat_template
+
+logger = logging.getLogger("splitserve.api_server")
+
+_DISCONNECT_POLL_S = 0.5
+_DEFAULT_MODEL_ALIASES = (None, "default")
+
+
+@dataclass
+class ChoiceState:
+    """What a streamed choice has sent so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finished: bool = False
+    started: bool = False
+
+
+class OpenAIServing:
+    """The base of the endpoints' handlers (OpenAIServingCompletion, OpenAIServingChat,
+    OpenAIServingTokenization), as vLLM names them."""
+
+    def __init__(self, engine: AsyncLLM, config, server_args, metrics):
+        self.engine = engine
+        self.processor = engine.processor
+        self.model_config = config.model_config
+        self.served_name = config.model_config.served_model_name
+        self.max_model_len = config.model_config.max_model_len
+        self.server_args = server_args
+        self.metrics = metrics
+        self.tokenizer = engine.get_tokenizer()
+        self.fingerprint = f"splitserve-{__version__}"
+        self.pd_role = config.kv_transfer_config.pd_role
+
+    # --- shared checks ------------------------------------------------------------------------
+    @staticmethod
+    def _parse(parse: Callable[[dict], Any], body: dict):
+        try:
+            return parse(body)
+        except ValidationError as exc:
+            message, param = validation_error_message(exc)
+            raise APIError(message, param=param) from None
+
+    def _check_model(self, name: str | None) -> None:
+        if name not in _DEFAULT_MODEL_ALIASES and name != self.served_name:
+            raise APIError(f"The model {name!r} does not exist; this server serves {self.served_name!r}.",
+                           404, "not_found_error", "model")
+
+    def _check_capacity(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise APIError(f"The engine is not running: {self.engine.dead_reason}", 503, "service_unavailable")
+        limit = self.server_args.max_queued_requests
+        if limit is not None and not self.engine.try_reserve_queue_slot(limit):
+            raise APIError(f"Too many requests are waiting (the limit is {limit}); retry later.", 429,
+                           "rate_limit_exceeded")
+
+    def _accept(self, model: type[BaseModel], body: dict):
+        """Parse a generation request, check its model and the queue, make its SamplingParams."""
+        req = self._parse(model.model_validate, body)
+        self._check_model(req.model)
+        self._check_capacity()
+        try:
+            return req, req.to_sampling_params(default_max_tokens=None)
+        except ValueError as exc:
+            raise APIError(str(exc)) from None
+
+    # --- prompts ------------------------------------------------------------------------------
+    async def _process(self, prompts: list[PromptType], params: SamplingParams, param: str,
+                       add_special_tokens: bool = True) -> list[ProcessedRequest]:
+        """Each prompt tokenized and validated by the engine's Processor under the server's rule
+        (prompt + max_tokens must fit the context), in a worker thread so that a long prompt does
+        not stall the event loop. `params` come from Processor.process_params, once for them all."""
+
+        def process() -> list[ProcessedRequest]:
+            return [self.processor.process_prompt(prompt, params, add_special_tokens=add_special_tokens, param=param,
+                                                  max_tokens_must_fit=True) for prompt in prompts]
+
+        return await asyncio.to_thread(process)
+
+    async def _render_chat(self, req) -> str:
+        """The messages of a chat request as its template renders them."""
+        template = req.chat_template or self.server_args.chat_template
+        try:
+            return await asyncio.to_thread(
+                apply_chat_template, self.tokenizer, req.template_messages(), template, req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+        except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
+            raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
+
+    # --- prefill/decode disaggregation ----------------------------------------------------------
+    def _kv_transfer(self, req, params: SamplingParams, num_prompts: int) -> KVTransferParams | None:
+        """The router's kv_transfer_params. A prefill answer must be one whole JSON with where its KV
+        waits, so it cannot stream; its n samples become one prefill whose KV is pulled n times."""
+        raw = req.kv_transfer_params
+        if raw is None:
+            return None
+        if self.pd_role == "mixed":
+            raise APIError("kv_transfer_params need a prefill or decode instance; this one runs with "
+                           "--pd-role mixed.", param="kv_transfer_params")
+        if num_prompts != 1:
+            raise APIError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
+        try:
+            kv = msgspec.convert(raw, KVTransferParams)
+        except msgspec.ValidationError as exc:
+            raise APIError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        if kv.do_remote_decode:
+            if req.stream:
+                raise APIError("A prefill request (do_remote_decode) cannot stream.", param="stream")
+            kv.remote_num_pulls, params.n = params.n, 1
+        if kv.do_remote_prefill and None in (kv.remote_host, kv.remote_port, kv.remote_request_id):
+            raise APIError("do_remote_prefill needs remote_host, remote_port and remote_request_id.",
+                           param="kv_transfer_params")
+        return kv
+
+    @staticmethod
+    def _remote_prompt(req, kv: KVTransferParams | None) -> PromptType | None:
+        """A decode request carries the token ids the prefill instance computed: using them (rather
+        than tokenizing again) guarantees the pulled KV belongs to exactly this prompt."""
+        ids = (req.kv_transfer_params or {}).get("prompt_token_ids") if kv and kv.do_remote_prefill else None
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise APIError("kv_transfer_params.prompt_token_ids must be a list of token ids.",
+                           param="kv_transfer_params")
+        return {"prompt_token_ids": ids}
+
+    @staticmethod
+    def _kv_answer(kv: KVTransferParams | None, request: ProcessedRequest, output: RequestOutput) -> dict | None:
+        if kv is None or not kv.do_remote_decode or output.kv_transfer_params is None:
+            return None
+        return {**output.kv_transfer_params, "prompt_token_ids": request.prompt_token_ids}
+
+    # --- running requests ---------------------------------------------------------------------
+    def _log(self, request_id: str, requests: list[ProcessedRequest], params: SamplingParams) -> None:
+        if not self.server_args.disable_log_requests:
+            logger.info("Request %s: %d prompt(s) of %s tokens, max_tokens=%s, n=%d, temperature=%s, stream",
+                        request_id, len(requests), [len(r.prompt_token_ids) for r in requests], params.max_tokens,
+                        params.n, params.temperature)
+
+    def _streams(self, request_id: str, requests: list[ProcessedRequest], arrival: float, kind: RequestOutputKind,
+                 kv: KVTransferParams | None = None) -> list[AsyncIterator[RequestOutput]]:
+        return [self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv)
+                for i, request in enumerate(requests)]
+
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
+        """The final output of each stream; if the client goes away first, abort them all."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def consume() -> None:
+            async for i, output in merge_streams(streams):
+                finals[i] = output
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    logger.info("Client disconnected: request aborted")
+                    raise APIError("The client disconnected.", 499, "client_closed_request")
+            task.result()
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable") from None
+        except ValueError as exc:
+            raise APIError(str(exc)) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        return finals
+
+    def _record_finished(self, output: RequestOutput) -> None:
+        self.metrics.record_finished(output, sum(len(c.token_ids) for c in output.outputs),
+                                     [c.finish_reason for c in output.outputs if c.finish_reason])
+
+    @staticmethod
+    def _usage(requests: list[ProcessedRequest], completion_tokens: int, cached: int) -> UsageInfo:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
+
+    async def warmup(self) -> None:
+        """One short request through the whole path, so the first user does not pay for cold caches."""
+        start = time.monotonic()
+        request = self.processor.process("Hello", SamplingParams(max_tokens=4))
+        async for _ in self.engine.generate("warmup", request):
+            pass
+        logger.info("Warm-up request done in %.2f s", time.monotonic() - start)
+
+
+def ranked_logprobs(entry: dict[int, Logprob], n: int) -> list[Logprob]:
+    """The n most likely tokens of a logprobs entry (it holds the top n plus the chosen token)."""
+    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Items of several async iterators as they come, tagged with the iterator's index. Closing this
+    closes them all (which aborts their requests)."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as exc:  # hand errors (and cancellation) to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def sse_event(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def json_response(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    async def with_done() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as exc:
+            yield f"data: {_error_json(str(exc), 503, 'service_unavailable')}\n\n"
+        except ValueError as exc:
+            yield f"data: {_error_json(str(exc), 400, 'invalid_request_error')}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(with_done(), media_type="text/event-stream")
+
+
+def _error_json(message: str, code: int, err_type: str) -> str:
+    return ErrorResponse.model_validate(error_body(message, err_type, None, code)).model_dump_json()
