@@ -130,13 +130,42 @@ class KVTransferConfig:
         return self.pd_role != "mixed"
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks run the model and how they are started (docs/parallel.md). uni: in the engine
+    process (one rank only); mp: one worker process per rank on this machine; ray: Ray actors, on
+    this machine or across the machines of a Ray cluster."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def verify(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}.")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine process; "
+                             f"{self.world_size} ranks need 'mp' or 'ray'.")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device: torch.device
-    tensor_parallel_size: int = 1
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # see executor/cuda_graph.capture_sizes
     async_scheduling: bool = False  # overlap: schedule step N+1 while the device runs step N

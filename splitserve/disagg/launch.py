@@ -11,14 +11,14 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-from splitserve.engine.core_proc import CPU_CORES_ENV
+from splitserve.executor.cpu_binding import CPU_CORES_ENV, split_cores
+from splitserve.process_utils import free_port
 
 logger = logging.getLogger("splitserve.pd")
 
@@ -47,9 +47,7 @@ def split_devices(count: int) -> list[dict[str, str]]:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < count:
         logger.warning("%d instances share %d CPU cores: they will slow each other down", count, len(cores))
-        return [{CPU_CORES_ENV: str(cores[i % len(cores)])} for i in range(count)]
-    share = len(cores) // count
-    return [{CPU_CORES_ENV: ",".join(map(str, cores[i * share:(i + 1) * share]))} for i in range(count)]
+    return [{CPU_CORES_ENV: ",".join(map(str, share))} for share in split_cores(count, cores)]
 
 
 def device_env(device_ids: list[int]) -> dict[str, str]:
@@ -68,12 +66,6 @@ def device_env(device_ids: list[int]) -> dict[str, str]:
         raise ValueError(f"The rank table gives this instance devices {device_ids}, but {missing} are not CPU cores "
                          f"of this machine (it has {sorted(cores)}); on CPU machines device ids name cores.")
     return {CPU_CORES_ENV: ",".join(map(str, device_ids))}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

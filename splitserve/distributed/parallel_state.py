@@ -44,6 +44,10 @@ class ParallelRank:
         """The rank whose sampled tokens the engine reads: the first TP rank of the last stage."""
         return self.is_last_stage and self.tp_rank == 0
 
+    def __str__(self) -> str:
+        return (f"tensor-parallel rank {self.tp_rank} of {self.tp_size}, pipeline stage {self.pp_rank} of "
+                f"{self.pp_size}")
+
     @classmethod
     def of(cls, rank: int, tp_size: int, pp_size: int) -> ParallelRank:
         if not 0 <= rank < tp_size * pp_size:

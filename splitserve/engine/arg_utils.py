@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from splitserve.config import (LOAD_FORMATS, CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig,
-                               resolve_device)
+from splitserve.config import (LOAD_FORMATS, CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
+                               SchedulerConfig, resolve_device)
 
 
 @dataclass
@@ -40,6 +40,7 @@ class EngineArgs:
     kv_cache_ratio: float = 1.0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni for one rank, else mp (or ray, see below)
     device: str = "auto"
     quantization: str | None = None
     enforce_eager: bool = False
@@ -84,18 +85,25 @@ class EngineArgs:
         scheduler_config.verify()
         kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
         kv_transfer_config.verify()
+        parallel_config = self._parallel_config(device)
         return EngineConfig(model_config, cache_config, scheduler_config, device,
-                            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
+                            parallel_config=parallel_config, enforce_eager=self.enforce_eager,
                             cuda_graph_sizes=self.cuda_graph_sizes,
-                            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device),
+                            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device, parallel_config),
                             use_tqdm_on_load=self.use_tqdm_on_load,
                             kv_transfer_config=kv_transfer_config)
+
+    def _parallel_config(self, device: torch.device) -> ParallelConfig:
+        config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                self.distributed_executor_backend or "uni")
+        if self.distributed_executor_backend is None and config.world_size > 1:
+            config.distributed_executor_backend = _default_executor_backend(config.world_size, device)
+        config.verify()
+        return config
 
     def _verify_supported(self) -> None:
         """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""
         unsupported = {
-            "tensor_parallel_size": (self.tensor_parallel_size, 1),
-            "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
             "swap_space": (self.swap_space, 0.0),
         }
         for name, (value, supported) in unsupported.items():
@@ -110,10 +118,31 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
 
 
-def _resolve_async_scheduling(asked: bool | None, device: torch.device) -> bool:
+def _resolve_async_scheduling(asked: bool | None, device: torch.device, parallel: ParallelConfig) -> bool:
     """Overlap pays where the device computes while the host works: on a GPU. A CPU forward runs
-    on the host's own cores, so there it only reorders work (it stays available, for testing)."""
+    on the host's own cores, so there it only reorders work (it stays available, for testing).
+    Pipeline stages run one after another within a step, so with several there is no overlap."""
+    if parallel.pipeline_parallel_size > 1:
+        if asked:
+            raise ValueError("async_scheduling does not work with pipeline_parallel_size > 1 yet: the first "
+                             "stage would need the last stage's sampled tokens on its own device.")
+        return False
     return device.type == "cuda" if asked is None else asked
+
+
+def _default_executor_backend(world_size: int, device: torch.device) -> str:
+    """vLLM's rule: Ray when a Ray cluster is given (RAY_ADDRESS, or Ray already running in this
+    process) or the world is larger than this machine's GPUs; else one process per rank here
+    (on CPU, ranks share the cores when there are fewer cores than ranks)."""
+    import os
+    import sys
+
+    ray = sys.modules.get("ray")
+    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return "ray"
+    if device.type == "cuda" and world_size > torch.cuda.device_count():
+        return "ray"
+    return "mp"
 
 
 def _default_step_budget(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:
@@ -142,7 +171,12 @@ _ENGINE_HELP = {
     "max_num_seqs": "most sequences running at once",
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts with the same prefix",
     "enable_chunked_prefill": "split long prompts across steps, sharing steps with decodes",
-    "tensor_parallel_size": "tensor-parallel ranks (only 1 is supported yet)",
+    "tensor_parallel_size": "tensor-parallel ranks: each holds a share of every layer's heads and weights",
+    "pipeline_parallel_size": "pipeline stages: each holds a contiguous range of the layers",
+    "distributed_executor_backend": "how the ranks are started: mp (a process per rank on this machine), ray (Ray "
+                                    "actors, across the machines of a Ray cluster), uni (one rank, in the engine "
+                                    "process); default: uni for one rank, ray with RAY_ADDRESS or more ranks than "
+                                    "GPUs, else mp",
     "quantization": "weight quantization: awq, gptq, weight_only_int8, smooth_quant or fp8 (default: what the "
                     "checkpoint's quantization_config says; weight_only_int8 and fp8 also quantize an "
                     "unquantized model while loading)",
@@ -158,9 +192,9 @@ _ENGINE_HELP = {
                         "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
 }
-_ALIASES = {"tensor_parallel_size": ["-tp"]}
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
-_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "pipeline_parallel_size", "swap_space",
+_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "swap_space",
                        "preemption_mode", "device", "use_tqdm_on_load"}
 
 

@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from splitserve.config import ModelConfig
+from splitserve.process_utils import process_alive
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
@@ -32,20 +33,6 @@ _LIVENESS_CHECK_S = 1.0
 
 class EngineDeadError(RuntimeError):
     pass
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 class AsyncLLM(FrontEnd):

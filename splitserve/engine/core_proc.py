@@ -21,12 +21,12 @@ import msgspec
 import zmq
 
 from splitserve.config import EngineConfig
+from splitserve.process_utils import exit_with_parent
 from splitserve.engine.messages import (AbortRequests, ClientMessage, EngineCoreOutput, EngineCoreOutputs,
                                         EngineCoreRequest, Ping)
 
 logger = logging.getLogger(__name__)
 
-CPU_CORES_ENV = "SPLITSERVE_CPU_CORES"  # cores a PD launcher gave this instance ("0,1")
 _STATS_INTERVAL_S = 0.5   # idle clients still hear the engine's state this often
 _LOG_INTERVAL_S = 10.0
 
@@ -58,6 +58,8 @@ class EngineCoreProc:
             busy = self.core.has_unfinished_requests()
             start = time.perf_counter()
             self._drain(block=not busy)
+            if not busy:
+                self.core.executor.check_health()  # a rank that died while idle fails the engine now
             self.core.poll_connector()
             mid = time.perf_counter()
             outputs = self.core.step_fn() if self.core.has_unfinished_requests() else []
@@ -135,39 +137,14 @@ class EngineCoreProc:
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 
-def _apply_cpu_cores() -> None:
-    """Stay on the CPU cores a PD launcher gave this instance, one torch thread per core, so that
-    instances sharing a machine do not fight over the same cores."""
-    cores = os.environ.get(CPU_CORES_ENV)
-    if cores:
-        import torch
-
-        ids = {int(c) for c in cores.split(",")}
-        os.sched_setaffinity(0, ids)
-        torch.set_num_threads(len(ids))
-
-
-def exit_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when the process that started it dies, however it
-    dies (SIGKILL, a crash): a server's engine and API workers never outlive it. Linux only; a
-    no-op elsewhere."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
     """Entry point of the engine process: build the core, report readiness, loop until killed."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent()
-    _apply_cpu_cores()
+    if config.parallel_config.world_size == 1:  # with several ranks, the workers take the cores
+        from splitserve.executor.cpu_binding import apply_cpu_cores_env
+
+        apply_cpu_cores_env()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
         proc = EngineCoreProc(config, address)

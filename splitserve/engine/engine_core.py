@@ -19,26 +19,35 @@ from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, KVTr
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.step_inputs import StepInputBuilder
-from splitserve.executor.model_runner import InFlightStep, ModelRunner, ModelRunnerOutput
+from splitserve.executor.abstract import Executor
+from splitserve.executor.factory import create_executor
+from splitserve.executor.step_input import ModelRunnerOutput
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
         self.config = config
-        self.runner = runner if runner is not None else ModelRunner(config)
-        num_blocks = self.runner.determine_num_blocks()
+        self.executor = executor if executor is not None else create_executor(config)
+        try:
+            self._initialize(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _initialize(self, config: EngineConfig) -> None:
+        num_blocks = self.executor.determine_num_blocks()
         self._check_capacity(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.executor.capture_cuda_graphs()
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
         self.step_inputs = StepInputBuilder(self.kv_manager)
-        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None  # launched, not yet finished
+        self._in_flight: tuple[SchedulerOutput, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
         self._warm_up()
@@ -50,7 +59,9 @@ class EngineCore:
             return None
         from splitserve.disagg.connector import KVConnector
 
-        runner = self.runner
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise ValueError("Prefill/decode disaggregation with several ranks per instance is not supported yet.")
         return KVConnector(self.config.kv_transfer_config, runner.kv_caches, runner.kv_scales, runner.kv_spec.name)
 
     def _warm_up(self) -> None:
@@ -91,7 +102,7 @@ class EngineCore:
         sched = self._schedule()
         if sched is None:
             return []
-        return self._update(sched, self.runner.collect(self._launch(sched)))
+        return self._update(sched, self.executor.collect(self._launch(sched)))
 
     def step_with_overlap(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N+1, then finish step N while the device computes N+1. A step
@@ -133,20 +144,19 @@ class EngineCore:
         read its output tokens on the host (penalties, bad words, min_tokens)."""
         return not any(r.num_pending_tokens and r.sampling_params.reads_output_history for r, _ in sched.scheduled)
 
-    def _launch(self, sched: SchedulerOutput) -> InFlightStep:
+    def _launch(self, sched: SchedulerOutput) -> object:
         now = time.monotonic()
         for request, _ in sched.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        previous = self._in_flight[1] if self._in_flight is not None else None
-        step = self.runner.launch(self.step_inputs.build(sched), previous)
+        handle = self.executor.launch(self.step_inputs.build(sched))
         self.scheduler.advance(sched)
-        return step
+        return handle
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
-        sched, step = self._in_flight
+        sched, handle = self._in_flight
         self._in_flight = None
-        return self._update(sched, self.runner.collect(step))
+        return self._update(sched, self.executor.collect(handle))
 
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record a finished step's tokens in its requests and turn them into outputs."""
@@ -195,6 +205,11 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time if request.is_finished() else None,
         )
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+        self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from splitserve.config import EngineConfig
+
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd

@@ -17,7 +17,7 @@ from splitserve.executor.host import StepReady, start_host_copy, to_device
 from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from splitserve.executor.sampling_metadata import build_sampling_metadata
-from splitserve.executor.step_input import ScheduledRequest, StepInput, TokenLogprobs
+from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
 from splitserve.sampling_params import SamplingParams
@@ -25,14 +25,6 @@ from splitserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logprobs exist at once
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # Per request: logprobs of the prompt tokens this step scored (position p scores token p + 1).
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

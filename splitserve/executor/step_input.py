@@ -1,4 +1,4 @@
-"""What the engine tells the model runners each step: data only (ids, token ids, block ids, sampling
+"""What the engine and the model runners tell each other each step: data only (ids, token ids, block ids, sampling
 parameters), so that one message can be sent as it is to every rank of a multi-process executor.
 
 The engine's scheduler plans with live `Request` objects (engine/scheduler.py); `StepInput` is that
@@ -50,3 +50,12 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def total_num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.scheduled)
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a step produced, by request id."""
+
+    sampled: dict[str, int] = {}
+    logprobs: dict[str, TokenLogprobs] = {}
+    # Per request: logprobs of the prompt tokens this step scored (position p scores token p + 1).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}

@@ -95,7 +95,7 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
     kwargs = dict(dtype="float32", max_model_len=128, cuda_graph_sizes=[1, 2, 4, 8], max_num_seqs=8,
                   use_tqdm_on_load=False, num_gpu_blocks_override=64)
     graphs = LLM(tiny_models["qwen3"], **kwargs)
-    runner = graphs.llm_engine.engine_core.runner
+    runner = graphs.llm_engine.engine_core.executor.runner
     assert sorted(runner.graph_runner.captured) == [1, 2, 4, 8]
     # The padding block is one past the block manager's blocks.
     assert runner.kv_caches[0].shape[2] == 65 and runner.graph_runner.pad_block == 64
@@ -103,7 +103,7 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
     replays = sum(g.replays for g in emulated_graphs.captures)
     assert replays > 10, "decode steps should have replayed captured graphs"
     eager = LLM(tiny_models["qwen3"], enforce_eager=True, **kwargs)
-    assert eager.llm_engine.engine_core.runner.graph_runner is None
+    assert eager.llm_engine.engine_core.executor.runner.graph_runner is None
     assert got == _staggered_run(eager, prompts, lengths)
 
 
@@ -112,7 +112,7 @@ def test_padding_rows_never_touch_request_blocks(tiny_models, emulated_graphs):
     write into the padding block, not into the finished request's (freed, maybe reused) block."""
     llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, cuda_graph_sizes=[4], max_num_seqs=4,
               use_tqdm_on_load=False, num_gpu_blocks_override=32)
-    graph_runner = llm.llm_engine.engine_core.runner.graph_runner
+    graph_runner = llm.llm_engine.engine_core.executor.runner.graph_runner
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]
     _staggered_run(llm, prompts, [6, 6, 6, 3])
     pad_slot = graph_runner.pad_block * graph_runner.block_size
@@ -149,7 +149,7 @@ def test_profile_run_sizes_the_cache_from_measured_peak(tiny_models, monkeypatch
         monkeypatch.setattr(torch.cuda, name, fn)
     llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100,
               use_tqdm_on_load=False, num_gpu_blocks_override=32)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     original = runner.profile_run
     seen = {}
 
@@ -184,7 +184,7 @@ def test_gpu_engine_matches_transformers(tiny_models, arch, enforce_eager):
     refs = [hf_greedy(model, p, 24) for p in prompts]
     llm = LLM(tiny_models[arch], dtype="float32", max_model_len=256, enforce_eager=enforce_eager,
               use_tqdm_on_load=False, gpu_memory_utilization=0.3)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     assert runner.backend.name == "triton" and (runner.graph_runner is None) == enforce_eager
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

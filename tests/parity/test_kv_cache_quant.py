@@ -154,7 +154,7 @@ def test_the_same_memory_holds_more_blocks(tiny_models, caplog, kv_cache_dtype, 
         llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=1 << 20,
                   max_model_len=512, use_tqdm_on_load=False)
     block_bytes = 2 * 3 * 16 * 2 * vector_bytes
-    assert llm.llm_engine.engine_core.runner.kv_bytes_per_block() == block_bytes
+    assert llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block() == block_bytes
     assert llm.llm_engine.config.cache_config.num_gpu_blocks == (1 << 20) // block_bytes
     assert f"GiB, {described})" in caplog.text
 
@@ -180,7 +180,7 @@ def test_pipeline_with_quant_policy_runs_a_quantized_cache(tiny_chat_model):
     expected = llm.generate(["Shanghai is"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0]
     with pipeline(tiny_chat_model, backend_config=backend) as pipe:
-        assert pipe.engine.engine_core.runner.kv_spec.name == "int8"
+        assert pipe.engine.engine_core.executor.runner.kv_spec.name == "int8"
         response = pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=12, ignore_eos=True),
                         do_preprocess=False)
     assert response.token_ids == expected.token_ids

@@ -1,7 +1,7 @@
-"""The EngineCore's loop bodies over a fake model runner: overlap (async) scheduling launches step
+"""The EngineCore's loop bodies over a fake executor: overlap (async) scheduling launches step
 N+1 before it collects step N, waits for step N where sampling reads the output history, drops the
 token of a step launched for a request that has just stopped, and gives the same outputs as the
-plain loop. The fake runner samples a token that depends only on the request and its position, so
+plain loop. The fake samples a token that depends only on the request and its position, so
 both loops must produce exactly the same sequences."""
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import torch
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.messages import EngineCoreRequest
-from splitserve.executor.model_runner import ModelRunnerOutput
-from splitserve.executor.step_input import StepInput
+from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 from splitserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -32,8 +31,8 @@ class FakeStep:
     sampled: dict[str, int]
 
 
-class FakeRunner:
-    """Stands in for the ModelRunner: no model, a log of launches and collects."""
+class FakeExecutor:
+    """Stands in for the Executor: no model, a log of launches and collects."""
 
     def __init__(self, num_blocks: int = 64):
         self.num_blocks = num_blocks
@@ -41,6 +40,7 @@ class FakeRunner:
         self.known: set[str] = set()
         self.pending_inputs = 0
         self.resumed = 0
+        self.last: FakeStep | None = None  # the most recent launch: where a pending input comes from
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
@@ -51,7 +51,7 @@ class FakeRunner:
     def capture_cuda_graphs(self) -> None:
         pass
 
-    def launch(self, step_input: StepInput, previous: FakeStep | None = None) -> FakeStep:
+    def launch(self, step_input: StepInput) -> FakeStep:
         self.known -= set(step_input.finished_request_ids)
         self.known |= {r.request_id for r in step_input.new_requests}
         sampled = {}
@@ -59,25 +59,26 @@ class FakeRunner:
             assert row.request_id in self.known, f"{row.request_id} scheduled before the runner learnt of it"
             self.resumed += row.resumed
             if row.last_token_pending:
-                assert previous is not None and row.request_id in previous.request_ids
+                assert self.last is not None and row.request_id in self.last.request_ids
                 self.pending_inputs += 1
             if row.samples:
                 sampled[row.request_id] = token_at(row.request_id, row.num_computed_tokens + row.num_tokens)
         ids = tuple(r.request_id for r in step_input.scheduled)
         self.log.append(("launch", ids))
-        return FakeStep(list(sampled), sampled)
+        self.last = FakeStep(list(sampled), sampled)
+        return self.last
 
     def collect(self, step: FakeStep) -> ModelRunnerOutput:
         self.log.append(("collect", tuple(step.request_ids)))
         return ModelRunnerOutput(sampled=dict(step.sampled))
 
 
-def make_core(overlap: bool, runner: FakeRunner | None = None) -> EngineCore:
+def make_core(overlap: bool, executor: FakeExecutor | None = None) -> EngineCore:
     model = ModelConfig("fake", "fake", None, torch.float32, max_model_len=64, load_format="dummy")
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
     config = EngineConfig(model, CacheConfig(block_size=4), scheduler, torch.device("cpu"), async_scheduling=overlap)
-    core = EngineCore(config, runner or FakeRunner())
-    core.runner.log.clear()
+    core = EngineCore(config, executor or FakeExecutor())
+    core.executor.log.clear()
     return core
 
 
@@ -122,23 +123,23 @@ def test_step_fn_is_chosen_once():
 
 def test_plain_loop_collects_each_step_before_the_next():
     plain, _, _ = both([("a", 5, {}), ("b", 9, {})])
-    kinds = [kind for kind, _ in plain.runner.log]
+    kinds = [kind for kind, _ in plain.executor.log]
     assert kinds == ["launch", "collect"] * (len(kinds) // 2)
-    assert plain.runner.pending_inputs == 0
+    assert plain.executor.pending_inputs == 0
 
 
 def test_overlap_launches_the_next_step_before_collecting():
     _, overlap, _ = both([("a", 5, {}), ("b", 9, {})])
-    kinds = [kind for kind, _ in overlap.runner.log]
+    kinds = [kind for kind, _ in overlap.executor.log]
     assert "launch" in kinds and kinds[kinds.index("launch") + 1] == "launch"
-    assert overlap.runner.pending_inputs > 5
+    assert overlap.executor.pending_inputs > 5
 
 
 def test_history_reading_requests_wait_for_the_step_in_flight():
     """A penalty reads the output tokens on the host: its next step is launched only after the step
     that sampled its last token was collected, so its inputs are never pending."""
     _, overlap, results = both([("pen", 4, {"repetition_penalty": 1.2}), ("plain", 6, {})])
-    log = overlap.runner.log
+    log = overlap.executor.log
     for i, (kind, ids) in enumerate(log):
         if kind == "launch" and "pen" in ids:
             earlier = [entry for entry in log[:i] if "pen" in entry[1]]
@@ -172,9 +173,9 @@ def test_preempted_requests_resume_with_their_blocks_starting_over(overlap):
     """A tiny pool forces preemptions; the runner is told that a resumed request's blocks start
     over, and the tokens are the same as without preemption."""
     roomy = make_core(overlap)
-    tight = make_core(overlap, FakeRunner(num_blocks=16))
+    tight = make_core(overlap, FakeExecutor(num_blocks=16))
     for core in (roomy, tight):
         for i in range(4):
             add(core, f"r{i}", 10 + i, max_tokens=12)
     assert run(roomy) == run(tight)
-    assert tight.scheduler.num_preemptions > 0 and tight.runner.resumed > 0
+    assert tight.scheduler.num_preemptions > 0 and tight.executor.resumed > 0

@@ -117,7 +117,7 @@ def serve_worker(config: EngineConfig, server_args: ServerArgs, address: str, en
     """One API server process: an AsyncLLM client and uvicorn on the shared socket."""
     import uvicorn
 
-    from splitserve.engine.core_proc import exit_with_parent
+    from splitserve.process_utils import exit_with_parent
 
     if multiprocessing.parent_process() is not None:  # a worker process of a multi-worker server
         exit_with_parent()

@@ -1,0 +1,49 @@
+"""The Executor: what runs the model for the EngineCore, on one rank or many (vLLM v1's design).
+
+The engine core hands it each step as data (a StepInput) and gets the sampled tokens back; it
+never sees where the ranks run:
+
+- UniProcExecutor: one rank, a ModelRunner in the engine core's own process;
+- MultiprocExecutor: one worker process per rank on this machine, the step sent to every rank;
+- RayDistributedExecutor: one Ray actor per rank, on this machine or across a Ray cluster.
+
+Every rank holds its share of the model (tensor parallelism) or its layers (pipeline stages) and
+its own KV cache; the engine reads the sampled tokens of the output rank (the first tensor-parallel
+rank of the last stage). `launch` returns at once where the device allows; `collect` waits for
+that step's tokens, so that the engine can prepare the next step meanwhile (overlap scheduling).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from splitserve.config import EngineConfig
+from splitserve.executor.step_input import ModelRunnerOutput, StepInput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV-cache blocks every rank can hold (the smallest of the ranks' answers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def capture_cuda_graphs(self) -> None: ...
+
+    @abstractmethod
+    def launch(self, step_input: StepInput) -> object:
+        """Start one step on every rank; returns a handle for collect()."""
+
+    @abstractmethod
+    def collect(self, handle: object) -> ModelRunnerOutput:
+        """The sampled tokens (and logprobs) of a launched step, once they are known."""
+
+    def check_health(self) -> None:
+        """Raise (naming the rank) if a rank has died; between steps, while the engine is idle."""
+
+    def shutdown(self) -> None:
+        pass

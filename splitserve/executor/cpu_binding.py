@@ -1,0 +1,35 @@
+"""CPU cores per process: instances of a PD deployment and the ranks of one instance each get their
+own share of the cores, with one torch thread per core (docs/parallel.md says how to set it by hand)."""
+from __future__ import annotations
+
+import os
+
+CPU_CORES_ENV = "SPLITSERVE_CPU_CORES"  # the cores a launcher gave this process ("0,1")
+
+
+def split_cores(count: int, cores: list[int]) -> list[list[int]]:
+    """`count` shares of `cores`: disjoint and equal, or one core each, round-robin, when there are
+    fewer cores than shares (they then slow each other down)."""
+    if len(cores) < count:
+        return [[cores[i % len(cores)]] for i in range(count)]
+    share = len(cores) // count
+    return [cores[i * share:(i + 1) * share] for i in range(count)]
+
+
+def available_cores() -> list[int]:
+    """The cores this process may use: the launcher's share if it gave one, else its affinity."""
+    given = os.environ.get(CPU_CORES_ENV)
+    return [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
+
+
+def bind_cpu_cores(cores: list[int]) -> None:
+    """Stay on these cores, one torch thread per core."""
+    import torch
+
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+
+
+def apply_cpu_cores_env() -> None:
+    if os.environ.get(CPU_CORES_ENV):
+        bind_cpu_cores(available_cores())

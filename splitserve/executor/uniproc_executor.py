@@ -1,0 +1,30 @@
+"""One rank, in the engine core's own process: the ModelRunner is called directly."""
+from __future__ import annotations
+
+from splitserve.config import EngineConfig
+from splitserve.executor.abstract import Executor
+from splitserve.executor.model_runner import InFlightStep, ModelRunner
+from splitserve.executor.step_input import ModelRunnerOutput, StepInput
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.runner = ModelRunner(config)
+        self._last: InFlightStep | None = None  # the step a pending input token comes from
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self.runner.capture_cuda_graphs()
+
+    def launch(self, step_input: StepInput) -> InFlightStep:
+        self._last = self.runner.launch(step_input, self._last)
+        return self._last
+
+    def collect(self, handle: InFlightStep) -> ModelRunnerOutput:
+        return self.runner.collect(handle)

@@ -1,0 +1,43 @@
+"""Child processes that never outlive their parent, telling whether a process still runs, and a free
+loopback port for a process to listen on."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+
+def exit_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when the process that started it dies, however it
+    dies (SIGKILL, a crash): a server's engine and API workers never outlive it. Linux only; a
+    no-op elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
