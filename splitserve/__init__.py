@@ -1,12 +1,21 @@
 """splitserve: an LLM serving engine (offline batch API, OpenAI-compatible server, PD disaggregation)."""
+
 from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "pipeline", "GenerationConfig", "TurbomindEngineConfig", "PytorchEngineConfig", "Response",
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "pipeline",
+    "GenerationConfig",
+    "TurbomindEngineConfig",
+    "PytorchEngineConfig",
+    "Response",
 ]
 
 

@@ -1,6 +1,7 @@
 """Engine configuration: the resolved dataclasses the engine runs with (EngineArgs, in
 engine/arg_utils.py, is what users set; every front-end maps onto it). Field names and defaults
 follow vLLM."""
+
 from __future__ import annotations
 
 import os
@@ -11,18 +12,23 @@ import torch
 _CPU_KVCACHE_SPACE_ENV = "SPLITSERVE_CPU_KVCACHE_SPACE"  # GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
 _DEFAULT_CPU_KVCACHE_GIB = 4.0
 _STR_TO_DTYPE = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 @dataclass
 class ModelConfig:
-    model: str                 # the path that was resolved (directory or .gguf file)
+    model: str  # the path that was resolved (directory or .gguf file)
     tokenizer: str
-    hf_config: object          # transformers.PretrainedConfig
+    hf_config: object  # transformers.PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
     load_format: str
@@ -79,8 +85,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (auto: the model's dtype; fp8 is "
-                             f"fp8_e4m3), got {self.cache_dtype!r}.")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (auto: the model's dtype; fp8 is "
+                f"fp8_e4m3), got {self.cache_dtype!r}."
+            )
 
 
 @dataclass
@@ -102,7 +110,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}) so that any prompt fits in one step.")
+                f">= max_model_len ({self.max_model_len}) so that any prompt fits in one step."
+            )
 
 
 PD_ROLES = ("mixed", "prefill", "decode")
@@ -113,8 +122,8 @@ class KVTransferConfig:
     """Prefill/decode disaggregation: this instance's role and its KV connector's address."""
 
     pd_role: str = "mixed"
-    kv_host: str = "127.0.0.1"   # the address decode instances use to reach this one's KV server
-    kv_port: int = 0             # 0: any free port (reported to the router in every prefill answer)
+    kv_host: str = "127.0.0.1"  # the address decode instances use to reach this one's KV server
+    kv_port: int = 0  # 0: any free port (reported to the router in every prefill answer)
     lease_seconds: float = 60.0  # a prefill instance frees unclaimed KV blocks after this long
 
     def verify(self) -> None:
@@ -149,14 +158,38 @@ class ParallelConfig:
 
     def verify(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
-                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}.")
+            raise ValueError(
+                f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
+                f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}."
+            )
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
-                             f"got {self.distributed_executor_backend!r}.")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}."
+            )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
-            raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine process; "
-                             f"{self.world_size} ranks need 'mp' or 'ray'.")
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank in the engine process; "
+                f"{self.world_size} ranks need 'mp' or 'ray'."
+            )
+
+    def verify_with_model(self, hf_config) -> None:
+        """Refuse a split the model's shapes cannot take, before any rank is started."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        checks = [
+            (heads % tp == 0, f"its {heads} attention heads"),
+            (kv_heads % tp == 0 or tp % kv_heads == 0, f"its {kv_heads} KV heads (nor replicated evenly)"),
+            (hf_config.intermediate_size % tp == 0, f"its MLP's {hf_config.intermediate_size} channels"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {what}.")
+        if hf_config.num_hidden_layers < pp:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} is more than the model's {hf_config.num_hidden_layers} layers."
+            )
 
 
 @dataclass
@@ -204,4 +237,3 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
 def cpu_kv_cache_bytes() -> int:
     gib = float(os.environ.get(_CPU_KVCACHE_SPACE_ENV, _DEFAULT_CPU_KVCACHE_GIB))
     return int(gib * (1 << 30))
-

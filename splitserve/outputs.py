@@ -1,4 +1,5 @@
 """Result objects returned to users, named and shaped as vLLM's."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: "RequestMetrics | None" = None
+    metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = None  # PD prefill side: where a decode instance pulls the KV from
 
 

@@ -1,5 +1,6 @@
 """Child processes that never outlive their parent, telling whether a process still runs, and a free
 loopback port for a process to listen on."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, with vLLM's names and defaults."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,45 +61,55 @@ class SamplingParams:
                 raise ValueError(msg)
 
         check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {self.n}.")
-        check(self.best_of is None or self.best_of >= self.n,
-              f"best_of must be >= n ({self.n}), got {self.best_of}.")
-        check(self.best_of is None or self.best_of == self.n,
-              "best_of > n is not supported: splitserve returns every sample it draws; set n instead.")
-        check(-2.0 <= self.presence_penalty <= 2.0,
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        check(-2.0 <= self.frequency_penalty <= 2.0,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        check(self.repetition_penalty > 0.0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        check(self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}.")
+        check(
+            self.best_of is None or self.best_of == self.n,
+            "best_of > n is not supported: splitserve returns every sample it draws; set n instead.",
+        )
+        check(
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+        )
+        check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
         check(self.top_k >= 0, f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        check(self.max_tokens is None or self.max_tokens >= 1,
-              f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
         check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}.")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).",
+        )
         check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}.")
-        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-              f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+        check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.",
+        )
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
-        check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-              "allowed_token_ids must not be empty.")
+        check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty.")
 
     @property
     def reads_output_history(self) -> bool:
         """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens): the
         engine must know a request's last token before it prepares the request's next step."""
-        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
-                    or self.bad_words_token_ids or self.min_tokens)
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.bad_words_token_ids
+            or self.min_tokens
+        )
 
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         from dataclasses import replace
 
         return replace(self, **changes)

@@ -1,4 +1,5 @@
 """Tokenizers come from transformers: HF directories, hub ids, and .gguf files alike."""
+
 from __future__ import annotations
 
 from splitserve.loader.resolve import split_gguf
@@ -14,10 +15,20 @@ def get_tokenizer(path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
-                        add_generation_prompt: bool = True, **template_kwargs) -> str:
+def apply_chat_template(
+    tokenizer,
+    messages: list[dict],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+) -> str:
     """The prompt text for a conversation, rendered by the model's (or the given) chat template."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("This model's tokenizer has no chat template; pass one with chat_template=...")
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **template_kwargs,
+    )

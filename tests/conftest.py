@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight models of every supported architecture, made with
 transformers in a temporary directory (nothing is downloaded), plus the embedded default model."""
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,32 @@ os.environ.setdefault("SPLITSERVE_CPU_KVCACHE_SPACE", "0.25")
 
 # Small enough to run in seconds on two cores, large enough that bugs show: GQA, several layers,
 # head_dim 16, and a vocabulary within the SmolLM2 tokenizer so outputs detokenize.
-_COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               initializer_range=0.5)
+_COMMON = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+)
 
 TINY_ARCHS = {
-    "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),

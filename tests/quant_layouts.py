@@ -2,6 +2,7 @@
 code: round-to-nearest quantizers and the AutoAWQ / GPTQ / fp8 layouts spelled out word by word.
 Each writer also returns the dequantized float weights, so that a transformers model carrying
 exactly those weights is the reference."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,8 @@ def awq_tensors(w: torch.Tensor, group_size: int):
     q, scale, zero, _, deq = rtn_int4(w, group_size)
     qt, zt = q.T, zero.T  # AWQ stores [in, out]
     tensors = {
-        "qweight": _word([qt[:, AWQ_ORDER[i]::8] for i in range(8)]),
-        "qzeros": _word([zt[:, AWQ_ORDER[i]::8] for i in range(8)]),
+        "qweight": _word([qt[:, AWQ_ORDER[i] :: 8] for i in range(8)]),
+        "qzeros": _word([zt[:, AWQ_ORDER[i] :: 8] for i in range(8)]),
         "scales": torch.tensor(scale.T, dtype=torch.float16),
     }
     return tensors, deq
@@ -92,27 +93,52 @@ def _shared_input_seed(module: str) -> int:
     return zlib.crc32(f"{layer}:{_INPUT_OF[proj]}".encode())
 
 
-_INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
-             "up_proj": "mlp", "down_proj": "down"}
+_INPUT_OF = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "down",
+}
 
-WRITERS = {"awq": awq_tensors, "gptq": gptq_tensors, "weight_only_int8": int8_tensors,
-           "smooth_quant": int8_tensors, "fp8": fp8_tensors}
+WRITERS = {
+    "awq": awq_tensors,
+    "gptq": gptq_tensors,
+    "weight_only_int8": int8_tensors,
+    "smooth_quant": int8_tensors,
+    "fp8": fp8_tensors,
+}
 
 
 def quantization_config(method: str, group_size: int, desc_act: bool = False) -> dict:
     if method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-                "modules_to_not_convert": None}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     if method == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": False,
-                "checkpoint_format": "gptq"}
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": desc_act,
+            "sym": False,
+            "checkpoint_format": "gptq",
+        }
     if method == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     return {"quant_method": method, "bits": 8}
 
 
-def write_quantized_checkpoint(src: str, dst: str, method: str, group_size: int = 32,
-                               act_order: bool = False) -> dict[str, torch.Tensor]:
+def write_quantized_checkpoint(
+    src: str, dst: str, method: str, group_size: int = 32, act_order: bool = False
+) -> dict[str, torch.Tensor]:
     """Quantize every decoder-layer linear of the HF checkpoint `src` into `dst`; returns the
     state dict with the dequantized weights (what a reference model should carry)."""
     from safetensors.torch import load_file, save_file

@@ -2,6 +2,7 @@
 prompt logprobs), with transformers' sliding-window method for texts longer than one window:
 windows of `max_length` tokens every `stride` tokens, each scoring only the tokens that the
 previous window did not, with all that precedes them in the window as context."""
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text-file", help="a UTF-8 text file (default: a built-in text of a few paragraphs)")
     source.add_argument("--text", help="the text itself")
-    parser.add_argument("--max-length", type=int, default=None,
-                        help="tokens per window (default: min(max_model_len, 1024))")
+    parser.add_argument(
+        "--max-length", type=int, default=None, help="tokens per window (default: min(max_model_len, 1024))"
+    )
     parser.add_argument("--stride", type=int, default=None, help="tokens between windows (default: max-length / 2)")
 
 
@@ -75,8 +77,11 @@ def compute_perplexity(llm, token_ids: list[int], max_length: int, stride: int) 
         raise ValueError("The text has fewer than two tokens: there is nothing to score.")
     spans = windows(len(token_ids), max_length, stride)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": token_ids[b:e]} for b, e, _ in spans],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": token_ids[b:e]} for b, e, _ in spans],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+        use_tqdm=False,
+    )
     nll = 0.0
     for (begin, end, targets), out in zip(spans, outputs):
         window = token_ids[begin:end]
@@ -97,8 +102,12 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> PerplexityResult:
     llm = LLM(**dataclasses.asdict(args))
     max_length = ns.max_length or min(llm.llm_engine.model_config.max_model_len, 1024)
     if max_length > llm.llm_engine.model_config.max_model_len:
-        raise ValueError(f"--max-length {max_length} exceeds max_model_len {llm.llm_engine.model_config.max_model_len}.")
+        raise ValueError(
+            f"--max-length {max_length} exceeds max_model_len {llm.llm_engine.model_config.max_model_len}."
+        )
     result = compute_perplexity(llm, llm.get_tokenizer()(text).input_ids, max_length, ns.stride or max_length // 2)
-    print(f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f}) over {result.num_tokens_scored} "
-          f"tokens in {result.num_windows} windows of up to {max_length} tokens, {result.seconds:.1f} s")
+    print(
+        f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f}) over {result.num_tokens_scored} "
+        f"tokens in {result.num_windows} windows of up to {max_length} tokens, {result.seconds:.1f} s"
+    )
     return result

@@ -10,6 +10,7 @@ output, an AutoAWQ / GPTQ checkpoint); `label=variant` names it in the table. Fo
   - throughput: the whole workload (`bench throughput`), output tokens/s,
   - single-stream decode: one request of the workload's lengths alone, output tokens/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,13 @@ class QuantResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", nargs="+", required=True,
-                        help="base, a method quantizing while loading (weight_only_int8, fp8), or a quantized "
-                             "checkpoint directory; optionally label=variant. The first is the baseline.")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        required=True,
+        help="base, a method quantizing while loading (weight_only_int8, fp8), or a quantized "
+        "checkpoint directory; optionally label=variant. The first is the baseline.",
+    )
     throughput.add_workload_arguments(parser)
     parser.add_argument("--text-file", help="perplexity text (default: splitserve perplexity's built-in text)")
     parser.add_argument("--max-length", type=int, default=256, help="perplexity window in tokens")
@@ -66,8 +71,9 @@ def _timed_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tu
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def measure(label: str, args: EngineArgs, workload: throughput.Workload, text_ids: list[int],
-            max_length: int) -> QuantResult:
+def measure(
+    label: str, args: EngineArgs, workload: throughput.Workload, text_ids: list[int], max_length: int
+) -> QuantResult:
     from splitserve import LLM
 
     llm = LLM(**dataclasses.asdict(args))
@@ -81,8 +87,9 @@ def measure(label: str, args: EngineArgs, workload: throughput.Workload, text_id
     single_s, single = _timed_generate(llm, workload.prompts[:1], workload.output_lens[:1])
     del llm
     gc.collect()
-    return QuantResult(label, quant, ppl, mib, workload.num_prompt_tokens / prefill_s, produced / total_s,
-                       single / single_s)
+    return QuantResult(
+        label, quant, ppl, mib, workload.num_prompt_tokens / prefill_s, produced / total_s, single / single_s
+    )
 
 
 def main(ns: argparse.Namespace, args: EngineArgs) -> list[QuantResult]:
@@ -108,15 +115,21 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> list[QuantResult]:
 
 def report(results: list[QuantResult], ns: argparse.Namespace) -> None:
     base = results[0]
-    print(f"\n{ns.num_prompts} prompts, input {ns.input_len} / output {ns.output_len} tokens; "
-          f"ratios against {base.label}")
-    print(f"{'variant':<22}{'perplexity':>18}{'weights MiB':>18}{'prefill tok/s':>20}{'output tok/s':>20}"
-          f"{'single-stream tok/s':>24}")
+    print(
+        f"\n{ns.num_prompts} prompts, input {ns.input_len} / output {ns.output_len} tokens; ratios against {base.label}"
+    )
+    print(
+        f"{'variant':<22}{'perplexity':>18}{'weights MiB':>18}{'prefill tok/s':>20}{'output tok/s':>20}"
+        f"{'single-stream tok/s':>24}"
+    )
     for r in results:
-        cells = [(r.perplexity, base.perplexity, ".3f"), (r.weight_mib, base.weight_mib, ".1f"),
-                 (r.prefill_tokens_per_s, base.prefill_tokens_per_s, ".0f"),
-                 (r.output_tokens_per_s, base.output_tokens_per_s, ".1f"),
-                 (r.single_stream_tokens_per_s, base.single_stream_tokens_per_s, ".1f")]
+        cells = [
+            (r.perplexity, base.perplexity, ".3f"),
+            (r.weight_mib, base.weight_mib, ".1f"),
+            (r.prefill_tokens_per_s, base.prefill_tokens_per_s, ".0f"),
+            (r.output_tokens_per_s, base.output_tokens_per_s, ".1f"),
+            (r.single_stream_tokens_per_s, base.single_stream_tokens_per_s, ".1f"),
+        ]
         widths = (18, 18, 20, 20, 24)
         row = "".join(f"{f'{v:{fmt}} ({v / b:.2f}x)':>{w}}" for (v, b, fmt), w in zip(cells, widths))
         print(f"{r.label:<22}{row}")

@@ -9,6 +9,7 @@ rounds (usually exact, otherwise off by a token or two; the server's chat templa
 top). Without --tokenizer, prompts are random common English words (about one token each). In every case
 the reported input and output token counts are the server's `usage` figures when it sends them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,20 +25,29 @@ from itertools import accumulate
 import numpy as np
 
 from splitserve.benchmarks.serve_client import Outcome, Request, fetch_model, send_request
-from splitserve.benchmarks.serve_report import (METRICS, compute_result, plot_latencies, print_report, result_path,
-                                                selected_metrics, selected_percentiles)
+from splitserve.benchmarks.serve_report import (
+    METRICS,
+    compute_result,
+    plot_latencies,
+    print_report,
+    result_path,
+    selected_metrics,
+    selected_percentiles,
+)
 
 DATASETS = ("random",)
 BACKENDS = ("openai", "vllm", "openai-chat")
 _FIT_ROUNDS = 4  # decode/re-encode rounds to bring a chat prompt to its token length
 # Frequent English words: each is one token (with its leading space) in the usual BPE vocabularies, so
 # that prompts made without a tokenizer still have roughly the requested length.
-_WORDS = ("the of and to in is was for that on as with by he at from his it an were are which this be or "
-          "has had not first one their its new after but who they have her she two been other when there all "
-          "during into school time may years more most only over city some world would where later up such "
-          "used many can state about national out known university united then made team game people "
-          "under year last work part series between season film album river house music since three "
-          "while being both long well group name second home life family").split()
+_WORDS = (
+    "the of and to in is was for that on as with by he at from his it an were are which this be or "
+    "has had not first one their its new after but who they have her she two been other when there all "
+    "during into school time may years more most only over city some world would where later up such "
+    "used many can state about national out known university united then made team game people "
+    "under year last work part series between season film album river house music since three "
+    "while being both long well group name second home life family"
+).split()
 
 
 def _json_object(text: str) -> dict:
@@ -58,10 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--endpoint", default="/v1/completions",
-                        help="/v1/completions, or /v1/chat/completions (each prompt sent as one user message)")
-    server.add_argument("--backend", choices=BACKENDS, default="openai",
-                        help="accepted for vLLM command lines; openai-chat requires a chat --endpoint")
+    server.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions, or /v1/chat/completions (each prompt sent as one user message)",
+    )
+    server.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="openai",
+        help="accepted for vLLM command lines; openai-chat requires a chat --endpoint",
+    )
     server.add_argument("--model", help="model name sent in requests (default: the first id of GET /v1/models)")
     server.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     server.add_argument("--request-timeout", type=float, default=3600.0, help="seconds allowed per request")
@@ -69,31 +86,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", help="only 'random' is supported")
-    data.add_argument("--tokenizer", help="HF directory, hub id or .gguf file: exact prompt lengths and "
-                                          "local token counts (default: random words, the server's usage)")
+    data.add_argument(
+        "--tokenizer",
+        help="HF directory, hub id or .gguf file: exact prompt lengths and "
+        "local token counts (default: random words, the server's usage)",
+    )
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0,
-                      help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1")
-    data.add_argument("--random-prefix-len", type=int, default=0,
-                      help="tokens of one shared prefix put before every prompt (on top of the input length)")
+    data.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1"
+    )
+    data.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of one shared prefix put before every prompt (on top of the input length)",
+    )
     data.add_argument("--seed", type=int, default=0)
 
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="requests per second, Poisson arrivals (default inf: all sent at once)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier, > 1 more even")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default inf: all sent at once)",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier, > 1 more even",
+    )
     load.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)")
-    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                      help="send ignore_eos so outputs reach max_tokens; --no-ignore-eos for servers that "
-                           "refuse unknown fields")
+    load.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos so outputs reach max_tokens; --no-ignore-eos for servers that refuse unknown fields",
+    )
     load.add_argument("--temperature", type=float, default=0.0)
 
     out = parser.add_argument_group("results")
-    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                     help="comma-separated metrics to report, from " + ",".join(METRICS))
+    out.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="comma-separated metrics to report, from " + ",".join(METRICS),
+    )
     out.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles, e.g. 50,90,99")
     out.add_argument("--save-result", action="store_true", help="write the result JSON")
     out.add_argument("--result-dir", help="folder of the result JSON (default: the current one)")
@@ -114,8 +153,9 @@ def check_arguments(ns: argparse.Namespace) -> None:
     if ns.backend == "openai-chat" and not _is_chat(ns.endpoint):
         raise ValueError("--backend openai-chat needs --endpoint /v1/chat/completions")
     if ns.num_prompts < 1 or ns.random_input_len < 1 or ns.random_output_len < 1 or ns.random_prefix_len < 0:
-        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1, "
-                         "--random-prefix-len >= 0")
+        raise ValueError(
+            "--num-prompts, --random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0"
+        )
     if not 0.0 <= ns.random_range_ratio < 1.0:
         raise ValueError("--random-range-ratio must be in [0, 1)")
     if ns.request_rate <= 0 or ns.burstiness <= 0:
@@ -174,8 +214,10 @@ def make_requests(ns: argparse.Namespace, tokenizer, chat: bool) -> list[Request
     output_lens = sample_lengths(rng, ns.num_prompts, ns.random_output_len, ns.random_range_ratio)
     if tokenizer is None:
         prefix = [rng.choice(_WORDS) for _ in range(ns.random_prefix_len)]
-        return [Request(" ".join(prefix + [rng.choice(_WORDS) for _ in range(n)]), len(prefix) + n, out)
-                for n, out in zip(input_lens, output_lens)]
+        return [
+            Request(" ".join(prefix + [rng.choice(_WORDS) for _ in range(n)]), len(prefix) + n, out)
+            for n, out in zip(input_lens, output_lens)
+        ]
     special = set(tokenizer.all_special_ids)
     pool = [t for t in range(tokenizer.vocab_size) if t not in special]
     prefix = [rng.choice(pool) for _ in range(ns.random_prefix_len)]
@@ -193,11 +235,14 @@ def make_requests(ns: argparse.Namespace, tokenizer, chat: bool) -> list[Request
 def request_body(request: Request, ns: argparse.Namespace, model: str, chat: bool) -> dict:
     """One streamed OpenAI request asking for usage in the last chunk; chat sends max_completion_tokens,
     completions max_tokens, as vLLM's client does."""
-    body: dict = {"model": model, "temperature": ns.temperature, "stream": True,
-                  "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model,
+        "temperature": ns.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if chat:
-        body |= {"messages": [{"role": "user", "content": request.prompt}],
-                 "max_completion_tokens": request.output_len}
+        body |= {"messages": [{"role": "user", "content": request.prompt}], "max_completion_tokens": request.output_len}
     else:
         body |= {"prompt": request.prompt, "max_tokens": request.output_len}
     if ns.ignore_eos:
@@ -205,8 +250,9 @@ def request_body(request: Request, ns: argparse.Namespace, model: str, chat: boo
     return body | (ns.extra_body or {})
 
 
-async def run_requests(ns: argparse.Namespace, requests: list[Request], url: str, model: str, headers: dict,
-                       session) -> tuple[list[Outcome], float, int]:
+async def run_requests(
+    ns: argparse.Namespace, requests: list[Request], url: str, model: str, headers: dict, session
+) -> tuple[list[Outcome], float, int]:
     """Send the requests on their arrival schedule, at most --max-concurrency at a time; returns the outcomes
     in request order, the wall time, and the most requests that were in flight at once."""
     from tqdm.auto import tqdm
@@ -251,8 +297,11 @@ def _fill_token_counts(outcomes: list[Outcome], requests: list[Request], tokeniz
         if outcome.prompt_tokens is None:
             outcome.prompt_tokens = request.prompt_len
         if outcome.output_tokens is None:
-            outcome.output_tokens = (len(tokenizer.encode(outcome.text, add_special_tokens=False))
-                                     if tokenizer is not None else outcome.chunks)
+            outcome.output_tokens = (
+                len(tokenizer.encode(outcome.text, add_special_tokens=False))
+                if tokenizer is not None
+                else outcome.chunks
+            )
 
 
 async def _benchmark(ns: argparse.Namespace, requests: list[Request], base_url: str, headers: dict):
@@ -266,8 +315,10 @@ async def _benchmark(ns: argparse.Namespace, requests: list[Request], base_url: 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True) as session:
         model = ns.model or await fetch_model(session, base_url, headers)
         url = base_url + "/" + ns.endpoint.lstrip("/")
-        print(f"Benchmarking {model} at {url}: {len(requests)} requests, rate {ns.request_rate}/s, "
-              f"burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}")
+        print(
+            f"Benchmarking {model} at {url}: {len(requests)} requests, rate {ns.request_rate}/s, "
+            f"burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}"
+        )
         outcomes, duration, peak = await run_requests(ns, requests, url, model, headers, session)
     return model, outcomes, duration, peak
 

@@ -1,4 +1,5 @@
 """The client side of `splitserve bench serve`: one streamed request, timed chunk by chunk."""
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ class Request:
 class Outcome:
     """What one streamed request measured; the token counts stay None until the server's usage (or, after
     the run, a local count) fills them."""
+
     success: bool = False
     error: str = ""
     ttft: float = 0.0
@@ -134,5 +136,6 @@ async def fetch_model(session, base_url: str, headers: dict) -> str:
             response.raise_for_status()
             return (await response.json())["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001 - every cause gets the same advice
-        raise ValueError(f"could not read the model name from {url} ({type(exc).__name__}: {exc}); "
-                         f"pass --model") from None
+        raise ValueError(
+            f"could not read the model name from {url} ({type(exc).__name__}: {exc}); pass --model"
+        ) from None

@@ -1,5 +1,6 @@
 """The figures of `splitserve bench serve`: vLLM's metrics, result-file keys and report layout, and
 the latency plots."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,12 @@ import numpy as np
 
 from splitserve.benchmarks.serve_client import Outcome
 
-METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+METRICS = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 
 
 def selected_percentiles(ns: argparse.Namespace) -> list[float]:
@@ -48,14 +53,17 @@ def _tpot(outcome: Outcome) -> float | None:
 def metric_values(outcomes: list[Outcome]) -> dict[str, list[float]]:
     """Each metric's samples in seconds over the successful requests; ITL pools the gaps of all of them."""
     done = [o for o in outcomes if o.success]
-    return {"ttft": [o.ttft for o in done],
-            "tpot": [t for t in map(_tpot, done) if t is not None],
-            "itl": [gap for o in done for gap in o.itl],
-            "e2el": [o.latency for o in done]}
+    return {
+        "ttft": [o.ttft for o in done],
+        "tpot": [t for t in map(_tpot, done) if t is not None],
+        "itl": [gap for o in done for gap in o.itl],
+        "e2el": [o.latency for o in done],
+    }
 
 
-def compute_result(ns: argparse.Namespace, outcomes: list[Outcome], duration: float, peak: int, model: str,
-                   base_url: str) -> dict:
+def compute_result(
+    ns: argparse.Namespace, outcomes: list[Outcome], duration: float, peak: int, model: str, base_url: str
+) -> dict:
     """The figures of the run under vLLM's result-file keys, the per-request lists, and the arguments."""
     done = [o for o in outcomes if o.success]
     input_tokens = sum(o.prompt_tokens for o in done)
@@ -164,8 +172,10 @@ def plot_latencies(result: dict, outcomes: list[Outcome], path: str) -> None:
         cdf.grid(alpha=0.3)
     axes[0][0].set_ylabel("requests (ITL: gaps)")
     axes[1][0].set_ylabel("fraction <= x")
-    fig.suptitle(f"{result['model_id']}: {result['completed']} requests, rate {result['request_rate']}/s, "
-                 f"max concurrency {result['max_concurrency']}")
+    fig.suptitle(
+        f"{result['model_id']}: {result['completed']} requests, rate {result['request_rate']}/s, "
+        f"max concurrency {result['max_concurrency']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,6 +1,7 @@
 """`splitserve bench throughput`: an offline throughput benchmark with vLLM's / nano-vllm's workload
 (random token prompts, fixed or uniformly random lengths, ignore_eos), run through splitserve and,
 as a baseline in the same run, through transformers' batched `generate`."""
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,21 @@ class Result:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["splitserve"],
-                        help="engines to run, one after the other; with both, the ratio is printed")
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        choices=BACKENDS,
+        default=["splitserve"],
+        help="engines to run, one after the other; with both, the ratio is printed",
+    )
     add_workload_arguments(parser)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--hf-max-batch-size", type=int, default=None,
-                        help="transformers baseline batch size (default: all prompts in one batch)")
+    parser.add_argument(
+        "--hf-max-batch-size",
+        type=int,
+        default=None,
+        help="transformers baseline batch size (default: all prompts in one batch)",
+    )
     parser.add_argument("--output-json", help="write the results to this file")
 
 
@@ -65,8 +75,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0,
-                        help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset)")
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset)",
+    )
     parser.add_argument("--min-input-len", type=int, help="with --max-input-len: input lengths uniform in range")
     parser.add_argument("--max-input-len", type=int)
     parser.add_argument("--min-output-len", type=int, help="with --max-output-len: output lengths uniform in range")
@@ -85,8 +99,9 @@ def _lengths(rng: random.Random, n: int, base: int, ratio: float, lo: int | None
 def make_workload(ns: argparse.Namespace, vocab_size: int, special_ids: set[int]) -> Workload:
     rng = random.Random(ns.seed)
     input_lens = _lengths(rng, ns.num_prompts, ns.input_len, ns.random_range_ratio, ns.min_input_len, ns.max_input_len)
-    output_lens = _lengths(rng, ns.num_prompts, ns.output_len, ns.random_range_ratio, ns.min_output_len,
-                           ns.max_output_len)
+    output_lens = _lengths(
+        rng, ns.num_prompts, ns.output_len, ns.random_range_ratio, ns.min_output_len, ns.max_output_len
+    )
     ordinary = [t for t in range(min(vocab_size, 32000)) if t not in special_ids]
     prompts = [[rng.choice(ordinary) for _ in range(n)] for n in input_lens]
     return Workload(prompts, output_lens)
@@ -97,8 +112,10 @@ def run_splitserve(args: EngineArgs, workload: Workload, temperature: float) -> 
 
     llm = LLM(**dataclasses.asdict(args))
     llm.generate([{"prompt_token_ids": workload.prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False)
-              for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in workload.output_lens
+    ]
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
@@ -111,6 +128,7 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
     """transformers' generate on left-padded batches, with the same weights and dtype."""
     import torch
     from tqdm.auto import tqdm
+
     from splitserve.config import resolve_device
     from splitserve.loader.hf_model import dummy_hf_model, load_hf_model
     from splitserve.loader.resolve import load_model_config, split_gguf
@@ -128,7 +146,7 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
     start = time.perf_counter()
     produced = 0
     for i in tqdm(range(0, len(workload.prompts), batch), desc="transformers batches"):
-        prompts, lens = workload.prompts[i:i + batch], workload.output_lens[i:i + batch]
+        prompts, lens = workload.prompts[i : i + batch], workload.output_lens[i : i + batch]
         _hf_generate(model, prompts, max(lens), pad, temperature)
         produced += sum(lens)
     elapsed = time.perf_counter() - start
@@ -146,10 +164,17 @@ def _hf_generate(model, prompts: list[list[int]], max_new: int, pad: int, temper
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     sample = temperature > 0
     with torch.inference_mode():
-        return model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                              max_new_tokens=max_new, min_new_tokens=max_new, do_sample=sample,
-                              temperature=temperature if sample else None, top_p=1.0, top_k=0,
-                              pad_token_id=pad)
+        return model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=sample,
+            temperature=temperature if sample else None,
+            top_p=1.0,
+            top_k=0,
+            pad_token_id=pad,
+        )
 
 
 def fit_max_model_len(args: EngineArgs, workload: Workload, model_limit: int) -> EngineArgs:
@@ -161,8 +186,11 @@ def fit_max_model_len(args: EngineArgs, workload: Workload, model_limit: int) ->
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     if longest >= model_limit:
         return args
-    logger.info("max_model_len: %d, the workload's longest request (the model allows %d; "
-                "--max-model-len sets it)", longest, model_limit)
+    logger.info(
+        "max_model_len: %d, the workload's longest request (the model allows %d; --max-model-len sets it)",
+        longest,
+        model_limit,
+    )
     return dataclasses.replace(args, max_model_len=longest)
 
 
@@ -194,19 +222,24 @@ def _describe_lengths(base: int, ratio: float, lo: int | None, hi: int | None) -
 
 def report(results: list[Result], ns: argparse.Namespace, config) -> None:
     weights = ", random weights" if config.load_format == "dummy" else ""
-    print(f"\nModel {config.served_model_name} ({config.dtype}{weights}), {ns.num_prompts} prompts, "
-          f"input {_describe_lengths(ns.input_len, ns.random_range_ratio, ns.min_input_len, ns.max_input_len)} / "
-          f"output {_describe_lengths(ns.output_len, ns.random_range_ratio, ns.min_output_len, ns.max_output_len)} "
-          f"tokens, seed {ns.seed}")
+    print(
+        f"\nModel {config.served_model_name} ({config.dtype}{weights}), {ns.num_prompts} prompts, "
+        f"input {_describe_lengths(ns.input_len, ns.random_range_ratio, ns.min_input_len, ns.max_input_len)} / "
+        f"output {_describe_lengths(ns.output_len, ns.random_range_ratio, ns.min_output_len, ns.max_output_len)} "
+        f"tokens, seed {ns.seed}"
+    )
     print(f"{'backend':<12}{'elapsed s':>10}{'requests/s':>12}{'output tok/s':>14}{'total tok/s':>13}")
     for r in results:
-        print(f"{r.backend:<12}{r.elapsed:>10.2f}{r.requests_per_s:>12.2f}{r.output_tokens_per_s:>14.1f}"
-              f"{r.total_tokens_per_s:>13.1f}")
+        print(
+            f"{r.backend:<12}{r.elapsed:>10.2f}{r.requests_per_s:>12.2f}{r.output_tokens_per_s:>14.1f}"
+            f"{r.total_tokens_per_s:>13.1f}"
+        )
     by_name = {r.backend: r for r in results}
     if "splitserve" in by_name and "hf" in by_name:
         ratio = by_name["splitserve"].output_tokens_per_s / by_name["hf"].output_tokens_per_s
         print(f"splitserve / transformers output tokens/s: {ratio:.2f}x")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
-            json.dump([dataclasses.asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
-                      f, indent=2)
+            json.dump(
+                [dataclasses.asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], f, indent=2
+            )

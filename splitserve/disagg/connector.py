@@ -15,6 +15,7 @@ ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match 
 With a quantized KV cache (--kv-cache-dtype) the blocks' scales travel in a third frame, and both
 instances must store the same kv_cache_dtype.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,10 +58,10 @@ class KVFrameHeader(msgspec.Struct, array_like=True, omit_defaults=True):
     block_ids: list[int] = []
     shape: list[int] = []
     dtype: str = ""
-    checksum: int = 0                # CRC-32 of the data frame, continued over the scales frame if any
+    checksum: int = 0  # CRC-32 of the data frame, continued over the scales frame if any
     error: str | None = None
     kv_cache_dtype: str = "auto"
-    scale_shape: list[int] = []      # a quantized cache's scales (float32); [] when none travel
+    scale_shape: list[int] = []  # a quantized cache's scales (float32); [] when none travel
 
 
 @dataclass
@@ -72,11 +73,11 @@ class Lease:
 
 @dataclass
 class PullJob:
-    request_id: str          # the local (decode) request
+    request_id: str  # the local (decode) request
     host: str
     port: int
     remote_request_id: str
-    first_block: int         # index into the remote request's blocks
+    first_block: int  # index into the remote request's blocks
     dest_block_ids: list[int]
 
 
@@ -121,8 +122,13 @@ def _crc32(buffers) -> int:
 
 
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor],
-                 kv_scales: list[torch.Tensor] | None = None, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_caches: list[torch.Tensor],
+        kv_scales: list[torch.Tensor] | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
         self.config = config
         self.kv_caches = kv_caches  # per layer [2, num_kv_heads, num_blocks, block_size, head_dim (int4: / 2)]
         self.kv_scales = kv_scales  # per layer [2, num_kv_heads, num_blocks, block_size, fields], or None
@@ -144,8 +150,12 @@ class KVConnector:
             else:
                 self.port = server.bind_to_random_port(f"tcp://{config.kv_host}")
             self._start(self._serve, server)
-            logger.info("KV server listening on %s:%d (leases expire after %.0f s)", config.kv_host, self.port,
-                        config.lease_seconds)
+            logger.info(
+                "KV server listening on %s:%d (leases expire after %.0f s)",
+                config.kv_host,
+                self.port,
+                config.lease_seconds,
+            )
         if config.pd_role == "decode":
             self._start(self._pull_loop)
 
@@ -165,8 +175,9 @@ class KVConnector:
     # --- prefill side -----------------------------------------------------------------------
     def add_lease(self, request_id: str, block_ids: list[int], num_pulls: int) -> None:
         with self._lock:
-            self._leases[request_id] = Lease(list(block_ids), time.monotonic() + self.config.lease_seconds,
-                                             max(num_pulls, 1))
+            self._leases[request_id] = Lease(
+                list(block_ids), time.monotonic() + self.config.lease_seconds, max(num_pulls, 1)
+            )
 
     def poll_released(self) -> list[str]:
         """Leases that were fully pulled, released or expired: their blocks can be freed now."""
@@ -197,11 +208,14 @@ class KVConnector:
             if lease is None or lease.expires_at < time.monotonic():
                 self.stats.pulls_refused += 1
                 return KVFrameHeader(msg.request_id, error="unknown or expired lease"), [b""]
-            ids = lease.block_ids[msg.first_block:msg.first_block + msg.num_blocks]
+            ids = lease.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
             if msg.first_block < 0 or len(ids) != msg.num_blocks:
                 self.stats.pulls_refused += 1
-                return KVFrameHeader(msg.request_id, error=f"the lease holds {len(lease.block_ids)} blocks, "
-                                     f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked"), [b""]
+                return KVFrameHeader(
+                    msg.request_id,
+                    error=f"the lease holds {len(lease.block_ids)} blocks, "
+                    f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked",
+                ), [b""]
             index = torch.tensor(ids, device=self.kv_caches[0].device)
             data = _gather(self.kv_caches, index)
             scales = None if self.kv_scales is None else _gather(self.kv_scales, index)
@@ -211,9 +225,16 @@ class KVConnector:
         raws = [t.view(torch.uint8).numpy().data for t in (data, scales) if t is not None]
         self.stats.blocks_sent += len(ids)
         self.stats.bytes_sent += sum(raw.nbytes for raw in raws)
-        header = KVFrameHeader(msg.request_id, msg.first_block, ids, list(data.shape), _dtype_name(data.dtype),
-                               _crc32(raws), kv_cache_dtype=self.kv_cache_dtype,
-                               scale_shape=[] if scales is None else list(scales.shape))
+        header = KVFrameHeader(
+            msg.request_id,
+            msg.first_block,
+            ids,
+            list(data.shape),
+            _dtype_name(data.dtype),
+            _crc32(raws),
+            kv_cache_dtype=self.kv_cache_dtype,
+            scale_shape=[] if scales is None else list(scales.shape),
+        )
         return header, raws
 
     def _end_lease(self, request_id: str) -> None:
@@ -238,8 +259,16 @@ class KVConnector:
     def submit_pull(self, request_id: str, params, first_block: int, dest_block_ids: list[int]) -> None:
         """Pull blocks first_block.. of the remote request named in `params` (KVTransferParams)
         into our blocks `dest_block_ids`; the result comes back through poll_pulled()."""
-        self._jobs.put(PullJob(request_id, params.remote_host, params.remote_port, params.remote_request_id,
-                               first_block, list(dest_block_ids)))
+        self._jobs.put(
+            PullJob(
+                request_id,
+                params.remote_host,
+                params.remote_port,
+                params.remote_request_id,
+                first_block,
+                list(dest_block_ids),
+            )
+        )
 
     def poll_pulled(self) -> list[PullResult]:
         return _drain(self._results)
@@ -257,8 +286,13 @@ class KVConnector:
                 self.stats.transfer_seconds += time.perf_counter() - start
             else:
                 self.stats.pull_failures += 1
-                logger.warning("KV pull for request %s from %s:%d failed (%s); it will compute its prompt itself",
-                               job.request_id, job.host, job.port, error)
+                logger.warning(
+                    "KV pull for request %s from %s:%d failed (%s); it will compute its prompt itself",
+                    job.request_id,
+                    job.host,
+                    job.port,
+                    error,
+                )
             self._results.put(PullResult(job.request_id, error))
         for sock in sockets.values():
             sock.close()
@@ -288,8 +322,10 @@ class KVConnector:
         if header.error is not None:
             return f"the prefill instance refused: {header.error}"
         if header.kv_cache_dtype != self.kv_cache_dtype:
-            return (f"refused a KV frame: the prefill instance's KV cache is {header.kv_cache_dtype}, this "
-                    f"instance's is {self.kv_cache_dtype}: start both with the same --kv-cache-dtype")
+            return (
+                f"refused a KV frame: the prefill instance's KV cache is {header.kv_cache_dtype}, this "
+                f"instance's is {self.kv_cache_dtype}: start both with the same --kv-cache-dtype"
+            )
         targets = [self.kv_caches] if self.kv_scales is None else [self.kv_caches, self.kv_scales]
         if len(payloads) != len(targets):
             return f"refused a KV frame: {len(payloads)} payload frames, expected {len(targets)}"

@@ -2,15 +2,26 @@
 GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH and NODE_PORTS say whether this process is a prefill
 instance, a decode instance or the router, on which devices, and (for the router) at which URLs the
 instances listen. The tables themselves, and their rules, are disagg/ranktable.py's."""
+
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from splitserve.disagg.ranktable import (DECODE_GROUP, GLOBAL_ENV, LOCAL_ENV, PORTS_ENV, PREFILL_GROUP, ROLE_OF_GROUP,
-                                         SCHEDULER_GROUP, RankTable, load_ranktable, parse_node_ports,
-                                         validate_local_ranktable)
+from splitserve.disagg.ranktable import (
+    DECODE_GROUP,
+    GLOBAL_ENV,
+    LOCAL_ENV,
+    PORTS_ENV,
+    PREFILL_GROUP,
+    ROLE_OF_GROUP,
+    SCHEDULER_GROUP,
+    RankTable,
+    RankTableError,
+    load_ranktable,
+    validate_local_ranktable,
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,22 @@ class PDLaunch:
     global_ranktable: RankTable
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+
+
+def parse_node_ports(value: str, global_table: RankTable) -> list[int]:
+    """NODE_PORTS as one port per instance of the global table, in global order (prefill, then decode)."""
+    try:
+        ports = [int(p) for p in value.split(",")]
+    except ValueError as exc:
+        raise RankTableError("node-ports-integers", f"{PORTS_ENV}={value!r}", PORTS_ENV) from exc
+    count = len(global_table.instances())
+    if len(ports) != count:
+        raise RankTableError("node-ports-count", f"{len(ports)} ports for {count} instances", PORTS_ENV)
+    if len(set(ports)) != len(ports):
+        raise RankTableError("node-ports-distinct", f"{PORTS_ENV}={value!r}", PORTS_ENV)
+    if not all(1 <= p <= 65535 for p in ports):
+        raise RankTableError("node-ports-range", f"{PORTS_ENV}={value!r}", PORTS_ENV)
+    return ports
 
 
 def _url(server_ip: str, port: int) -> str:
@@ -52,6 +79,8 @@ def resolve_pd_environment(env: Mapping[str, str] = os.environ) -> PDLaunch | No
     if gid != SCHEDULER_GROUP:
         index = [inst.key for _, inst in instances].index(entry.key)
         return PDLaunch(ROLE_OF_GROUP[gid], entry.server_ip, entry.device_ids, index, global_table)
-    urls = {g: [_url(inst.server_ip, port) for (ig, inst), port in zip(instances, ports) if ig == g]
-            for g in (PREFILL_GROUP, DECODE_GROUP)}
+    urls = {
+        g: [_url(inst.server_ip, port) for (ig, inst), port in zip(instances, ports) if ig == g]
+        for g in (PREFILL_GROUP, DECODE_GROUP)
+    }
     return PDLaunch("router", entry.server_ip, [], None, global_table, urls[PREFILL_GROUP], urls[DECODE_GROUP])

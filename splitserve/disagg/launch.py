@@ -5,6 +5,7 @@ with a --pd-role) on free loopback ports, each pinned to its share of the CPU co
 CUDA device each). Across machines, each process reads its role and devices from the rank-table
 environment (ranktable.py); `device_env` turns those device ids into this process's environment.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,7 @@ SERVER_MODULE = "splitserve.entrypoints.openai.api_server"  # what an instance p
 
 
 def parse_pd_spec(spec: str) -> tuple[int, int]:
-    """"1p1d" -> (1, 1): the number of prefill and decode instances."""
+    """ "1p1d" -> (1, 1): the number of prefill and decode instances."""
     match = re.fullmatch(r"(\d+)p(\d+)d", spec.strip().lower())
     if not match or int(match[1]) < 1 or int(match[2]) < 1:
         raise ValueError(f"--pd must look like 1p1d or 2p2d (at least one of each), got {spec!r}.")
@@ -57,14 +58,18 @@ def device_env(device_ids: list[int]) -> dict[str, str]:
 
     if torch.cuda.is_available():
         if len(device_ids) > 1:
-            raise ValueError(f"This instance has devices {device_ids}: more than one needs tensor parallelism, "
-                             "which is not supported yet; give each instance one device.")
+            raise ValueError(
+                f"This instance has devices {device_ids}: more than one needs tensor parallelism, "
+                "which is not supported yet; give each instance one device."
+            )
         return {"CUDA_VISIBLE_DEVICES": str(device_ids[0])}
     cores = os.sched_getaffinity(0)
     missing = sorted(set(device_ids) - cores)
     if missing:
-        raise ValueError(f"The rank table gives this instance devices {device_ids}, but {missing} are not CPU cores "
-                         f"of this machine (it has {sorted(cores)}); on CPU machines device ids name cores.")
+        raise ValueError(
+            f"The rank table gives this instance devices {device_ids}, but {missing} are not CPU cores "
+            f"of this machine (it has {sorted(cores)}); on CPU machines device ids name cores."
+        )
     return {CPU_CORES_ENV: ",".join(map(str, device_ids))}
 
 
@@ -90,8 +95,7 @@ def start_instance(role: str, flags: list[str], env: dict[str, str] | None = Non
     port = free_port()
     cmd = [sys.executable, "-m", SERVER_MODULE, *flags, "--host", "127.0.0.1", "--port", str(port)]
     env = env or {}
-    logger.info("Starting %s instance on port %d%s", role, port,
-                "".join(f", {k}={v}" for k, v in env.items()))
+    logger.info("Starting %s instance on port %d%s", role, port, "".join(f", {k}={v}" for k, v in env.items()))
     return LocalInstance(role, f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env={**os.environ, **env}))
 
 

@@ -2,6 +2,7 @@
 server (Upstream, with the load it reported in its /metrics), and the routing policies that choose
 among the healthy ones. Plain data and arithmetic, no HTTP: the router (entrypoints/router/) keeps the
 Upstreams current and asks a Policy for each request."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,8 +14,11 @@ from dataclasses import dataclass
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
 PREFIX_CHARS = 512  # how much of the prompt prefix_aware hashes
-_LOAD_METRICS = {"splitserve:num_requests_running": "running", "splitserve:num_requests_waiting": "waiting",
-                 "splitserve:kv_cache_usage_perc": "kv"}
+_LOAD_METRICS = {
+    "splitserve:num_requests_running": "running",
+    "splitserve:num_requests_waiting": "waiting",
+    "splitserve:kv_cache_usage_perc": "kv",
+}
 
 
 # --- instances and their load ------------------------------------------------------------------
@@ -22,8 +26,8 @@ _LOAD_METRICS = {"splitserve:num_requests_running": "running", "splitserve:num_r
 class InstanceLoad:
     """What an instance reported in its /metrics at the last health check."""
 
-    num_requests: float       # running + waiting
-    kv_cache_usage: float     # 0..1
+    num_requests: float  # running + waiting
+    kv_cache_usage: float  # 0..1
 
     @property
     def key(self) -> tuple[float, float]:
@@ -38,8 +42,8 @@ class Upstream:
     role: str
     healthy: bool = True
     down_reason: str | None = None
-    in_flight: int = 0                   # requests this router has open on it right now
-    load: InstanceLoad | None = None     # its own report, when its /metrics could be read
+    in_flight: int = 0  # requests this router has open on it right now
+    load: InstanceLoad | None = None  # its own report, when its /metrics could be read
 
 
 def parse_instance_load(text: str) -> InstanceLoad | None:
@@ -69,8 +73,7 @@ class Policy(ABC):
     name = ""
 
     @abstractmethod
-    def choose(self, instances: Sequence[Upstream], request_body: dict) -> Upstream:
-        ...
+    def choose(self, instances: Sequence[Upstream], request_body: dict) -> Upstream: ...
 
 
 class RoundRobinPolicy(Policy):

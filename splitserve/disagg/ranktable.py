@@ -21,6 +21,7 @@ which role it plays; see disagg/environment.py.
 A table that breaks a rule is refused with a RankTableError (a ValueError) whose message starts with
 "[rule: NAME]", NAME being one of RULES.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -116,8 +117,11 @@ class ServerGroup:
     server_list: list[RankTableServer] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"group_id": self.group_id, "server_count": str(self.server_count),
-                "server_list": [s.to_json() for s in self.server_list]}
+        return {
+            "group_id": self.group_id,
+            "server_count": str(self.server_count),
+            "server_list": [s.to_json() for s in self.server_list],
+        }
 
 
 @dataclass
@@ -141,12 +145,18 @@ class RankTable:
         return [(gid, inst) for gid in (PREFILL_GROUP, DECODE_GROUP) for inst in self.group(gid).server_list]
 
     def to_json(self) -> dict:
-        return {"version": self.version, "status": self.status,
-                "server_group_list": [g.to_json() for g in self.server_group_list]}
+        return {
+            "version": self.version,
+            "status": self.status,
+            "server_group_list": [g.to_json() for g in self.server_group_list],
+        }
 
 
-def make_ranktable(scheduler: Sequence[RankTableServer] = (), prefill: Sequence[RankTableServer] = (),
-                   decode: Sequence[RankTableServer] = ()) -> RankTable:
+def make_ranktable(
+    scheduler: Sequence[RankTableServer] = (),
+    prefill: Sequence[RankTableServer] = (),
+    decode: Sequence[RankTableServer] = (),
+) -> RankTable:
     """A table with the three groups in order and server_count computed, as gen and merge write them."""
     lists = {SCHEDULER_GROUP: list(scheduler), PREFILL_GROUP: list(prefill), DECODE_GROUP: list(decode)}
     return RankTable(VERSION, STATUS, [ServerGroup(gid, len(lists[gid]), lists[gid]) for gid in GROUP_IDS])
@@ -176,9 +186,15 @@ def _instance_from_json(obj: Mapping, where: str, source: str) -> RankTableServe
     return RankTableServer(
         server_id=_expect(obj, "server_id", str, where, source),
         server_ip=_expect(obj, "server_ip", str, where, source),
-        devices=[Device(_number(d, "device_id", f"{where}.device[{j}]", source),
-                        _expect(d, "device_ip", str, f"{where}.device[{j}]", source),
-                        _number(d, "rank_id", f"{where}.device[{j}]", source)) for j, d in enumerate(devices)])
+        devices=[
+            Device(
+                _number(d, "device_id", f"{where}.device[{j}]", source),
+                _expect(d, "device_ip", str, f"{where}.device[{j}]", source),
+                _number(d, "rank_id", f"{where}.device[{j}]", source),
+            )
+            for j, d in enumerate(devices)
+        ],
+    )
 
 
 def ranktable_from_json(obj: object, source: str = "") -> RankTable:
@@ -189,9 +205,13 @@ def ranktable_from_json(obj: object, source: str = "") -> RankTable:
     for i, g in enumerate(_expect(obj, "server_group_list", list, "table", source)):
         where = f"server_group_list[{i}]"
         servers = _expect(g, "server_list", list, where, source)
-        groups.append(ServerGroup(_expect(g, "group_id", str, where, source), _number(g, "server_count", where, source),
-                                  [_instance_from_json(s, f"{where}.server_list[{j}]", source)
-                                   for j, s in enumerate(servers)]))
+        groups.append(
+            ServerGroup(
+                _expect(g, "group_id", str, where, source),
+                _number(g, "server_count", where, source),
+                [_instance_from_json(s, f"{where}.server_list[{j}]", source) for j, s in enumerate(servers)],
+            )
+        )
     version, status = obj.get("version", ""), obj.get("status", "")  # when missing: the version-status rule
     if not isinstance(version, str) or not isinstance(status, str):
         raise RankTableError("format", f"version and status must be strings, not {version!r} and {status!r}", source)
@@ -229,12 +249,18 @@ def validate_ranktable(table: RankTable, *, complete: bool = True, source: str =
         raise RankTableError("groups", f"the group ids are {ids}", source)
     for g in table.server_group_list:
         if g.server_count != len(g.server_list):
-            raise RankTableError("server-count", f"group {g.group_id!r} says server_count {g.server_count} "
-                                                 f"but lists {len(g.server_list)} servers", source)
+            raise RankTableError(
+                "server-count",
+                f"group {g.group_id!r} says server_count {g.server_count} but lists {len(g.server_list)} servers",
+                source,
+            )
     scheduler = table.group(SCHEDULER_GROUP).server_list
     if len(scheduler) > 1 or (complete and not scheduler) or any(s.devices for s in scheduler):
-        raise RankTableError("scheduler", f"group 0 holds {len(scheduler)} servers, "
-                                          f"with {sum(len(s.devices) for s in scheduler)} devices", source)
+        raise RankTableError(
+            "scheduler",
+            f"group 0 holds {len(scheduler)} servers, with {sum(len(s.devices) for s in scheduler)} devices",
+            source,
+        )
     used: set[tuple[str, int]] = set()
     for gid, inst in table.instances():
         _check_instance(gid, inst, used, source)
@@ -256,8 +282,9 @@ def _check_instance(gid: str, inst: RankTableServer, used: set[tuple[str, int]],
         used.add((inst.server_ip, d.device_id))
 
 
-def validate_local_ranktable(local: RankTable, global_table: RankTable,
-                             source: str = "") -> tuple[str, RankTableServer]:
+def validate_local_ranktable(
+    local: RankTable, global_table: RankTable, source: str = ""
+) -> tuple[str, RankTableServer]:
     """(group id, instance) that a local table describes, after checking that the global table has it in the
     same group; for the host table the group is "0" and the instance the scheduler."""
     validate_ranktable(local, complete=False, source=source)
@@ -268,29 +295,15 @@ def validate_local_ranktable(local: RankTable, global_table: RankTable,
     gid = SCHEDULER_GROUP if scheduler else local.instances()[0][0]
     entry = entries[0]
     if entry.key not in {s.key for s in global_table.group(gid).server_list}:
-        raise RankTableError("local-in-global", f"the {ROLE_OF_GROUP[gid]} server {entry.server_ip} with devices "
-                                                f"{entry.device_ids} is not in group {gid!r} of the global table",
-                             source)
+        raise RankTableError(
+            "local-in-global",
+            f"the {ROLE_OF_GROUP[gid]} server {entry.server_ip} with devices "
+            f"{entry.device_ids} is not in group {gid!r} of the global table",
+            source,
+        )
     return gid, entry
 
 
-def parse_node_ports(value: str, global_table: RankTable) -> list[int]:
-    """NODE_PORTS as one port per instance of the global table, in global order (prefill, then decode)."""
-    try:
-        ports = [int(p) for p in value.split(",")]
-    except ValueError as exc:
-        raise RankTableError("node-ports-integers", f"{PORTS_ENV}={value!r}", PORTS_ENV) from exc
-    count = len(global_table.instances())
-    if len(ports) != count:
-        raise RankTableError("node-ports-count", f"{len(ports)} ports for {count} instances", PORTS_ENV)
-    if len(set(ports)) != len(ports):
-        raise RankTableError("node-ports-distinct", f"{PORTS_ENV}={value!r}", PORTS_ENV)
-    if not all(1 <= p <= 65535 for p in ports):
-        raise RankTableError("node-ports-range", f"{PORTS_ENV}={value!r}", PORTS_ENV)
-    return ports
-
-
-# ---------------------------------------------------------------- gen and merge
 def parse_server_list(text: str | None) -> list[list[int]]:
     """The device ids of each instance: "4,5" is one instance of two devices, "0;1" two of one; empty: none."""
     text = (text or "").strip()
@@ -300,8 +313,10 @@ def parse_server_list(text: str | None) -> list[list[int]]:
     for part in text.split(";"):
         ids = [s.strip() for s in part.split(",")]
         if not all(_NUMBER.fullmatch(s) for s in ids):
-            raise ValueError(f"bad device list {part!r} in {text!r}: expected comma-separated device ids "
-                             f"(non-negative integers), instances separated by ';'")
+            raise ValueError(
+                f"bad device list {part!r} in {text!r}: expected comma-separated device ids "
+                f"(non-negative integers), instances separated by ';'"
+            )
         instances.append([int(s) for s in ids])
     return instances
 
@@ -313,8 +328,11 @@ def default_server_ip() -> str:
     try:
         ip = socket.gethostbyname(socket.gethostname())
         if ipaddress.ip_address(ip).is_loopback:
-            logger.warning("this machine's hostname resolves to %s, a loopback address; "
-                           "pass --server-ip for a table that other machines use", ip)
+            logger.warning(
+                "this machine's hostname resolves to %s, a loopback address; "
+                "pass --server-ip for a table that other machines use",
+                ip,
+            )
         return ip
     except (OSError, ValueError):
         return "127.0.0.1"
@@ -324,8 +342,9 @@ def _instance(server_ip: str, device_ids: Sequence[int]) -> RankTableServer:
     return RankTableServer(server_ip, server_ip, [Device(d, server_ip, rank) for rank, d in enumerate(device_ids)])
 
 
-def generate_ranktables(server_ip: str, prefill: Sequence[Sequence[int]], decode: Sequence[Sequence[int]],
-                        api_server: bool) -> dict[str, RankTable]:
+def generate_ranktables(
+    server_ip: str, prefill: Sequence[Sequence[int]], decode: Sequence[Sequence[int]], api_server: bool
+) -> dict[str, RankTable]:
     """File name -> table for one machine: its part of the global table, one local table per instance, and
     the host table with api_server. Refuses a bad IP, no instance and no api server, a device used twice and
     two instances whose file names would collide (device ids 1,23 and 12,3 both give "123")."""
@@ -336,8 +355,10 @@ def generate_ranktables(server_ip: str, prefill: Sequence[Sequence[int]], decode
     if not (prefill or decode or api_server):
         raise ValueError("nothing to generate: give --prefill-server-list, --decode-server-list or --api-server")
     scheduler = [RankTableServer(server_ip, server_ip)] if api_server else []
-    roles = {PREFILL_GROUP: [_instance(server_ip, ids) for ids in prefill],
-             DECODE_GROUP: [_instance(server_ip, ids) for ids in decode]}
+    roles = {
+        PREFILL_GROUP: [_instance(server_ip, ids) for ids in prefill],
+        DECODE_GROUP: [_instance(server_ip, ids) for ids in decode],
+    }
     part = make_ranktable(scheduler, roles[PREFILL_GROUP], roles[DECODE_GROUP])
     validate_ranktable(part, complete=False)
     tables = {f"global_ranktable_{server_ip}.json": part}
@@ -347,8 +368,9 @@ def generate_ranktables(server_ip: str, prefill: Sequence[Sequence[int]], decode
         name = f"local_ranktable_{server_ip}_{''.join(map(str, inst.device_ids))}.json"
         if name in tables:
             raise ValueError(f"two instances on {server_ip} would both write {name}; renumber their devices")
-        tables[name] = make_ranktable(prefill=[inst] if gid == PREFILL_GROUP else [],
-                                      decode=[inst] if gid == DECODE_GROUP else [])
+        tables[name] = make_ranktable(
+            prefill=[inst] if gid == PREFILL_GROUP else [], decode=[inst] if gid == DECODE_GROUP else []
+        )
     return tables
 
 

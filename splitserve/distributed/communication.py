@@ -1,4 +1,5 @@
 """The collectives of tensor and pipeline parallelism, each a no-op on a single rank."""
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ come in blocks of them (rank = pp_rank * tp_size + tp_rank). One process is one 
 without parallelism is rank 0 of a world of 1 and needs no process group at all. The state is
 per process (a model is built for the rank it runs on), set once by `init_distributed`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,7 @@ class ParallelRank:
         return self.is_last_stage and self.tp_rank == 0
 
     def __str__(self) -> str:
-        return (f"tensor-parallel rank {self.tp_rank} of {self.tp_size}, pipeline stage {self.pp_rank} of "
-                f"{self.pp_size}")
+        return f"tensor-parallel rank {self.tp_rank} of {self.tp_size}, pipeline stage {self.pp_rank} of {self.pp_size}"
 
     @classmethod
     def of(cls, rank: int, tp_size: int, pp_size: int) -> ParallelRank:
@@ -79,8 +79,13 @@ def init_distributed(rank: ParallelRank, init_method: str, device: torch.device,
     import datetime
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank.rank, world_size=rank.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank.rank,
+        world_size=rank.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     # Every rank must create every group, in the same order, even those it is not in.
     for pp in range(rank.pp_size):
         group = dist.new_group([pp * rank.tp_size + t for t in range(rank.tp_size)])
@@ -91,8 +96,16 @@ def init_distributed(rank: ParallelRank, init_method: str, device: torch.device,
         if tp == rank.tp_rank:
             _PP_GROUP = group
     _RANK = rank
-    logger.info("Rank %d of %d joined (%s): tensor-parallel rank %d of %d, pipeline stage %d of %d", rank.rank,
-                rank.world_size, backend, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size)
+    logger.info(
+        "Rank %d of %d joined (%s): tensor-parallel rank %d of %d, pipeline stage %d of %d",
+        rank.rank,
+        rank.world_size,
+        backend,
+        rank.tp_rank,
+        rank.tp_size,
+        rank.pp_rank,
+        rank.pp_size,
+    )
 
 
 def set_parallel_rank(rank: ParallelRank) -> None:

@@ -1,6 +1,7 @@
 """EngineArgs: everything a user can set, flat, with vLLM's names, and what resolves it into an
 EngineConfig; on the command line, one flag per field (--max-model-len, --enable-prefix-caching ...),
 and back again (the flags that recreate a set of EngineArgs, for launchers that start instances)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,15 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from splitserve.config import (LOAD_FORMATS, CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
-                               SchedulerConfig, resolve_device)
+from splitserve.config import (
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_device,
+)
 
 
 @dataclass
@@ -75,8 +83,8 @@ class EngineArgs:
         max_len = model_config.max_model_len
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or _default_step_budget(
-                device, max_len, self.enable_chunked_prefill),
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or _default_step_budget(device, max_len, self.enable_chunked_prefill),
             max_model_len=max_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
@@ -86,16 +94,24 @@ class EngineArgs:
         kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
         kv_transfer_config.verify()
         parallel_config = self._parallel_config(device)
-        return EngineConfig(model_config, cache_config, scheduler_config, device,
-                            parallel_config=parallel_config, enforce_eager=self.enforce_eager,
-                            cuda_graph_sizes=self.cuda_graph_sizes,
-                            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device, parallel_config),
-                            use_tqdm_on_load=self.use_tqdm_on_load,
-                            kv_transfer_config=kv_transfer_config)
+        parallel_config.verify_with_model(model_config.hf_config)
+        return EngineConfig(
+            model_config,
+            cache_config,
+            scheduler_config,
+            device,
+            parallel_config=parallel_config,
+            enforce_eager=self.enforce_eager,
+            cuda_graph_sizes=self.cuda_graph_sizes,
+            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device, parallel_config),
+            use_tqdm_on_load=self.use_tqdm_on_load,
+            kv_transfer_config=kv_transfer_config,
+        )
 
     def _parallel_config(self, device: torch.device) -> ParallelConfig:
-        config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                self.distributed_executor_backend or "uni")
+        config = ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend or "uni"
+        )
         if self.distributed_executor_backend is None and config.world_size > 1:
             config.distributed_executor_backend = _default_executor_backend(config.world_size, device)
         config.verify()
@@ -110,8 +126,10 @@ class EngineArgs:
             if value != supported:
                 raise ValueError(f"{name}={value!r} is not supported yet (only {supported!r} is).")
         if self.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not supported yet; "
-                             "only 'recompute' is (swapping to host memory is not implemented).")
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r} is not supported yet; "
+                "only 'recompute' is (swapping to host memory is not implemented)."
+            )
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
         if self.load_format not in LOAD_FORMATS:
@@ -124,8 +142,10 @@ def _resolve_async_scheduling(asked: bool | None, device: torch.device, parallel
     Pipeline stages run one after another within a step, so with several there is no overlap."""
     if parallel.pipeline_parallel_size > 1:
         if asked:
-            raise ValueError("async_scheduling does not work with pipeline_parallel_size > 1 yet: the first "
-                             "stage would need the last stage's sampled tokens on its own device.")
+            raise ValueError(
+                "async_scheduling does not work with pipeline_parallel_size > 1 yet: the first "
+                "stage would need the last stage's sampled tokens on its own device."
+            )
         return False
     return device.type == "cuda" if asked is None else asked
 
@@ -155,7 +175,6 @@ def _default_step_budget(device: torch.device, max_model_len: int, chunked_prefi
     return 2048 if device.type == "cpu" else 8192
 
 
-
 _ENGINE_HELP = {
     "model": "Hugging Face directory, hub id, or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory or hub id, when it is not the model's",
@@ -164,7 +183,7 @@ _ENGINE_HELP = {
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
     "block_size": "tokens per KV-cache block",
     "kv_cache_dtype": "KV-cache storage: auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 or int4, "
-                      "quantized with a scale per token and KV head",
+    "quantized with a scale per token and KV head",
     "kv_cache_memory_bytes": "bytes for the KV cache (default: 4 GiB on CPU, or $SPLITSERVE_CPU_KVCACHE_SPACE GiB)",
     "num_gpu_blocks_override": "exact number of KV-cache blocks, overriding every memory budget",
     "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
@@ -174,12 +193,12 @@ _ENGINE_HELP = {
     "tensor_parallel_size": "tensor-parallel ranks: each holds a share of every layer's heads and weights",
     "pipeline_parallel_size": "pipeline stages: each holds a contiguous range of the layers",
     "distributed_executor_backend": "how the ranks are started: mp (a process per rank on this machine), ray (Ray "
-                                    "actors, across the machines of a Ray cluster), uni (one rank, in the engine "
-                                    "process); default: uni for one rank, ray with RAY_ADDRESS or more ranks than "
-                                    "GPUs, else mp",
+    "actors, across the machines of a Ray cluster), uni (one rank, in the engine "
+    "process); default: uni for one rank, ray with RAY_ADDRESS or more ranks than "
+    "GPUs, else mp",
     "quantization": "weight quantization: awq, gptq, weight_only_int8, smooth_quant or fp8 (default: what the "
-                    "checkpoint's quantization_config says; weight_only_int8 and fp8 also quantize an "
-                    "unquantized model while loading)",
+    "checkpoint's quantization_config says; weight_only_int8 and fp8 also quantize an "
+    "unquantized model while loading)",
     "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
     "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit)",
     "pd_role": "prefill/decode disaggregation role: mixed (default), prefill or decode",
@@ -187,15 +206,14 @@ _ENGINE_HELP = {
     "kv_port": "port of this instance's KV server (0: any free port)",
     "enforce_eager": "no CUDA graphs: launch every kernel of every step from Python (GPU only)",
     "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs: one value N means 1, 2, 4 and the multiples "
-                        "of 8 up to N; several values are the sizes (default: N = min(max_num_seqs, 512))",
+    "of 8 up to N; several values are the sizes (default: N = min(max_num_seqs, 512))",
     "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
-                        "CUDA, off for CPU, where the forward runs on the host's own cores)",
+    "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
-_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "swap_space",
-                       "preemption_mode", "device", "use_tqdm_on_load"}
+_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "swap_space", "preemption_mode", "device", "use_tqdm_on_load"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ prompt does not stall the event loop) and go out over a ZMQ DEALER socket; one a
 the core's outputs, detokenizes them and hands each RequestOutput to the queue of the request it
 belongs to. If the engine process dies, every pending request fails at once with EngineDeadError.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,12 +20,12 @@ import zmq
 import zmq.asyncio
 
 from splitserve.config import ModelConfig
-from splitserve.process_utils import process_alive
 from splitserve.engine.frontend import FrontEnd
+from splitserve.engine.messages import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
-from splitserve.engine.messages import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
 from splitserve.outputs import RequestOutput
+from splitserve.process_utils import process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,14 @@ class AsyncLLM(FrontEnd):
         self._nonce = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
-    async def generate(self, request_id: str, request: ProcessedRequest, arrival_time: float | None = None,
-                       kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       kv_transfer: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        request: ProcessedRequest,
+        arrival_time: float | None = None,
+        kind: RequestOutputKind = RequestOutputKind.DELTA,
+        kv_transfer: KVTransferParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """A processed request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one
         output). Closing the iterator early, or cancelling the task iterating it, aborts the request."""
         self._start()

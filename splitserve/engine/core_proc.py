@@ -6,6 +6,7 @@ outputs of its own requests together with the scheduler's state. When there is n
 loop blocks on the socket instead of spinning. The time spent on messaging is measured and logged,
 so that its cost next to the model step stays visible.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,13 +22,19 @@ import msgspec
 import zmq
 
 from splitserve.config import EngineConfig
+from splitserve.engine.messages import (
+    AbortRequests,
+    ClientMessage,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Ping,
+)
 from splitserve.process_utils import exit_with_parent
-from splitserve.engine.messages import (AbortRequests, ClientMessage, EngineCoreOutput, EngineCoreOutputs,
-                                        EngineCoreRequest, Ping)
 
 logger = logging.getLogger(__name__)
 
-_STATS_INTERVAL_S = 0.5   # idle clients still hear the engine's state this often
+_STATS_INTERVAL_S = 0.5  # idle clients still hear the engine's state this often
 _LOG_INTERVAL_S = 10.0
 
 
@@ -45,7 +52,7 @@ class EngineCoreProc:
         self.socket.bind(address)
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
-        self.owner: dict[str, bytes] = {}   # core request id -> client identity
+        self.owner: dict[str, bytes] = {}  # core request id -> client identity
         self.clients: set[bytes] = set()
         self.last_stats = 0.0
         self.ipc_seconds = 0.0
@@ -109,7 +116,7 @@ class EngineCoreProc:
         if not by_client and not broadcast:
             return
         stats = self.core.stats()
-        for identity in (self.clients if broadcast else by_client):
+        for identity in self.clients if broadcast else by_client:
             self._send_to(identity, EngineCoreOutputs(by_client.get(identity, []), stats))
         if broadcast:
             self.last_stats = now
@@ -129,11 +136,18 @@ class EngineCoreProc:
         if now - self.last_log < _LOG_INTERVAL_S or not self.steps:
             return
         s = self.core.stats()
-        logger.info("Engine: %d steps in the last %.0f s, %.1f ms/step model, %.0f us/step messaging (%.2f%%); "
-                    "running %d, waiting %d, KV cache %.1f%% used", self.steps, now - self.last_log,
-                    1e3 * self.step_seconds / self.steps, 1e6 * self.ipc_seconds / self.steps,
-                    100 * self.ipc_seconds / max(self.step_seconds, 1e-9), s.num_running, s.num_waiting,
-                    100 * s.kv_cache_usage)
+        logger.info(
+            "Engine: %d steps in the last %.0f s, %.1f ms/step model, %.0f us/step messaging (%.2f%%); "
+            "running %d, waiting %d, KV cache %.1f%% used",
+            self.steps,
+            now - self.last_log,
+            1e3 * self.step_seconds / self.steps,
+            1e6 * self.ipc_seconds / self.steps,
+            100 * self.ipc_seconds / max(self.step_seconds, 1e-9),
+            s.num_running,
+            s.num_waiting,
+            100 * s.kv_cache_usage,
+        )
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 
@@ -168,8 +182,9 @@ class EngineProcess:
         self.address = address or new_ipc_address()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_engine_core, args=(config, self.address, child),
-                                   name="splitserve-engine", daemon=True)
+        self.process = ctx.Process(
+            target=run_engine_core, args=(config, self.address, child), name="splitserve-engine", daemon=True
+        )
         self.process.start()
         child.close()
         try:
@@ -190,5 +205,5 @@ class EngineProcess:
             self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
-        if self.address.startswith("ipc://") and os.path.exists(self.address[len("ipc://"):]):
-            os.unlink(self.address[len("ipc://"):])
+        if self.address.startswith("ipc://") and os.path.exists(self.address[len("ipc://") :]):
+            os.unlink(self.address[len("ipc://") :])

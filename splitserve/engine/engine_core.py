@@ -2,12 +2,13 @@
 
 It knows token ids only (no tokenizer, no text); front-ends (the offline LLM, the API server)
 turn text into requests and outputs back into text. The model runner gets each step as data
-(a StepInput, see step_inputs.py) and never sees the engine's Request objects.
+(a StepInput, built by step_input_builder.py) and never sees the engine's Request objects.
 
 Two loop bodies, chosen once at start-up as vLLM's `step_fn`: `step` runs each step to the end
 before returning; `step_with_overlap` (async scheduling) launches step N+1 before it reads step
 N's tokens, so that the host schedules while the device computes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,7 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
-from splitserve.engine.step_inputs import StepInputBuilder
+from splitserve.engine.step_input_builder import StepInputBuilder
 from splitserve.executor.abstract import Executor
 from splitserve.executor.factory import create_executor
 from splitserve.executor.step_input import ModelRunnerOutput
@@ -81,7 +82,8 @@ class EngineCore:
         if capacity < max_len:
             raise ValueError(
                 f"The KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than max_model_len={max_len}: "
-                "one full-length request could never run. Give the cache more memory or lower max_model_len.")
+                "one full-length request could never run. Give the cache more memory or lower max_model_len."
+            )
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -189,8 +191,12 @@ class EngineCore:
         num_pulls = request.kv_transfer.remote_num_pulls
         self.connector.add_lease(request.request_id, self.kv_manager.get_block_ids(request.request_id), num_pulls)
         cfg = self.config.kv_transfer_config
-        return KVTransferParams(remote_host=cfg.kv_host, remote_port=self.connector.port,
-                                remote_request_id=request.request_id, remote_num_pulls=num_pulls)
+        return KVTransferParams(
+            remote_host=cfg.kv_host,
+            remote_port=self.connector.port,
+            remote_request_id=request.request_id,
+            remote_num_pulls=num_pulls,
+        )
 
     @staticmethod
     def _output(request: Request, result) -> EngineCoreOutput:
@@ -214,5 +220,12 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         kv_stats = self.connector.snapshot_stats() if self.connector is not None else None
-        return SchedulerStats(s.num_running, s.num_waiting, self.kv_manager.usage, s.num_preemptions,
-                              s.prefix_cache_stats.queries, s.prefix_cache_stats.hits, kv_stats)
+        return SchedulerStats(
+            s.num_running,
+            s.num_waiting,
+            self.kv_manager.usage,
+            s.num_preemptions,
+            s.prefix_cache_stats.queries,
+            s.prefix_cache_stats.hits,
+            kv_stats,
+        )

@@ -1,5 +1,6 @@
 """Errors the engine raises for input it refuses. Kept free of imports so that the HTTP layers
 (the API server and the router) can map them without loading the engine."""
+
 from __future__ import annotations
 
 

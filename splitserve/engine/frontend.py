@@ -1,14 +1,15 @@
 """What every front-end does around an EngineCore, wherever the core runs: hold the Processor that
 tokenizes and validates requests, fan a request with n > 1 out into n core requests, and turn core
 outputs into text."""
+
 from __future__ import annotations
 
 import time
 
 from splitserve.config import ModelConfig
+from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
 from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
 from splitserve.engine.processor import ProcessedRequest, Processor
-from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
 from splitserve.outputs import RequestMetrics
 from splitserve.tokenizer import get_tokenizer
 
@@ -23,9 +24,14 @@ class FrontEnd:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def prepare_request(self, request_id: str, request: ProcessedRequest, kind: RequestOutputKind,
-                        arrival_time: float | None = None,
-                        kv_transfer: KVTransferParams | None = None) -> list[EngineCoreRequest]:
+    def prepare_request(
+        self,
+        request_id: str,
+        request: ProcessedRequest,
+        kind: RequestOutputKind,
+        arrival_time: float | None = None,
+        kv_transfer: KVTransferParams | None = None,
+    ) -> list[EngineCoreRequest]:
         """Register a request the Processor has processed; returns the core requests to send (one per sample)."""
         params = request.params
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -37,9 +43,11 @@ class FrontEnd:
             child.bad_words_token_ids = params.bad_words_token_ids
             detokenizer = self.output_processor.new_detokenizer(request.prompt_token_ids, child)
             samples[core_id] = SampleState(i, child, detokenizer)
-            core_requests.append(self.processor.make_request(core_id, request.prompt_token_ids, child, arrival,
-                                                             kv_transfer))
-        state = RequestState(request_id, request.prompt, request.prompt_token_ids, kind, samples,
-                             metrics=RequestMetrics(arrival))
+            core_requests.append(
+                self.processor.make_request(core_id, request.prompt_token_ids, child, arrival, kv_transfer)
+            )
+        state = RequestState(
+            request_id, request.prompt, request.prompt_token_ids, kind, samples, metrics=RequestMetrics(arrival)
+        )
         self.output_processor.add_request(state)
         return core_requests

@@ -5,6 +5,7 @@ A block holds `block_size` tokens of KV. Full blocks are named by a chained hash
 and stays findable until it is reused, least recently freed first. The hash is sha256 over a
 fixed byte encoding, so every process (prefill and decode instances too) computes the same one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     hashes, tokens = request.block_hashes, request.all_token_ids
     for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, tokens[start:start + block_size]))
+        hashes.append(hash_block_tokens(parent, tokens[start : start + block_size]))
     return hashes
 
 
@@ -138,8 +139,14 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = (), keep_free: int = 0, register: bool = True) -> bool:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        keep_free: int = 0,
+        register: bool = True,
+    ) -> bool:
         """Reserve room for `num_new_tokens` more tokens (after `computed_blocks`, the prefix-cache
         hits of a request being admitted). Returns False, changing nothing, if that would leave
         fewer than `keep_free` blocks free. `register=False` keeps the new blocks out of the prefix
@@ -198,5 +205,6 @@ class KVCacheManager:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref count"
-        assert ({rid: ids for rid, ids in self.req_to_block_ids.items() if ids}
-                == {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items() if blocks})
+        assert {rid: ids for rid, ids in self.req_to_block_ids.items() if ids} == {
+            rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items() if blocks
+        }

@@ -1,8 +1,8 @@
 """LLMEngine: the in-process front-end over an EngineCore (tokenize -> core -> detokenize)."""
+
 from __future__ import annotations
 
 from splitserve.config import EngineConfig
-
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd
@@ -19,12 +19,17 @@ class LLMEngine(FrontEnd):
         self.engine_core = EngineCore(config)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        arrival_time: float | None = None,
+    ) -> None:
         request = self.processor.process(prompt, params)
         for core_request in self.prepare_request(request_id, request, kind, arrival_time):
             self.engine_core.add_request(core_request)

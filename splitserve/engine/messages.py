@@ -3,6 +3,7 @@
 Typed msgspec structs, sent as msgpack over ZMQ between processes (never pickle), and passed as
 they are when the core runs in-process.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -69,9 +70,9 @@ class KVTransferStats(msgspec.Struct, array_like=True):
     bytes_sent: int = 0
     blocks_received: int = 0
     bytes_received: int = 0
-    transfer_seconds: float = 0.0     # time spent pulling (decode side)
-    pull_failures: int = 0            # pulls that failed or were refused (decode side)
-    pulls_refused: int = 0            # pulls this prefill instance refused (unknown or expired lease)
+    transfer_seconds: float = 0.0  # time spent pulling (decode side)
+    pull_failures: int = 0  # pulls that failed or were refused (decode side)
+    pulls_refused: int = 0  # pulls this prefill instance refused (unknown or expired lease)
     lease_expiries: int = 0
     leases_active: int = 0
 

@@ -3,13 +3,14 @@
 A user request with n > 1 fans out into n core requests (the samples share the prompt's KV
 blocks through the prefix cache); their outputs are gathered back here into one RequestOutput.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgspec
-from enum import Enum
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from splitserve.engine.messages import EngineCoreOutput, TokenLogprobs
@@ -18,9 +19,9 @@ from splitserve.sampling_params import SamplingParams
 
 
 class RequestOutputKind(Enum):
-    CUMULATIVE = 0   # every output carries everything so far
-    DELTA = 1        # every output carries only what is new (streaming)
-    FINAL_ONLY = 2   # one output, when the request finishes
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -51,7 +52,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     kind: RequestOutputKind
-    samples: dict[str, SampleState]          # core request id -> sample
+    samples: dict[str, SampleState]  # core request id -> sample
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
@@ -80,8 +81,9 @@ class OutputProcessor:
     def new_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                      params.spaces_between_special_tokens)
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
 
     def abort(self, request_ids) -> list[str]:
         """Forget user requests; returns the core request ids to abort."""
@@ -111,8 +113,9 @@ class OutputProcessor:
             if out.kv_transfer is not None:
                 state.kv_transfer_params = msgspec.structs.asdict(out.kv_transfer)
             if out.first_scheduled_time is not None:
-                state.metrics.first_scheduled_time = min(out.first_scheduled_time,
-                                                         state.metrics.first_scheduled_time or float("inf"))
+                state.metrics.first_scheduled_time = min(
+                    out.first_scheduled_time, state.metrics.first_scheduled_time or float("inf")
+                )
             if out.new_token_ids:
                 self._update_metrics(state.metrics, now)
                 state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
@@ -152,7 +155,7 @@ class OutputProcessor:
             if params.stop and len(sample.token_ids) >= params.min_tokens:
                 hit = find_stop_string(sample.text, new_chars, params.stop, params.include_stop_str_in_output)
         if hit is not None:
-            sample.text = sample.text[:hit[1]]
+            sample.text = sample.text[: hit[1]]
             sample.finish_reason, sample.stop_reason = "stop", hit[0]
             return not out.finished
         if out.finished:
@@ -189,23 +192,43 @@ class OutputProcessor:
         if delta and state.sent_prompt_logprobs:
             prompt_logprobs = None
         state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs,
-                             completions, state.finished, state.num_cached_tokens, state.metrics,
-                             state.kv_transfer_params)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            prompt_logprobs,
+            completions,
+            state.finished,
+            state.num_cached_tokens,
+            state.metrics,
+            state.kv_transfer_params,
+        )
 
     @staticmethod
     def _completion(sample: SampleState, delta: bool) -> CompletionOutput:
         text = sample.text
         if not sample.finished and sample.params.stop:
             # Hold back what may still turn out to be the start of a stop string.
-            text = text[:max(len(text) - sample.params.max_stop_str_len + 1, sample.sent_chars)]
+            text = text[: max(len(text) - sample.params.max_stop_str_len + 1, sample.sent_chars)]
         if not delta:
-            return CompletionOutput(sample.index, text, list(sample.token_ids), sample.cumulative_logprob,
-                                    sample.logprobs, sample.finish_reason, sample.stop_reason)
-        out = CompletionOutput(sample.index, text[sample.sent_chars:], sample.token_ids[sample.sent_tokens:],
-                               sample.cumulative_logprob,
-                               None if sample.logprobs is None else sample.logprobs[sample.sent_logprobs:],
-                               sample.finish_reason, sample.stop_reason)
+            return CompletionOutput(
+                sample.index,
+                text,
+                list(sample.token_ids),
+                sample.cumulative_logprob,
+                sample.logprobs,
+                sample.finish_reason,
+                sample.stop_reason,
+            )
+        out = CompletionOutput(
+            sample.index,
+            text[sample.sent_chars :],
+            sample.token_ids[sample.sent_tokens :],
+            sample.cumulative_logprob,
+            None if sample.logprobs is None else sample.logprobs[sample.sent_logprobs :],
+            sample.finish_reason,
+            sample.stop_reason,
+        )
         sample.sent_chars, sample.sent_tokens = len(text), len(sample.token_ids)
         sample.sent_logprobs = len(sample.logprobs or ())
         return out

@@ -4,6 +4,7 @@ Every front-end processes a request here, once: the prompt is tokenized and chec
 vocabulary and the context, the params are checked against the vocabulary and completed with what
 depends on the tokenizer. What the caller got wrong raises InvalidRequestError.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,15 +53,24 @@ class Processor:
         params = params.clone()
         for token in list(params.logit_bias or {}) + list(params.allowed_token_ids or []):
             if not 0 <= token < self.vocab_size:
-                raise InvalidRequestError(f"Token id {token} in logit_bias/allowed_token_ids is outside the "
-                                          f"vocabulary (0..{self.vocab_size - 1}).")
+                raise InvalidRequestError(
+                    f"Token id {token} in logit_bias/allowed_token_ids is outside the "
+                    f"vocabulary (0..{self.vocab_size - 1})."
+                )
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         return params
 
-    def process_prompt(self, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True,
-                       param: str = "prompt", max_tokens_must_fit: bool = False) -> ProcessedRequest:
+    def process_prompt(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        add_special_tokens: bool = True,
+        param: str = "prompt",
+        max_tokens_must_fit: bool = False,
+    ) -> ProcessedRequest:
         """Tokenize and validate a prompt for `params` (as process_params left them, so that a batch
         of prompts shares one processing of its params). `param` names the prompt in errors;
         `max_tokens_must_fit` is the API server's rule: prompt + max_tokens must fit the context."""
@@ -72,12 +82,19 @@ class Processor:
             self._check_room(len(ids), param)
         return ProcessedRequest(text, ids, params)
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float, kv_transfer=None) -> EngineCoreRequest:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        kv_transfer=None,
+    ) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time,
-                                 kv_transfer)
+        return EngineCoreRequest(
+            request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time, kv_transfer
+        )
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -86,35 +103,47 @@ class Processor:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt, Mapping) and "prompt" in prompt:
             return self._tokenized(prompt["prompt"], add_special_tokens)
-        raise TypeError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
-                        f"got {type(prompt).__name__}.")
+        raise TypeError(
+            f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
+            f"got {type(prompt).__name__}."
+        )
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
             raise InvalidRequestError("The prompt is empty: it must have at least one token.", param)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"Prompt token ids {bad[:5]} are outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1}).", param)
+            raise InvalidRequestError(
+                f"Prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).", param
+            )
 
     def _check_room(self, n: int, param: str) -> None:
         """The prompt must leave room for one generated token; make_request clamps max_tokens to the rest."""
         max_len = self.model_config.max_model_len
         if n >= max_len:
-            raise InvalidRequestError(f"The prompt is {n} tokens long; the maximum model length is {max_len}, "
-                                      "which leaves no room for a generated token.", param)
+            raise InvalidRequestError(
+                f"The prompt is {n} tokens long; the maximum model length is {max_len}, "
+                "which leaves no room for a generated token.",
+                param,
+            )
 
     def _check_context(self, n: int, max_tokens: int | None, param: str) -> None:
         """The API server's rule, in OpenAI's words: clients match "maximum context length" to tell
         a context overflow from other errors."""
         max_len = self.model_config.max_model_len
         if n >= max_len:
-            raise InvalidRequestError(f"This model's maximum context length is {max_len} tokens, but the prompt "
-                                      f"has {n} tokens, leaving no room for output.", param)
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens, but the prompt "
+                f"has {n} tokens, leaving no room for output.",
+                param,
+            )
         if max_tokens is not None and n + max_tokens > max_len:
-            raise InvalidRequestError(f"This model's maximum context length is {max_len} tokens. However, you "
-                                      f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
-                                      "completion). Reduce the prompt or max_tokens.", "max_tokens")
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+                "completion). Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         out = []

@@ -1,4 +1,5 @@
 """The state of one sequence inside the engine core (one per sample when n > 1)."""
+
 from __future__ import annotations
 
 import enum
@@ -40,19 +41,19 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    max_tokens: int                       # resolved: never past max_model_len
+    max_tokens: int  # resolved: never past max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1           # prefix-cache hit at first scheduling; -1 until then
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
     stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
-    kv_transfer: object = None                              # KVTransferParams, for PD disaggregation
+    kv_transfer: object = None  # KVTransferParams, for PD disaggregation
     # Overlap scheduling: tokens sampled by launched steps whose values the host has not read yet
     # (at most 1 between engine steps, 2 while one is launched and the one before it is being
     # finished). The scheduler counts them as tokens; the model runner takes them from the device.
@@ -65,9 +66,16 @@ class Request:
             self.stop_token_set.add(self.eos_token_id)
 
     @classmethod
-    def from_engine_core_request(cls, req) -> "Request":
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                   req.max_tokens, arrival_time=req.arrival_time, kv_transfer=req.kv_transfer)
+    def from_engine_core_request(cls, req) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.max_tokens,
+            arrival_time=req.arrival_time,
+            kv_transfer=req.kv_transfer,
+        )
 
     @property
     def wants_remote_prefill(self) -> bool:
@@ -92,8 +100,7 @@ class Request:
     @property
     def reaches_length_limit_with_pending(self) -> bool:
         """Its pending token is certain to end it by length: no further step is worth scheduling."""
-        return self.num_pending_tokens > 0 and (
-            self.num_output_tokens + self.num_pending_tokens >= self.max_tokens)
+        return self.num_pending_tokens > 0 and (self.num_output_tokens + self.num_pending_tokens >= self.max_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,6 +7,7 @@ chunks), then waiting ones are admitted while budget, seats and blocks last. Whe
 out, the most recently admitted running request is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back as prefix-cache hits).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -19,10 +20,10 @@ from splitserve.engine.request import Request, RequestStatus
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0   # tokens of admitted requests that were looked up in the prefix cache
-    hits: int = 0      # of which were found cached
+    queries: int = 0  # tokens of admitted requests that were looked up in the prefix cache
+    hits: int = 0  # of which were found cached
 
-    def reset(self) -> "PrefixCacheStats":
+    def reset(self) -> PrefixCacheStats:
         taken = PrefixCacheStats(self.queries, self.hits)
         self.queries = self.hits = 0
         return taken
@@ -54,7 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.receiving: dict[str, Request] = {}  # PD decode side: KV being pulled
-        self.leased: dict[str, Request] = {}     # PD prefill side: finished, KV kept for a decode instance
+        self.leased: dict[str, Request] = {}  # PD prefill side: finished, KV kept for a decode instance
         self.num_preemptions = 0
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -185,7 +186,7 @@ class Scheduler:
         self.receiving[request.request_id] = request
         bs = self.kv.block_size
         first = num_cached // bs
-        out.kv_pulls.append((request, first, self.kv.get_block_ids(request.request_id)[first:-(-target // bs)]))
+        out.kv_pulls.append((request, first, self.kv.get_block_ids(request.request_id)[first : -(-target // bs)]))
         return True
 
     def finish_remote_prefill(self, request_id: str, ok: bool) -> None:
@@ -268,7 +269,11 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
-        assert set(self.requests) == ({r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-                                      | set(self.receiving) | set(self.leased))
+        assert set(self.requests) == (
+            {r.request_id for r in self.running}
+            | {r.request_id for r in self.waiting}
+            | set(self.receiving)
+            | set(self.leased)
+        )
         for r in self.waiting:
             assert r.request_id not in self.kv.req_to_blocks

@@ -1,4 +1,5 @@
 """The `splitserve` command: one subcommand per tool (serve, router, generate, bench, quantize, ...)."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for a few prompts (offline)")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three examples")
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap each prompt in the model's chat template as a user message")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap each prompt in the model's chat template as a user message",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -52,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from splitserve.entrypoints import router
 
-    rt = sub.add_parser("router", help="the prefill/decode disaggregation router (an OpenAI-compatible front "
-                                       "for prefill and decode instances)")
+    rt = sub.add_parser(
+        "router",
+        help="the prefill/decode disaggregation router (an OpenAI-compatible front for prefill and decode instances)",
+    )
     router.add_arguments(rt)
     rt.set_defaults(func=router.main)
 
@@ -64,12 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_arguments(ppl)
     ppl.set_defaults(func=lambda ns: perplexity.main(ns, engine_args_from(ns)))
 
-    from splitserve.quantization import tool as quantize_tool
+    from splitserve.entrypoints import quantize_cli
 
-    qt = sub.add_parser("quantize", help="quantize a model offline (weight_only_int8, smooth_quant, awq, gptq) "
-                                         "into a Hugging Face directory")
-    quantize_tool.add_arguments(qt)
-    qt.set_defaults(func=quantize_tool.main)
+    qt = sub.add_parser(
+        "quantize",
+        help="quantize a model offline (weight_only_int8, smooth_quant, awq, gptq) into a Hugging Face directory",
+    )
+    quantize_cli.add_arguments(qt)
+    qt.set_defaults(func=quantize_cli.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -80,15 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
 
-    sv = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server "
-                                            "(vLLM's `bench serve`)")
+    sv = bench_sub.add_parser(
+        "serve", help="online serving benchmark against an OpenAI-compatible server (vLLM's `bench serve`)"
+    )
     serve.add_arguments(sv)
     sv.set_defaults(func=lambda ns: serve.main(ns))
 
     from splitserve.benchmarks import quant
 
-    qb = bench_sub.add_parser("quant", help="quantized variants of a model against the base, one run: "
-                                            "perplexity, weight memory, prefill / decode throughput")
+    qb = bench_sub.add_parser(
+        "quant",
+        help="quantized variants of a model against the base, one run: "
+        "perplexity, weight memory, prefill / decode throughput",
+    )
     add_engine_args(qb)
     quant.add_arguments(qb)
     qb.set_defaults(func=lambda ns: quant.main(ns, engine_args_from(ns)))

@@ -1,5 +1,6 @@
 """HTTP pieces that the API server and the PD router share: OpenAI-style errors, the API-key
 check, and reading a bounded JSON body."""
+
 from __future__ import annotations
 
 import hmac
@@ -25,8 +26,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: int | str | None = 400) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: int | str | None = 400
+) -> dict:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
     return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
 
@@ -34,14 +36,16 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
-    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
-                 param: str | None = None):
+    def __init__(
+        self, message: str, status: int = 400, err_type: str = "invalid_request_error", param: str | None = None
+    ):
         super().__init__(message)
         self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
 
-def error_response(message: str, status: int, err_type: str = "invalid_request_error",
-                   param: str | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, err_type: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, param, status), status_code=status)
 
 
@@ -59,8 +63,9 @@ def install_error_handlers(app: FastAPI, what: str) -> None:
 
     @app.exception_handler(404)
     async def not_found(request: Request, _exc):
-        return error_response(f"{request.method} {request.url.path} is not a route of this {what}.", 404,
-                              "not_found_error")
+        return error_response(
+            f"{request.method} {request.url.path} is not a route of this {what}.", 404, "not_found_error"
+        )
 
     @app.exception_handler(405)
     async def bad_method(request: Request, _exc):
@@ -85,7 +90,8 @@ class ApiKeyMiddleware:
             if key is not None and not _bearer_matches(scope, key):
                 name = "metrics API key" if path in self.path_keys else "API key"
                 return await error_response(f"Missing or invalid {name}.", 401, "authentication_error")(
-                    scope, receive, send)
+                    scope, receive, send
+                )
         await self.app(scope, receive, send)
 
 

@@ -1,4 +1,5 @@
 """The vLLM-style offline API: LLM(model).generate(prompts, SamplingParams(...))."""
+
 from __future__ import annotations
 
 import itertools
@@ -34,9 +35,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -50,17 +54,23 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | Sequence[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = apply_chat_template(tokenizer, conversation, chat_template, add_generation_prompt,
-                                       **(chat_template_kwargs or {}))
+            text = apply_chat_template(
+                tokenizer, conversation, chat_template, add_generation_prompt, **(chat_template_kwargs or {})
+            )
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

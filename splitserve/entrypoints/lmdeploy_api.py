@@ -11,6 +11,7 @@ Both backend configs (`PytorchEngineConfig`, `TurbomindEngineConfig`) map onto t
 its default, instead of being silently ignored. Only text generation is offered: LMDeploy's
 `chat`, `session`, `get_ppl`, adapters and vision inputs are not.
 """
+
 from __future__ import annotations
 
 import gc
@@ -42,10 +43,10 @@ class Response:
     text: str
     generate_token_len: int
     input_token_len: int
-    finish_reason: str | None = None   # 'stop' or 'length' once the prompt is done
+    finish_reason: str | None = None  # 'stop' or 'length' once the prompt is done
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    index: int = 0                     # the prompt's position in the batch
+    index: int = 0  # the prompt's position in the batch
 
 
 # --- prompts ---------------------------------------------------------------------------------
@@ -61,8 +62,10 @@ def _chat_template(config) -> str | None:
     else:
         template, others = getattr(config, "chat_template", None), []
     if not isinstance(template, str) or others:
-        raise ValueError("chat_template_config must be None or have a `chat_template` jinja string (and nothing "
-                         f"else); LMDeploy's named templates are not supported. Got {config!r}.")
+        raise ValueError(
+            "chat_template_config must be None or have a `chat_template` jinja string (and nothing "
+            f"else); LMDeploy's named templates are not supported. Got {config!r}."
+        )
     return template
 
 
@@ -87,16 +90,28 @@ class Pipeline:
         self.chat_template = chat_template
         self._lock = threading.Lock()
         self._queues: dict[str, deque[RequestOutput]] = {}
-        self._abandoned: list[str] = []   # requests to abort once the lock is free
+        self._abandoned: list[str] = []  # requests to abort once the lock is free
         self._counter = itertools.count()
 
     # --- public API ---
-    def __call__(self, prompts, gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-                 do_preprocess: bool = True, adapter_name: str | None = None, use_tqdm: bool = False):
+    def __call__(
+        self,
+        prompts,
+        gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        do_preprocess: bool = True,
+        adapter_name: str | None = None,
+        use_tqdm: bool = False,
+    ):
         return self.batch_infer(prompts, gen_config, do_preprocess, adapter_name, use_tqdm)
 
-    def batch_infer(self, prompts, gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-                    do_preprocess: bool = True, adapter_name: str | None = None, use_tqdm: bool = False):
+    def batch_infer(
+        self,
+        prompts,
+        gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        do_preprocess: bool = True,
+        adapter_name: str | None = None,
+        use_tqdm: bool = False,
+    ):
         """Generate for every prompt and return the finished Responses in the prompts' order."""
         single, inputs, params = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
         results: list[Response | None] = [None] * len(inputs)
@@ -107,8 +122,13 @@ class Pipeline:
                 bar.update(1)
         return results[0] if single else results
 
-    def stream_infer(self, prompts, gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-                     do_preprocess: bool = True, adapter_name: str | None = None) -> Iterator[Response]:
+    def stream_infer(
+        self,
+        prompts,
+        gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        do_preprocess: bool = True,
+        adapter_name: str | None = None,
+    ) -> Iterator[Response]:
         """Responses carrying what is new, as it is generated, with `index` naming the prompt; each
         prompt's last one has its finish_reason. Prompts and configs are checked now, not on the
         first `next()`. Closing the generator early aborts the prompts that are still running."""
@@ -131,7 +151,7 @@ class Pipeline:
 
             torch.cuda.empty_cache()
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -160,8 +180,10 @@ class Pipeline:
                 return prompt
             prompt = [{"role": "user", "content": prompt}]
         if not _is_conversation(prompt):
-            raise TypeError("Each prompt must be a str or a conversation (a list of {'role', 'content'} dicts); "
-                            f"got {type(prompt).__name__}.")
+            raise TypeError(
+                "Each prompt must be a str or a conversation (a list of {'role', 'content'} dicts); "
+                f"got {type(prompt).__name__}."
+            )
         if not do_preprocess:
             contents = [m.get("content") for m in prompt]
             if not all(isinstance(c, str) for c in contents):
@@ -265,13 +287,24 @@ def _response(output: RequestOutput, index: int, generate_token_len: int) -> Res
     logprobs = None
     if completion.logprobs is not None:
         logprobs = [{tid: lp.logprob for tid, lp in position.items()} for position in completion.logprobs]
-    return Response(text=completion.text, generate_token_len=generate_token_len,
-                    input_token_len=len(output.prompt_token_ids), finish_reason=completion.finish_reason,
-                    token_ids=list(completion.token_ids), logprobs=logprobs, index=index)
+    return Response(
+        text=completion.text,
+        generate_token_len=generate_token_len,
+        input_token_len=len(output.prompt_token_ids),
+        finish_reason=completion.finish_reason,
+        token_ids=list(completion.token_ids),
+        logprobs=logprobs,
+        index=index,
+    )
 
 
-def pipeline(model_path: str, backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
-             chat_template_config=None, log_level: str = "WARNING", **kwargs) -> Pipeline:
+def pipeline(
+    model_path: str,
+    backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
+    chat_template_config=None,
+    log_level: str = "WARNING",
+    **kwargs,
+) -> Pipeline:
     """Build a Pipeline for `model_path` (a Hugging Face directory, a hub id or a .gguf file).
 
     backend_config None means PytorchEngineConfig(). log_level sets the `splitserve` logger's level,
@@ -279,16 +312,19 @@ def pipeline(model_path: str, backend_config: PytorchEngineConfig | TurbomindEng
     Everything is checked before the model is loaded.
     """
     if kwargs:
-        raise TypeError(f"pipeline() got unsupported keyword arguments {sorted(kwargs)}; engine settings go in "
-                        "backend_config.")
+        raise TypeError(
+            f"pipeline() got unsupported keyword arguments {sorted(kwargs)}; engine settings go in backend_config."
+        )
     if log_level not in _LOG_LEVELS:
         raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {log_level!r}.")
     chat_template = _chat_template(chat_template_config)
     if backend_config is None:
         backend_config = PytorchEngineConfig()
     if not isinstance(backend_config, (PytorchEngineConfig, TurbomindEngineConfig)):
-        raise TypeError("backend_config must be a splitserve PytorchEngineConfig or TurbomindEngineConfig, "
-                        f"got {type(backend_config).__name__}.")
+        raise TypeError(
+            "backend_config must be a splitserve PytorchEngineConfig or TurbomindEngineConfig, "
+            f"got {type(backend_config).__name__}."
+        )
     engine_args = backend_config.to_engine_args(model_path)
     logging.getLogger("splitserve").setLevel(log_level)
     return Pipeline(LLMEngine.from_engine_args(engine_args), chat_template)

@@ -1,5 +1,6 @@
 """The LMDeploy-style configuration objects, mapped onto splitserve's EngineArgs and SamplingParams:
 `GenerationConfig`, `PytorchEngineConfig` and `TurbomindEngineConfig` (see lmdeploy_api.py)."""
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,10 @@ def _refuse_unsupported(config, unsupported: dict[str, tuple[object, str]]) -> N
     for name, (supported, why) in unsupported.items():
         value = getattr(config, name)
         if value != supported:
-            raise ValueError(f"{type(config).__name__}.{name}={value!r} is not supported by splitserve: {why} "
-                             f"Leave it at {supported!r}.")
+            raise ValueError(
+                f"{type(config).__name__}.{name}={value!r} is not supported by splitserve: {why} "
+                f"Leave it at {supported!r}."
+            )
 
 
 def _check_range(config, name: str, ok: bool, expected: str) -> None:
@@ -110,8 +113,10 @@ def _mem_available_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    raise ValueError("Cannot tell how much host memory is free (no psutil, no /proc/meminfo), so "
-                     "cache_max_entry_count cannot be turned into a KV-cache size: set num_gpu_blocks instead.")
+    raise ValueError(
+        "Cannot tell how much host memory is free (no psutil, no /proc/meminfo), so "
+        "cache_max_entry_count cannot be turned into a KV-cache size: set num_gpu_blocks instead."
+    )
 
 
 def _kv_cache_kwargs(fraction: float, device: str) -> dict:
@@ -126,11 +131,14 @@ def _kv_cache_kwargs(fraction: float, device: str) -> dict:
 
 def _common_engine_args(config, model_path: str, block_size: int, device: str, **extra) -> EngineArgs:
     """The EngineArgs that both backend configs share; their fields have the same names here."""
-    _check_range(config, "cache_max_entry_count", 0.0 < config.cache_max_entry_count <= 1.0,
-                 "a fraction of free memory in (0, 1]")
+    _check_range(
+        config,
+        "cache_max_entry_count",
+        0.0 < config.cache_max_entry_count <= 1.0,
+        "a fraction of free memory in (0, 1]",
+    )
     _check_range(config, "max_prefill_token_num", config.max_prefill_token_num >= 1, ">= 1")
-    _check_range(config, "max_batch_size", config.max_batch_size is None or config.max_batch_size >= 1,
-                 "None or >= 1")
+    _check_range(config, "max_batch_size", config.max_batch_size is None or config.max_batch_size >= 1, "None or >= 1")
     _check_range(config, "session_len", config.session_len is None or config.session_len >= 1, "None or >= 1")
     kwargs = dict(
         model=model_path,
@@ -159,8 +167,10 @@ def _kv_cache_dtype(config) -> str:
     """LMDeploy's quant_policy as a kv_cache_dtype: 0 none, 8 int8, 4 int4. Like LMDeploy's, both
     quantize per token and KV head with no calibration (int8 symmetric here, int4 asymmetric)."""
     if config.quant_policy not in _QUANT_POLICY_KV_CACHE_DTYPES:
-        raise ValueError(f"{type(config).__name__}.quant_policy must be 0 (no KV-cache quantization), 8 (int8 KV "
-                         f"cache) or 4 (int4 KV cache), got {config.quant_policy!r}.")
+        raise ValueError(
+            f"{type(config).__name__}.quant_policy must be 0 (no KV-cache quantization), 8 (int8 KV "
+            f"cache) or 4 (int4 KV cache), got {config.quant_policy!r}."
+        )
     return _QUANT_POLICY_KV_CACHE_DTYPES[config.quant_policy]
 
 
@@ -206,18 +216,29 @@ class PytorchEngineConfig:
     eviction_type: str = "recompute"
 
     def to_engine_args(self, model_path: str) -> EngineArgs:
-        _refuse_unsupported(self, {
-            "tp": (1, _TP_WHY),
-            "num_cpu_blocks": (0, "KV blocks are never swapped to host memory (preempted requests are recomputed)."),
-            "eviction_type": ("recompute", "preempted requests are recomputed, never copied to host memory."),
-            "adapters": (None, "LoRA adapters are not implemented yet."),
-            "download_dir": (None, _DOWNLOAD_WHY),
-        })
+        _refuse_unsupported(
+            self,
+            {
+                "tp": (1, _TP_WHY),
+                "num_cpu_blocks": (
+                    0,
+                    "KV blocks are never swapped to host memory (preempted requests are recomputed).",
+                ),
+                "eviction_type": ("recompute", "preempted requests are recomputed, never copied to host memory."),
+                "adapters": (None, "LoRA adapters are not implemented yet."),
+                "download_dir": (None, _DOWNLOAD_WHY),
+            },
+        )
         _check_range(self, "prefill_interval", self.prefill_interval >= 1, ">= 1")
         _check_range(self, "num_gpu_blocks", self.num_gpu_blocks >= 0, ">= 0")
         return _common_engine_args(
-            self, model_path, self.block_size, _device(self.device_type),
-            num_gpu_blocks_override=self.num_gpu_blocks or None, enforce_eager=self.eager_mode)
+            self,
+            model_path,
+            self.block_size,
+            _device(self.device_type),
+            num_gpu_blocks_override=self.num_gpu_blocks or None,
+            enforce_eager=self.eager_mode,
+        )
 
 
 # LMDeploy's model_format -> splitserve's quantization (None: as the checkpoint says)
@@ -252,18 +273,24 @@ class TurbomindEngineConfig:
 
     def to_engine_args(self, model_path: str) -> EngineArgs:
         if self.model_format not in _MODEL_FORMATS:
-            raise ValueError(f"TurbomindEngineConfig.model_format must be one of {sorted(_MODEL_FORMATS, key=str)}, "
-                             f"got {self.model_format!r}.")
-        _refuse_unsupported(self, {
-            "tp": (1, _TP_WHY),
-            "rope_scaling_factor": (0.0, "RoPE scaling comes from the model's config.json only."),
-            "use_logn_attn": (False, "log-n attention scaling is not implemented."),
-            "download_dir": (None, _DOWNLOAD_WHY),
-            "num_tokens_per_iter": (0, "the step budget is max_prefill_token_num; there is no separate one."),
-            "max_prefill_iters": (1, "long prompts are chunked by the step budget, not by an iteration count."),
-        })
-        return _common_engine_args(self, model_path, self.cache_block_seq_len, "auto",
-                                   quantization=_MODEL_FORMATS[self.model_format])
+            raise ValueError(
+                f"TurbomindEngineConfig.model_format must be one of {sorted(_MODEL_FORMATS, key=str)}, "
+                f"got {self.model_format!r}."
+            )
+        _refuse_unsupported(
+            self,
+            {
+                "tp": (1, _TP_WHY),
+                "rope_scaling_factor": (0.0, "RoPE scaling comes from the model's config.json only."),
+                "use_logn_attn": (False, "log-n attention scaling is not implemented."),
+                "download_dir": (None, _DOWNLOAD_WHY),
+                "num_tokens_per_iter": (0, "the step budget is max_prefill_token_num; there is no separate one."),
+                "max_prefill_iters": (1, "long prompts are chunked by the step budget, not by an iteration count."),
+            },
+        )
+        return _common_engine_args(
+            self, model_path, self.cache_block_seq_len, "auto", quantization=_MODEL_FORMATS[self.model_format]
+        )
 
 
 def _device(device_type: str) -> str:
@@ -272,5 +299,7 @@ def _device(device_type: str) -> str:
         return "auto"
     if device_type == "cpu":
         return "cpu"
-    raise ValueError(f"PytorchEngineConfig.device_type={device_type!r} is not supported by splitserve: "
-                     "use 'cuda' (CUDA when available, else the CPU) or 'cpu'.")
+    raise ValueError(
+        f"PytorchEngineConfig.device_type={device_type!r} is not supported by splitserve: "
+        "use 'cuda' (CUDA when available, else the CPU) or 'cpu'."
+    )

@@ -1,30 +1,48 @@
 """`splitserve ranktable gen|merge`: the command line of the rank-table files of a PD deployment
 (splitserve/disagg/ranktable.py holds the format, its rules, and how tables are generated and merged)."""
+
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from splitserve.disagg.ranktable import (MERGED_FILE_NAME, default_server_ip, generate_ranktables, load_ranktable,
-                                         merge_ranktables, parse_server_list, write_ranktable)
+from splitserve.disagg.ranktable import (
+    MERGED_FILE_NAME,
+    default_server_ip,
+    generate_ranktables,
+    load_ranktable,
+    merge_ranktables,
+    parse_server_list,
+    write_ranktable,
+)
 
 
 def add_gen_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill-server-list", default="",
-                        help="device ids of this machine's prefill instances: comma-separated within an instance, "
-                             "';' between instances (e.g. '4,5' or '0;1'); empty: none")
+    parser.add_argument(
+        "--prefill-server-list",
+        default="",
+        help="device ids of this machine's prefill instances: comma-separated within an instance, "
+        "';' between instances (e.g. '4,5' or '0;1'); empty: none",
+    )
     parser.add_argument("--decode-server-list", default="", help="the same for the decode instances")
     parser.add_argument("--api-server", action="store_true", help="this machine also runs the router (group 0)")
     parser.add_argument("--save-dir", required=True, help="directory for the tables (created if missing)")
-    parser.add_argument("--server-ip", default=None,
-                        help="this machine's IP (default: its hostname's address, or 127.0.0.1 if that does not "
-                             "resolve; a loopback result is only usable on one machine)")
+    parser.add_argument(
+        "--server-ip",
+        default=None,
+        help="this machine's IP (default: its hostname's address, or 127.0.0.1 if that does not "
+        "resolve; a loopback result is only usable on one machine)",
+    )
 
 
 def gen_main(ns: argparse.Namespace) -> list[Path]:
     """`splitserve ranktable gen`: write and print this machine's tables."""
-    tables = generate_ranktables(ns.server_ip or default_server_ip(), parse_server_list(ns.prefill_server_list),
-                                 parse_server_list(ns.decode_server_list), ns.api_server)
+    tables = generate_ranktables(
+        ns.server_ip or default_server_ip(),
+        parse_server_list(ns.prefill_server_list),
+        parse_server_list(ns.decode_server_list),
+        ns.api_server,
+    )
     paths = [write_ranktable(table, Path(ns.save_dir) / name) for name, table in tables.items()]
     for path in paths:
         print(path)
@@ -32,8 +50,12 @@ def gen_main(ns: argparse.Namespace) -> list[Path]:
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--global-ranktable-list", nargs="+", required=True,
-                        help="the machines' global_ranktable_<ip>.json files, in the order their instances take")
+    parser.add_argument(
+        "--global-ranktable-list",
+        nargs="+",
+        required=True,
+        help="the machines' global_ranktable_<ip>.json files, in the order their instances take",
+    )
     parser.add_argument("--save-dir", required=True, help=f"directory for {MERGED_FILE_NAME} (created if missing)")
 
 

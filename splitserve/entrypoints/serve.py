@@ -7,16 +7,16 @@ decides what this process runs.
 - a rank-table environment (disagg/environment.py): the role it gives this process, a prefill or
   decode instance on its devices, or the router in front of the instances the table lists.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import sys
 
-from splitserve.engine.arg_utils import EngineArgs
 from splitserve.disagg import launch
 from splitserve.disagg.environment import resolve_pd_environment
-from splitserve.engine.arg_utils import engine_flags
+from splitserve.engine.arg_utils import EngineArgs, engine_flags
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server
 from splitserve.entrypoints.router import RouterConfig, run_router
@@ -35,10 +35,16 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         return run_server(engine_args, server_args)
     if pd_env.role == "router":
         logger.info("Rank table: router for prefill %s and decode %s", pd_env.prefill_urls, pd_env.decode_urls)
-        return run_router(_router_config(server_args, pd_env.prefill_urls, pd_env.decode_urls),
-                          server_args.host, server_args.port)
-    logger.info("Rank table: %s instance %d on %s, devices %s", pd_env.role, pd_env.instance_index,
-                pd_env.server_ip, pd_env.device_ids)
+        return run_router(
+            _router_config(server_args, pd_env.prefill_urls, pd_env.decode_urls), server_args.host, server_args.port
+        )
+    logger.info(
+        "Rank table: %s instance %d on %s, devices %s",
+        pd_env.role,
+        pd_env.instance_index,
+        pd_env.server_ip,
+        pd_env.device_ids,
+    )
     os.environ.update(launch.device_env(pd_env.device_ids))
     engine_args.pd_role, engine_args.kv_host = pd_env.role, pd_env.server_ip
     return run_server(engine_args, server_args)
@@ -54,8 +60,11 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
         for role, env in zip(roles, launch.split_devices(len(roles))):
             instances.append(launch.start_instance(role, instance_flags(engine_args, server_args, role), env))
         launch.wait_healthy(instances)
-        config = _router_config(server_args, [i.url for i in instances if i.role == "prefill"],
-                                [i.url for i in instances if i.role == "decode"])
+        config = _router_config(
+            server_args,
+            [i.url for i in instances if i.role == "prefill"],
+            [i.url for i in instances if i.role == "decode"],
+        )
         logger.info("PD deployment %s ready: router on port %d", spec, server_args.port)
         run_router(config, server_args.host, server_args.port)
     finally:
@@ -75,8 +84,9 @@ def instance_flags(engine_args: EngineArgs, server_args: ServerArgs, role: str) 
 
 
 def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls: list[str]) -> RouterConfig:
-    return RouterConfig(prefill_urls=prefill_urls, decode_urls=decode_urls, policy=server_args.policy,
-                        api_key=server_args.api_key)
+    return RouterConfig(
+        prefill_urls=prefill_urls, decode_urls=decode_urls, policy=server_args.policy, api_key=server_args.api_key
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

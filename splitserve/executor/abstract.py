@@ -12,6 +12,7 @@ its own KV cache; the engine reads the sampled tokens of the output rank (the fi
 rank of the last stage). `launch` returns at once where the device allows; `collect` waits for
 that step's tokens, so that the engine can prepare the next step meanwhile (overlap scheduling).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -1,5 +1,6 @@
 """CPU cores per process: instances of a PD deployment and the ranks of one instance each get their
 own share of the cores, with one torch thread per core (docs/parallel.md says how to set it by hand)."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ def split_cores(count: int, cores: list[int]) -> list[list[int]]:
     if len(cores) < count:
         return [[cores[i % len(cores)]] for i in range(count)]
     share = len(cores) // count
-    return [cores[i * share:(i + 1) * share] for i in range(count)]
+    return [cores[i * share : (i + 1) * share] for i in range(count)]
 
 
 def available_cores() -> list[int]:

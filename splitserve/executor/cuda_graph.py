@@ -15,6 +15,7 @@ static buffers and the extra rows padded:
 Only backends whose kernels need no host-side lengths can be captured (`supports_cuda_graphs`:
 the Triton backend). Graphs of all sizes share one memory pool, captured largest first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,16 @@ class CUDAGraphRunner:
     """Replays captured decode forwards. `forward(input_ids, positions, meta) -> hidden` is the
     model; `pad_block` is the cache block reserved for padding rows."""
 
-    def __init__(self, forward: Callable, backend: AttentionBackend, sizes: list[int], max_model_len: int,
-                 block_size: int, pad_block: int, device: torch.device):
+    def __init__(
+        self,
+        forward: Callable,
+        backend: AttentionBackend,
+        sizes: list[int],
+        max_model_len: int,
+        block_size: int,
+        pad_block: int,
+        device: torch.device,
+    ):
         self.forward, self.backend, self.sizes = forward, backend, sizes
         self.max_model_len, self.block_size, self.pad_block = max_model_len, block_size, pad_block
         self.graphs = CudaGraphPool()
@@ -95,24 +104,41 @@ class CUDAGraphRunner:
             self.forward(*self._static_inputs(size))  # compiles kernels and warms caches outside capture
             self.captured[size] = self.graphs.capture(lambda size=size: self.forward(*self._static_inputs(size)))
         used = free_before - _free_gpu_memory()
-        logger.info("Captured CUDA graphs for %d decode batch sizes (1 to %d) in %.1f s, using %.2f GiB; "
-                    "--enforce-eager turns them off.", len(self.sizes), self.max_batch_size,
-                    time.perf_counter() - start, used / (1 << 30))
+        logger.info(
+            "Captured CUDA graphs for %d decode batch sizes (1 to %d) in %.1f s, using %.2f GiB; "
+            "--enforce-eager turns them off.",
+            len(self.sizes),
+            self.max_batch_size,
+            time.perf_counter() - start,
+            used / (1 << 30),
+        )
 
     def _static_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         meta = AttentionMetadata(
-            backend=self.backend, num_decodes=size, query_start_loc=list(range(size + 1)),
-            seq_lens=[1] * size, seq_lens_tensor=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size], block_size=self.block_size,
-            decode_len_bound=self.max_model_len)
+            backend=self.backend,
+            num_decodes=size,
+            query_start_loc=list(range(size + 1)),
+            seq_lens=[1] * size,
+            seq_lens_tensor=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            block_size=self.block_size,
+            decode_len_bound=self.max_model_len,
+        )
         return self.input_ids[:size], self.positions[:size], meta
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured size that serves a decode batch of num_reqs, or None when none does."""
         return next((s for s in self.sizes if s >= num_reqs), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
         """One decode step of n = len(input_ids) requests (n <= max_batch_size): final hidden [n, H]."""
         n, width = len(input_ids), block_tables.shape[1]
         size = self.padded_size(n)

@@ -1,5 +1,6 @@
 """The executor a configuration asks for (its implementations import the interface, so the choice
 lives apart from it)."""
+
 from __future__ import annotations
 
 from splitserve.config import EngineConfig

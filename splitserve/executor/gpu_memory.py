@@ -2,6 +2,7 @@
 profiling forward pass of the largest step the scheduler can make measures the activation peak;
 the cache gets what `gpu_memory_utilization` of the GPU leaves once the weights, everything else
 on the GPU (other processes included) and that peak are set aside."""
+
 from __future__ import annotations
 
 import logging
@@ -16,12 +17,12 @@ _GIB = float(1 << 30)
 
 @dataclass
 class MemoryProfile:
-    total: int            # the GPU's memory
-    free: int             # free after loading the weights (and emptying torch's cache)
-    weights: int          # what torch had allocated before the profiling pass: the weights
+    total: int  # the GPU's memory
+    free: int  # free after loading the weights (and emptying torch's cache)
+    weights: int  # what torch had allocated before the profiling pass: the weights
     activation_peak: int  # the profiling pass's peak above that, its throwaway KV cache excluded
     utilization: float
-    num_tokens: int       # tokens in the profiling pass
+    num_tokens: int  # tokens in the profiling pass
 
     @property
     def kv_cache_budget(self) -> int:
@@ -30,18 +31,21 @@ class MemoryProfile:
         return int(self.free - self.total * (1.0 - self.utilization) - self.activation_peak)
 
     def describe(self) -> str:
-        return (f"{self.total / _GIB:.1f} GiB total, {(self.total - self.free) / _GIB:.2f} GiB in use after "
-                f"loading (weights {self.weights / _GIB:.2f} GiB), activation peak "
-                f"{self.activation_peak / _GIB:.2f} GiB for a {self.num_tokens}-token step; "
-                f"gpu_memory_utilization={self.utilization:g} leaves "
-                f"{max(self.kv_cache_budget, 0) / _GIB:.2f} GiB for the KV cache")
+        return (
+            f"{self.total / _GIB:.1f} GiB total, {(self.total - self.free) / _GIB:.2f} GiB in use after "
+            f"loading (weights {self.weights / _GIB:.2f} GiB), activation peak "
+            f"{self.activation_peak / _GIB:.2f} GiB for a {self.num_tokens}-token step; "
+            f"gpu_memory_utilization={self.utilization:g} leaves "
+            f"{max(self.kv_cache_budget, 0) / _GIB:.2f} GiB for the KV cache"
+        )
 
     def check(self, bytes_per_block: int) -> None:
         if self.kv_cache_budget < bytes_per_block:
             raise ValueError(
                 f"No GPU memory is left for the KV cache: {self.describe()}. Raise --gpu-memory-utilization, "
                 "lower --max-num-batched-tokens or --max-num-seqs (smaller activations), use a quantized "
-                "model, or free the GPU of other processes.")
+                "model, or free the GPU of other processes."
+            )
 
 
 def profile_cuda_memory(runner) -> MemoryProfile:
@@ -56,7 +60,13 @@ def profile_cuda_memory(runner) -> MemoryProfile:
     peak = torch.cuda.max_memory_allocated(device) - before - throwaway_cache
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    profile = MemoryProfile(total=total, free=free, weights=before, activation_peak=max(peak, 0),
-                            utilization=runner.config.cache_config.gpu_memory_utilization, num_tokens=num_tokens)
+    profile = MemoryProfile(
+        total=total,
+        free=free,
+        weights=before,
+        activation_peak=max(peak, 0),
+        utilization=runner.config.cache_config.gpu_memory_utilization,
+        num_tokens=num_tokens,
+    )
     logger.info("GPU memory: %s.", profile.describe())
     return profile

@@ -6,6 +6,7 @@ so far. With overlap scheduling the GPU's queue already holds the next step, so 
 copies through pinned memory asynchronously, and reads a step's sampled tokens after an event
 recorded right after that step. On CPU these are the plain tensors.
 """
+
 from __future__ import annotations
 
 import torch

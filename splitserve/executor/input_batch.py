@@ -5,6 +5,7 @@ and keeps what sampling needs (CachedRequestState); each step it reads the rows 
 builds an InputBatch, the flat lists that become the forward's tensors, before anything touches the
 device. The profiling run builds its InputBatch the same way, from made-up rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ class CachedRequestState:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    stop_token_set: set[int]             # what min_tokens holds back
+    stop_token_set: set[int]  # what min_tokens holds back
     block_ids: list[int] = field(default_factory=list)
     # Tokens past the prompt, kept only when sampling reads them (penalties, bad words, min_tokens).
     output_token_ids: list[int] = field(default_factory=list)
@@ -52,7 +53,7 @@ class CachedRequestState:
         first = max(self.num_prompt_tokens - start, 0)
         if first >= len(token_ids):
             return
-        del self.output_token_ids[start + first - self.num_prompt_tokens:]
+        del self.output_token_ids[start + first - self.num_prompt_tokens :]
         self.output_token_ids.extend(token_ids[first:])
 
     def generator_on(self, device: torch.device) -> torch.Generator:
@@ -65,8 +66,8 @@ class PromptLogprobSpan(NamedTuple):
     """Prompt positions whose next-token logprobs a step scores."""
 
     row: int
-    first_index: int      # index of the first of them in the step's tokens
-    start: int            # its position in the prompt (it scores prompt token start + 1)
+    first_index: int  # index of the first of them in the step's tokens
+    start: int  # its position in the prompt (it scores prompt token start + 1)
     count: int
 
 
@@ -84,8 +85,8 @@ class InputBatch:
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     num_decodes: int = 0
-    sample_rows: list[int] = field(default_factory=list)      # rows that sample a token
-    logits_indices: list[int] = field(default_factory=list)   # the token each of them samples from
+    sample_rows: list[int] = field(default_factory=list)  # rows that sample a token
+    logits_indices: list[int] = field(default_factory=list)  # the token each of them samples from
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
     # (index in input_ids, request id) of tokens that the step in flight is still sampling
     pending_inputs: list[tuple[int, str]] = field(default_factory=list)

@@ -1,5 +1,6 @@
 """The model runner: owns the model, the paged KV cache tensors and the sampler, and turns one
 SchedulerOutput into one forward pass plus sampling."""
+
 from __future__ import annotations
 
 import logging
@@ -33,10 +34,10 @@ class InFlightStep:
     way to the host, and `ready`, reached when they have arrived. It holds what collect() needs of
     its requests, which may be forgotten by the time it is collected."""
 
-    request_ids: list[str]                        # the rows of `sampled`: the requests that sample
-    num_logprobs: list[int | None]                # per row: how many top logprobs it asked for
+    request_ids: list[str]  # the rows of `sampled`: the requests that sample
+    num_logprobs: list[int | None]  # per row: how many top logprobs it asked for
     sampled: SamplerOutput | None = None
-    host: list = field(default_factory=list)      # host copies of _sampler_tensors(sampled)
+    host: list = field(default_factory=list)  # host copies of _sampler_tensors(sampled)
     prompt_host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # host copies, per request
     ready: StepReady | None = None
 
@@ -117,8 +118,9 @@ class ModelRunner:
         scales = None
         if spec.quantized:
             # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
-            scales = [torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device)
-                      for _ in layers]
+            scales = [
+                torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device) for _ in layers
+            ]
         for i, layer in enumerate(layers):
             layer.kv_cache = caches[i]
             layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
@@ -129,9 +131,14 @@ class ModelRunner:
         block num_blocks, where padding rows write (see cuda_graph)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         spec = self.kv_spec
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, self.block_size,
-                    num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30),
-                    spec.describe())
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_blocks * self.kv_bytes_per_block() / (1 << 30),
+            spec.describe(),
+        )
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
@@ -141,8 +148,9 @@ class ModelRunner:
         cfg = self.config
         sizes = capture_sizes(cfg.cuda_graph_sizes, cfg.scheduler_config.max_num_seqs)
         pad_block = self.kv_caches[0].shape[2] - 1
-        self.graph_runner = CUDAGraphRunner(self.model, self.backend, sizes, cfg.scheduler_config.max_model_len,
-                                            self.block_size, pad_block, self.device)
+        self.graph_runner = CUDAGraphRunner(
+            self.model, self.backend, sizes, cfg.scheduler_config.max_model_len, self.block_size, pad_block, self.device
+        )
         self.graph_runner.capture_all()
 
     @torch.inference_mode()
@@ -158,8 +166,9 @@ class ModelRunner:
         rows, num_blocks = [], 0
         for i, n in enumerate(lens):
             count = -(-n // self.block_size)
-            state = CachedRequestState(f"profile-{i}", [0] * n, SamplingParams(), set(),
-                                       list(range(num_blocks, num_blocks + count)))
+            state = CachedRequestState(
+                f"profile-{i}", [0] * n, SamplingParams(), set(), list(range(num_blocks, num_blocks + count))
+            )
             rows.append((state, ScheduledRequest(state.request_id, 0, n, [0] * n, [], samples=False)))
             num_blocks += count
         bound = [(layer.kv_cache, layer.kv_scales) for layer in self.model.attention_layers()]
@@ -167,16 +176,22 @@ class ModelRunner:
         batch = InputBatch.build(rows, self.block_size)
         meta = self._attention_metadata(batch)
         dev = self.device
-        hidden = self._forward(to_device(batch.input_ids, torch.long, dev), to_device(batch.positions, torch.long, dev),
-                               meta)
+        hidden = self._forward(
+            to_device(batch.input_ids, torch.long, dev), to_device(batch.positions, torch.long, dev), meta
+        )
         if hidden is not None:
             last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
             logits = self.model.compute_logits(hidden[last_tokens])
             vocab = logits.shape[-1]
-            self.sampler(logits, SamplingMetadata(
-                temperature=torch.ones(len(logits), device=dev), all_greedy=False,
-                top_k=torch.full((len(logits),), vocab // 2, dtype=torch.long, device=dev),
-                top_p=torch.full((len(logits),), 0.9, device=dev)))
+            self.sampler(
+                logits,
+                SamplingMetadata(
+                    temperature=torch.ones(len(logits), device=dev),
+                    all_greedy=False,
+                    top_k=torch.full((len(logits),), vocab // 2, dtype=torch.long, device=dev),
+                    top_p=torch.full((len(logits),), 0.9, device=dev),
+                ),
+            )
         for layer, (cache, scales) in zip(self.model.attention_layers(), bound):
             layer.kv_cache, layer.kv_scales = cache, scales
         return num_tokens, num_blocks * self.kv_bytes_per_block()
@@ -206,8 +221,9 @@ class ModelRunner:
         input_ids = self._input_ids(batch, previous)
         positions = to_device(batch.positions, torch.long, self.device)
         if self._replays(batch):
-            hidden = self.graph_runner.run(input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor,
-                                           meta.block_tables)
+            hidden = self.graph_runner.run(
+                input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor, meta.block_tables
+            )
         else:
             hidden = self._forward(input_ids, positions, meta)
         if hidden is None:  # a pipeline stage before the last: its share of the step is done
@@ -280,8 +296,11 @@ class ModelRunner:
 
     def _replays(self, batch: InputBatch) -> bool:
         """Whether a captured CUDA graph runs this step: decodes only, few enough of them."""
-        return (self.graph_runner is not None and batch.num_decodes == len(batch.requests)
-                and batch.num_decodes <= self.graph_runner.max_batch_size)
+        return (
+            self.graph_runner is not None
+            and batch.num_decodes == len(batch.requests)
+            and batch.num_decodes <= self.graph_runner.max_batch_size
+        )
 
     @staticmethod
     def _collect_samples(step: InFlightStep, out: ModelRunnerOutput) -> None:
@@ -291,23 +310,24 @@ class ModelRunner:
         for i, (request_id, k) in enumerate(zip(step.request_ids, step.num_logprobs)):
             out.sampled[request_id] = tokens[i]
             if k is not None:
-                out.logprobs[request_id] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+                out.logprobs[request_id] = (ids[i][: k + 1], lps[i][: k + 1], ranks[i])
 
-    def _prompt_logprobs(self, request: CachedRequestState, hidden: torch.Tensor,
-                         span: PromptLogprobSpan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prompt_logprobs(
+        self, request: CachedRequestState, hidden: torch.Tensor, span: PromptLogprobSpan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For prompt positions scored this step (hidden rows first_index.., each scoring the next
         prompt token): ids and logprobs [count, 1 + k] (the prompt token, then the top k) and the
         prompt token's rank [count], on the device. Computed PROMPT_LOGPROBS_CHUNK rows at a time:
         a whole 8192-token chunk's float32 logits over a 150k vocabulary would take ~10 GB."""
         first, count = span.first_index, span.count
-        targets = to_device(request.prompt_token_ids[span.start + 1:span.start + 1 + count], torch.long, self.device)
+        targets = to_device(request.prompt_token_ids[span.start + 1 : span.start + 1 + count], torch.long, self.device)
         k = request.sampling_params.prompt_logprobs or 0
         ids = torch.empty(count, 1 + k, dtype=torch.long, device=self.device)
         lps = torch.empty(count, 1 + k, dtype=torch.float32, device=self.device)
         ranks = torch.empty(count, dtype=torch.long, device=self.device)
         for lo in range(0, count, PROMPT_LOGPROBS_CHUNK):
             hi = min(lo + PROMPT_LOGPROBS_CHUNK, count)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo:first + hi]).float(), dim=-1)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]).float(), dim=-1)
             ids[lo:hi, 0] = targets[lo:hi]
             lps[lo:hi, :1] = logprobs.gather(-1, targets[lo:hi, None])
             ranks[lo:hi] = (logprobs > lps[lo:hi, :1]).sum(-1) + 1

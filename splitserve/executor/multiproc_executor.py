@@ -7,6 +7,7 @@ the cores (one torch thread per core); with fewer cores than ranks they share th
 a warning. A worker that dies or raises fails the engine at once with a message naming its rank,
 and the workers never outlive the engine (parent-death signal, and a kill at shutdown).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,9 @@ class RankDiedError(RuntimeError):
     """A rank's process ended or a rank raised: the engine cannot go on."""
 
 
-def _worker_main(config: EngineConfig, rank: ParallelRank, init_method: str, conn: Connection,
-                 cores: list[int] | None) -> None:
+def _worker_main(
+    config: EngineConfig, rank: ParallelRank, init_method: str, conn: Connection, cores: list[int] | None
+) -> None:
     """A worker process: join, build, then answer messages until the pipe closes."""
     exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -44,8 +46,9 @@ def _worker_main(config: EngineConfig, rank: ParallelRank, init_method: str, con
         worker = Worker(config, rank, init_method, local_rank=rank.rank)
     except Exception as exc:
         logger.exception("Rank %d failed to start", rank.rank)
-        conn.send_bytes(ENCODER.encode(WorkerReply(error=f"rank {rank.rank} failed to start: "
-                                                         f"{type(exc).__name__}: {exc}")))
+        conn.send_bytes(
+            ENCODER.encode(WorkerReply(error=f"rank {rank.rank} failed to start: {type(exc).__name__}: {exc}"))
+        )
         return
     conn.send_bytes(ENCODER.encode(WorkerReply(value=rank.rank)))
     while True:
@@ -63,8 +66,9 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         pc = config.parallel_config
         self.world_size = pc.world_size
-        self.ranks = [ParallelRank.of(r, pc.tensor_parallel_size, pc.pipeline_parallel_size)
-                      for r in range(self.world_size)]
+        self.ranks = [
+            ParallelRank.of(r, pc.tensor_parallel_size, pc.pipeline_parallel_size) for r in range(self.world_size)
+        ]
         self.output_rank = next(r.rank for r in self.ranks if r.is_output_rank)
         self.processes: list[multiprocessing.Process] = []
         self.conns: list[Connection] = []
@@ -74,8 +78,12 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d ranks ready (tensor parallel %d x pipeline parallel %d), one process each", self.world_size,
-                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        logger.info(
+            "%d ranks ready (tensor parallel %d x pipeline parallel %d), one process each",
+            self.world_size,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+        )
 
     def _start_workers(self, config: EngineConfig) -> None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -83,8 +91,12 @@ class MultiprocExecutor(Executor):
         ctx = multiprocessing.get_context("spawn")
         for rank in self.ranks:
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_worker_main, name=f"splitserve-rank-{rank.rank}", daemon=True,
-                                  args=(config, rank, init_method, child, cores[rank.rank] if cores else None))
+            process = ctx.Process(
+                target=_worker_main,
+                name=f"splitserve-rank-{rank.rank}",
+                daemon=True,
+                args=(config, rank, init_method, child, cores[rank.rank] if cores else None),
+            )
             process.start()
             child.close()
             self.processes.append(process)
@@ -95,8 +107,11 @@ class MultiprocExecutor(Executor):
             return None
         cores = available_cores()
         if len(cores) < self.world_size:
-            logger.warning("%d ranks share %d CPU cores: each rank gets one, and ranks on the same core slow each "
-                           "other down", self.world_size, len(cores))
+            logger.warning(
+                "%d ranks share %d CPU cores: each rank gets one, and ranks on the same core slow each other down",
+                self.world_size,
+                len(cores),
+            )
         split = split_cores(self.world_size, cores)
         logger.info("CPU cores per rank: %s", "; ".join(f"rank {r}: {c}" for r, c in enumerate(split)))
         return split

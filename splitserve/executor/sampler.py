@@ -9,6 +9,7 @@ depend on what else is in the batch (one draw per row, not one per vocabulary en
 sampling cheap on CPU). On CPU, a batch that asks for nothing but temperature (or greedy) is
 sampled by one fused kernel (splitserve.kernels.sample) straight from the model-dtype logits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,24 +23,24 @@ GREEDY_TEMPERATURE = 1e-5  # a row whose temperature is below this is greedy
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor                      # [R] float32; 0 for greedy rows
+    temperature: torch.Tensor  # [R] float32; 0 for greedy rows
     all_greedy: bool
-    top_k: torch.Tensor | None = None              # [R] int64; vocab size means "no limit"
-    top_p: torch.Tensor | None = None              # [R] float32
-    min_p: torch.Tensor | None = None              # [R] float32
+    top_k: torch.Tensor | None = None  # [R] int64; vocab size means "no limit"
+    top_p: torch.Tensor | None = None  # [R] float32
+    min_p: torch.Tensor | None = None  # [R] float32
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     repetition_penalty: torch.Tensor | None = None  # [R]
-    frequency_penalty: torch.Tensor | None = None   # [R]
-    presence_penalty: torch.Tensor | None = None    # [R]
-    prompt_mask: torch.Tensor | None = None         # [R, V] bool: token occurs in the prompt
-    output_counts: torch.Tensor | None = None       # [R, V] float32: occurrences in the output
-    logit_bias: torch.Tensor | None = None          # [R, V] float32 additive bias (-inf bans)
+    frequency_penalty: torch.Tensor | None = None  # [R]
+    presence_penalty: torch.Tensor | None = None  # [R]
+    prompt_mask: torch.Tensor | None = None  # [R, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # [R, V] float32: occurrences in the output
+    logit_bias: torch.Tensor | None = None  # [R, V] float32 additive bias (-inf bans)
     max_num_logprobs: int | None = None
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor                         # [R]
+    token_ids: torch.Tensor  # [R]
     # When logprobs were asked for: [R, 1 + k] ids and logprobs (sampled token first) and [R] ranks.
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -59,7 +60,8 @@ class Sampler:
         out = SamplerOutput(tokens)
         if raw_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
-                raw_logprobs, meta.max_num_logprobs, tokens)
+                raw_logprobs, meta.max_num_logprobs, tokens
+            )
         return out
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -112,9 +114,16 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _plain(meta: SamplingMetadata) -> bool:
     """Nothing but temperature: no logprobs, logit processors, penalties, top-k/top-p/min-p."""
-    return (meta.max_num_logprobs is None and meta.logit_bias is None and meta.repetition_penalty is None
-            and meta.frequency_penalty is None and meta.presence_penalty is None and meta.top_k is None
-            and meta.top_p is None and meta.min_p is None)
+    return (
+        meta.max_num_logprobs is None
+        and meta.logit_bias is None
+        and meta.repetition_penalty is None
+        and meta.frequency_penalty is None
+        and meta.presence_penalty is None
+        and meta.top_k is None
+        and meta.top_p is None
+        and meta.min_p is None
+    )
 
 
 def _uniforms(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -8,6 +8,7 @@ number of device operations and host->device copies does not grow with the numbe
 copy makes the host wait for the GPU's queue, and no dense [R, V] tensor (100+ MB for a large batch
 and vocabulary) is ever built on the host or copied.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,11 +28,11 @@ def build_sampling_metadata(requests: list[CachedRequestState], vocab: int, devi
     """
     params = [r.sampling_params for r in requests]
     temps = [p.temperature for p in params]
-    meta = SamplingMetadata(temperature=to_device(temps, torch.float32, device),
-                            all_greedy=all(t < GREEDY_TEMPERATURE for t in temps))
+    meta = SamplingMetadata(
+        temperature=to_device(temps, torch.float32, device), all_greedy=all(t < GREEDY_TEMPERATURE for t in temps)
+    )
     _add_truncation(meta, params, vocab, device)
-    meta.generators = {i: r.generator_on(device) for i, r in enumerate(requests)
-                       if r.sampling_params.seed is not None}
+    meta.generators = {i: r.generator_on(device) for i, r in enumerate(requests) if r.sampling_params.seed is not None}
     _add_penalties(meta, requests, vocab, device)
     meta.logit_bias = _logit_bias(requests, vocab, device)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -39,8 +40,7 @@ def build_sampling_metadata(requests: list[CachedRequestState], vocab: int, devi
     return meta
 
 
-def _add_truncation(meta: SamplingMetadata, params: list[SamplingParams], vocab: int,
-                    device: torch.device) -> None:
+def _add_truncation(meta: SamplingMetadata, params: list[SamplingParams], vocab: int, device: torch.device) -> None:
     """top_k (vocab where a row has no limit), top_p and min_p: one column copy each, when any row uses it."""
     if any(p.top_k for p in params):
         meta.top_k = to_device([p.top_k or vocab for p in params], torch.long, device)
@@ -50,7 +50,9 @@ def _add_truncation(meta: SamplingMetadata, params: list[SamplingParams], vocab:
         meta.min_p = to_device([p.min_p for p in params], torch.float32, device)
 
 
-def _add_penalties(meta: SamplingMetadata, requests: list[CachedRequestState], vocab: int, device: torch.device) -> None:
+def _add_penalties(
+    meta: SamplingMetadata, requests: list[CachedRequestState], vocab: int, device: torch.device
+) -> None:
     """Penalty columns, the output counts every penalty reads, and the prompt mask that only the
     repetition penalty reads; nothing when no row has a penalty."""
     params = [r.sampling_params for r in requests]
@@ -154,7 +156,7 @@ def _banned_tokens(request: CachedRequestState) -> list[int]:
         banned.extend(request.stop_token_set)
     for words in params.bad_words_token_ids:
         prefix = words[:-1]
-        if not prefix or output[-len(prefix):] == prefix:
+        if not prefix or output[-len(prefix) :] == prefix:
             banned.append(words[-1])
     return banned
 
@@ -169,8 +171,7 @@ def _pairs(token_lists: list[list[int]]) -> tuple[list[int], list[int]]:
     return rows, tokens
 
 
-def _index_to_device(rows: list[int], tokens: list[int],
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _index_to_device(rows: list[int], tokens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index tensors on `device` from one [2, N] int64 copy (not one per row or per list)."""
     both = to_device([rows, tokens], torch.long, device)
     return both[0], both[1]

@@ -5,6 +5,7 @@ The engine's scheduler plans with live `Request` objects (engine/scheduler.py); 
 plan as the runners need it. A runner keeps its own state per request (executor/input_batch.py):
 it is told about a request once (`NewRequestData`), then only what changes each step.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -21,19 +22,19 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    stop_token_ids: list[int]            # eos and stop ids: what min_tokens holds back
+    stop_token_ids: list[int]  # eos and stop ids: what min_tokens holds back
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's share of a step."""
 
     request_id: str
-    num_computed_tokens: int             # tokens already in the KV cache: the position of the first input
-    num_tokens: int                      # tokens this step computes
-    token_ids: list[int]                 # their ids; one fewer when the last is still being sampled
-    new_block_ids: list[int]             # blocks added since the last step (all of them when `resumed`)
-    samples: bool                        # the step reaches its last token: sample the next one
-    resumed: bool = False                # back after a preemption: its block list starts over
+    num_computed_tokens: int  # tokens already in the KV cache: the position of the first input
+    num_tokens: int  # tokens this step computes
+    token_ids: list[int]  # their ids; one fewer when the last is still being sampled
+    new_block_ids: list[int]  # blocks added since the last step (all of them when `resumed`)
+    samples: bool  # the step reaches its last token: sample the next one
+    resumed: bool = False  # back after a preemption: its block list starts over
 
     @property
     def last_token_pending(self) -> bool:
@@ -45,7 +46,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequestData] = []
     scheduled: list[ScheduledRequest] = []
-    finished_request_ids: list[str] = []   # forget these (finished, aborted) before this step
+    finished_request_ids: list[str] = []  # forget these (finished, aborted) before this step
 
     @property
     def total_num_tokens(self) -> int:

@@ -1,4 +1,5 @@
 """One rank, in the engine core's own process: the ModelRunner is called directly."""
+
 from __future__ import annotations
 
 from splitserve.config import EngineConfig

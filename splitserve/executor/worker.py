@@ -8,6 +8,7 @@ the sampled tokens, the others with an empty output once their share is done) an
 and queries, answered by every rank). An exception is answered as an error naming the rank; after
 a failed `Launch` the error is the answer to the next message.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,6 +23,7 @@ from splitserve.distributed import ParallelRank, init_distributed
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 
 logger = logging.getLogger(__name__)
+
 
 class Launch(msgspec.Struct, tag="launch", array_like=True):
     step: StepInput

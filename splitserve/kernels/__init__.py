@@ -16,6 +16,7 @@ every op. triton_ops is imported on the first CUDA call; without triton, or with
 SPLITSERVE_GPU_KERNELS=0, CUDA runs the torch code (logged once). Paged attention on CUDA belongs
 to the attention backend (splitserve/executor/attention), and sampling stays in torch there.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,15 +58,24 @@ def _build():
     try:
         # -march=native: the code runs on the machine that compiles it. -ffp-contract=off: no fused
         # multiply-adds, so the element-wise kernels round exactly as the torch ops they replace.
-        load(name="splitserve_cpu_ops", sources=[source], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
-             extra_ldflags=["-fopenmp"])
+        load(
+            name="splitserve_cpu_ops",
+            sources=[source],
+            is_python_module=False,
+            verbose=False,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+        )
     except Exception as exc:  # a missing compiler, or a torch without its headers
-        logger.warning("splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, "
-                       "which are slower.", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+        logger.warning(
+            "splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, which are slower.",
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
+        )
         return None
-    logger.info("CPU kernels ready in %.1f s (built once per machine, then loaded from torch's cache).",
-                time.perf_counter() - start)
+    logger.info(
+        "CPU kernels ready in %.1f s (built once per machine, then loaded from torch's cache).",
+        time.perf_counter() - start,
+    )
     return torch.ops.splitserve_cpu
 
 
@@ -101,8 +111,7 @@ def _import_gpu_ops():
     try:
         from splitserve.kernels import triton_ops
     except ImportError as exc:
-        logger.info("triton cannot be imported (%s): CUDA runs the plain torch ops for RMSNorm, rotary and "
-                    "SiLU.", exc)
+        logger.info("triton cannot be imported (%s): CUDA runs the plain torch ops for RMSNorm, rotary and SiLU.", exc)
         return None
     return triton_ops
 
@@ -112,8 +121,9 @@ def _use_gpu_kernel(x: torch.Tensor) -> bool:
 
 
 # --- RMSNorm, optionally fused with the residual add -------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' RMSNorm (normalised in float32, cast back, then times the weight).
     With `residual`: residual = x + residual first, and the norm is of that sum; returns
     (normed, new residual). The CPU and CUDA kernels update `residual` in place: use the returned one."""
@@ -124,8 +134,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             return ops.rms_norm(flat, weight, eps).view(x.shape), None
         out = ops.add_rms_norm(flat, residual.view(-1, x.shape[-1]), weight, eps)
         return out.view(x.shape), residual
-    if (_use_gpu_kernel(x) and weight.dtype in _SUPPORTED
-            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
+    if (
+        _use_gpu_kernel(x)
+        and weight.dtype in _SUPPORTED
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+    ):
         return gpu_ops().rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = residual = x + residual
@@ -149,10 +162,20 @@ def _gpu_rotary_fits(q, k, cos, sin) -> bool:
     """The layout the Triton kernel rotates in place: 3-d q, k of one dtype with stride 1 on an
     even head_dim, and one cos / sin row per token in that dtype."""
     num_tokens, d = q.shape[0], q.shape[-1]
-    return (q.dim() == 3 and k.dim() == 3 and k.shape[0] == num_tokens and k.shape[-1] == d and d % 2 == 0
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
-            and cos.dtype == sin.dtype == q.dtype and cos.shape == sin.shape
-            and cos.shape[0] == num_tokens and cos.numel() == num_tokens * d)
+    return (
+        q.dim() == 3
+        and k.dim() == 3
+        and k.shape[0] == num_tokens
+        and k.shape[-1] == d
+        and d % 2 == 0
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and k.dtype == q.dtype
+        and cos.dtype == sin.dtype == q.dtype
+        and cos.shape == sin.shape
+        and cos.shape[0] == num_tokens
+        and cos.numel() == num_tokens * d
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -183,8 +206,16 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     cpu_ops().write_kv(kv_cache, k, v, slot_mapping)
 
 
-def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, num_decodes: int, scale: float, sliding_window: int | None) -> None:
+def decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_decodes: int,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
     """Attention of the first num_decodes requests, one query token each: rows [0, num_decodes) of
     q [T, Hq, D] into the same rows of out (contiguous); kv_cache [2, Hkv, blocks, block_size, D];
     block_tables [R, max_blocks] int32 and seq_lens [R] int32 (tokens cached, this one included).

@@ -14,6 +14,7 @@ The wrappers only allocate their outputs and launch: no host synchronisation, so
 captured in a CUDA graph. Rows are addressed by their strides (stride 1 along the last dim), so
 views into a fused projection output (q and k of qkv, Qwen3's per-head norm) are read in place.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,10 +50,22 @@ def _load_summed(x_row, res_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
-                     rows_inner, stride_xo, stride_xi, stride_ro, stride_ri,
-                     n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    rows_inner,
+    stride_xo,
+    stride_xi,
+    stride_ro,
+    stride_ri,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):
     """One program per row. Rows are indexed by (outer, inner) with their own strides in x and in
     the residual (a [T, H, D] view normalises T * H rows of D); out is contiguous [rows, n_cols].
     With HAS_RESIDUAL the row of res_ptr becomes round(x + residual) and that is normalised.
@@ -106,8 +119,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, -3)  # a view when the leading dims merge, else a copy
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """splitserve.kernels.rms_norm in one launch: weight * normalise(x in float32).to(x.dtype),
     over the last dim of x (any leading dims). With `residual` (x's shape and dtype): residual =
     x + residual, rounded to the dtype and written into `residual` in place, and the norm is of
@@ -116,19 +130,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
-                         f"x {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
+        )
     if out.numel() == 0:
         return out, residual
     rows = _rows(x)
     res_rows = _rows(residual) if residual is not None else rows
     block = min(triton.next_power_of_2(n), MAX_ROW_BLOCK)
     _rms_norm_kernel[(rows.shape[0] * rows.shape[1],)](
-        rows, res_rows, weight.contiguous(), out,
-        rows.shape[1], rows.stride(0), rows.stride(1), res_rows.stride(0), res_rows.stride(1),
-        n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_PASS=n <= block,
-        num_warps=_num_warps(block))
+        rows,
+        res_rows,
+        weight.contiguous(),
+        out,
+        rows.shape[1],
+        rows.stride(0),
+        rows.stride(1),
+        res_rows.stride(0),
+        res_rows.stride(1),
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        ONE_PASS=n <= block,
+        num_warps=_num_warps(block),
+    )
     if residual is not None and res_rows.data_ptr() != residual.data_ptr():
         residual.copy_(res_rows.view(residual.shape))  # a layout _rows had to copy
     return out, residual
@@ -136,8 +162,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 # --- rotary -----------------------------------------------------------------------------------------
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, n_heads, head0, c1, s1, c2, s2,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    x_ptr, stride_h, n_heads, head0, c1, s1, c2, s2, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
+):
     """Heads [head0, head0 + BLOCK_H) of one token (x_ptr: its head 0), in place:
     x1, x2 = the two halves; x1 <- x1 c1 - x2 s1, x2 <- x2 c2 + x1 s2 (c, s: [BLOCK_HALF] float32)."""
     heads = head0 + tl.arange(0, BLOCK_H)
@@ -153,10 +180,23 @@ def _rotate_heads(x_ptr, stride_h, n_heads, head0, c1, s1, c2, s2,
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-                   n_q_heads, n_k_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    n_q_heads,
+    n_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """A program per (token, block of BLOCK_H heads): the first cdiv(n_q_heads, BLOCK_H) head
     blocks are q's, the rest k's, so one launch rotates both."""
     tok = tl.program_id(0).to(tl.int64)
@@ -171,11 +211,23 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
     s2 = tl.load(sin_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if block < q_blocks:
-        _rotate_heads(q_ptr + tok * stride_qt, stride_qh, n_q_heads, block * BLOCK_H, c1, s1, c2, s2,
-                      HALF, BLOCK_H, BLOCK_HALF)
+        _rotate_heads(
+            q_ptr + tok * stride_qt, stride_qh, n_q_heads, block * BLOCK_H, c1, s1, c2, s2, HALF, BLOCK_H, BLOCK_HALF
+        )
     else:
-        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, n_k_heads, (block - q_blocks) * BLOCK_H,
-                      c1, s1, c2, s2, HALF, BLOCK_H, BLOCK_HALF)
+        _rotate_heads(
+            k_ptr + tok * stride_kt,
+            stride_kh,
+            n_k_heads,
+            (block - q_blocks) * BLOCK_H,
+            c1,
+            s1,
+            c2,
+            s2,
+            HALF,
+            BLOCK_H,
+            BLOCK_HALF,
+        )
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -185,13 +237,16 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     num_tokens, n_q, d = q.shape
     n_k = k.shape[1]
     if d % 2 or k.shape[0] != num_tokens or k.shape[2] != d:
-        raise ValueError(f"rotary needs q [T, Hq, D] and k [T, Hkv, D] with an even D, "
-                         f"not {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"rotary needs q [T, Hq, D] and k [T, Hkv, D] with an even D, not {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rotary works in place and needs q and k with stride 1 on the last dim")
     if cos.numel() != num_tokens * d or sin.numel() != num_tokens * d:
-        raise ValueError(f"rotary needs one cos and sin row of {d} per token, not {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)} for {num_tokens} tokens")
+        raise ValueError(
+            f"rotary needs one cos and sin row of {d} per token, not {tuple(cos.shape)} and "
+            f"{tuple(sin.shape)} for {num_tokens} tokens"
+        )
     cos, sin = cos.reshape(num_tokens, d), sin.reshape(num_tokens, d)
     if cos.stride(-1) != 1:
         cos = cos.contiguous()
@@ -204,9 +259,23 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     block_h = min(triton.next_power_of_2(max(n_q, n_k)), max(1, ROTARY_ELEMENTS // (2 * block_half)))
     grid = (num_tokens, triton.cdiv(n_q, block_h) + triton.cdiv(n_k, block_h))
     _rotary_kernel[grid](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        n_q, n_k, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=_num_warps(block_h * block_half, most=8))
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        n_q,
+        n_k,
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=_num_warps(block_h * block_half, most=8),
+    )
     return q, k
 
 
@@ -239,5 +308,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     block = min(triton.next_power_of_2(n), SILU_BLOCK)
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
-        rows, out, rows.stride(0), n, BLOCK=block, num_warps=_num_warps(block, most=4))
+        rows, out, rows.stride(0), n, BLOCK=block, num_warps=_num_warps(block, most=4)
+    )
     return out

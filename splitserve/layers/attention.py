@@ -1,6 +1,7 @@
 """The attention layer a model calls. It owns no algorithm: the per-step batch description
 (`meta`, built by the model runner) carries the backend that writes the paged KV cache and
 computes attention, so that CPU and GPU kernels plug in without touching model code."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,9 @@ from torch import nn
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -1,5 +1,6 @@
 """The small building blocks of decoder-only transformers. Parameters are allocated empty:
 the loader fills every one of them, so random initialisation would only cost time."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ class LinearMethod:
 
     def create_weights(self, layer: Linear) -> None:
         """Register what loading fills (default: a dense weight)."""
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype), requires_grad=False
+        )
 
     def takes(self, name: str) -> bool:
         """Whether the checkpoint tensor `<layer>.<name>` is this method's to load."""
@@ -50,9 +52,16 @@ class Linear(nn.Module):
     columns and sums the outputs over the ranks (the bias is added once, after the sum). Loading
     takes the checkpoint's full tensors and keeps this rank's share (`checkpoint_slices`)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype | None = None, quant_method: LinearMethod | None = None,
-                 parallel: str | None = None, output_partitions: list[int] | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        quant_method: LinearMethod | None = None,
+        parallel: str | None = None,
+        output_partitions: list[int] | None = None,
+    ):
         super().__init__()
         rank = get_parallel_rank()
         assert parallel in (None, "column", "row"), parallel
@@ -66,8 +75,9 @@ class Linear(nn.Module):
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.quant_method = quant_method
         if quant_method is None:
-            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=dtype),
-                                       requires_grad=False)
+            self.weight = nn.Parameter(
+                torch.empty(self.out_features, self.in_features, dtype=dtype), requires_grad=False
+            )
         else:
             quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -109,8 +119,10 @@ class Linear(nn.Module):
         elif tensor.dim() == 2:
             tensor = tensor[rows, cols]
         if dest.shape != tensor.shape:
-            raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)} after taking this rank's "
-                             f"share, expected {tuple(dest.shape)}.")
+            raise ValueError(
+                f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)} after taking this rank's "
+                f"share, expected {tuple(dest.shape)}."
+            )
         dest.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,11 +165,13 @@ class Embedding(nn.Module):
     def load_checkpoint_tensor(self, name: str, shard: int | None, tensor: torch.Tensor) -> None:
         assert name == "weight" and shard is None
         if tensor.shape[0] != self.num_embeddings or tensor.shape[1:] != self.weight.shape[1:]:
-            raise ValueError(f"Checkpoint embedding has shape {tuple(tensor.shape)}, expected "
-                             f"{(self.num_embeddings, *self.weight.shape[1:])}.")
-        rows = tensor[self.first_row:self.first_row + self.rows_per_rank]
-        self.weight.data[:len(rows)].copy_(rows)
-        self.weight.data[len(rows):].zero_()  # padding rows of the last rank
+            raise ValueError(
+                f"Checkpoint embedding has shape {tuple(tensor.shape)}, expected "
+                f"{(self.num_embeddings, *self.weight.shape[1:])}."
+            )
+        rows = tensor[self.first_row : self.first_row + self.rows_per_rank]
+        self.weight.data[: len(rows)].copy_(rows)
+        self.weight.data[len(rows) :].zero_()  # padding rows of the last rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -172,7 +186,7 @@ class Embedding(nn.Module):
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        return tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
+        return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]
 
 
 class RMSNorm(nn.Module):

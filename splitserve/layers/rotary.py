@@ -1,5 +1,6 @@
 """Rotary position embeddings (the rotate-half form of Hugging Face checkpoints), with the
 frequency schedules (llama3, linear, yarn, ...) computed by transformers' own rope functions."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """transformers' own model on the same source as splitserve's: the baseline of `bench throughput`
 and the model the quantize tool calibrates."""
+
 from __future__ import annotations
 
 

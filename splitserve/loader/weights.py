@@ -1,4 +1,5 @@
 """Weight sources. Each yields (Hugging Face tensor name, tensor) pairs; the model copies them in."""
+
 from __future__ import annotations
 
 import glob
@@ -21,9 +22,17 @@ WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
 # Hugging Face module paths of a Llama-family layer, used to translate GGUF tensor names.
 _LAYER_MODULES = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    "input_layernorm", "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
 )
 # llama.cpp's converter permutes q/k rows for its interleaved rope; HF checkpoints rotate halves.
 _GGUF_PERMUTED_ARCHS = ("llama",)
@@ -33,20 +42,38 @@ def load_model(model_config: ModelConfig, device: torch.device, show_progress: b
     start = time.perf_counter()
     cls = get_model_class(model_config.hf_config)
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype, model_config.max_model_len,
-                    quant_config=model_config.quant_config)
+        model = cls(
+            model_config.hf_config,
+            model_config.dtype,
+            model_config.max_model_len,
+            quant_config=model_config.quant_config,
+        )
     if model_config.load_format == "dummy":
         fill_dummy(model, model_config.seed)
     else:
         weights = _weight_iterator(model_config)
-        model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", disable=not show_progress,
-                                total=_count_tensors(model_config)))
+        model.load_weights(
+            tqdm(
+                weights,
+                desc="Loading weights",
+                unit="tensor",
+                disable=not show_progress,
+                total=_count_tensors(model_config),
+            )
+        )
     model.process_weights_after_loading()
     model.eval()
     quant = f", {model_config.quant_config}" if model_config.quant_config is not None else ""
-    logger.info("Loaded %s (%s, %s%s, weights %.1f MiB) from %s in %.1f s", type(model).__name__,
-                model_config.load_format, model_config.dtype, quant, weight_bytes(model) / (1 << 20),
-                model_config.model, time.perf_counter() - start)
+    logger.info(
+        "Loaded %s (%s, %s%s, weights %.1f MiB) from %s in %.1f s",
+        type(model).__name__,
+        model_config.load_format,
+        model_config.dtype,
+        quant,
+        weight_bytes(model) / (1 << 20),
+        model_config.model,
+        time.perf_counter() - start,
+    )
     return model
 
 

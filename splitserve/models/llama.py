@@ -10,6 +10,7 @@ holds its share of the attention heads (q/k/v column-parallel, o row-parallel), 
 holds a contiguous range of layers, the first stage the embedding and the last the final norm and
 the LM head, and the stages hand each other (hidden states, residual).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -24,8 +25,11 @@ from splitserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 # checkpoint projection name -> (fused module name, shard index)
 _STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -58,17 +62,34 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = total_heads // tp, max(total_kv_heads // tp, 1)
         q_size, kv_size = total_heads * self.head_dim, total_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias, dtype=dtype,
-                               quant_method=_method(quant_config, f"{prefix}.qkv_proj"), parallel="column",
-                               output_partitions=[tp, total_kv_heads, total_kv_heads])
-        self.o_proj = Linear(q_size, [config.hidden_size], bias=getattr(config, "attention_bias", False),
-                             dtype=dtype, quant_method=_method(quant_config, f"{prefix}.o_proj"), parallel="row")
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            bias=bias,
+            dtype=dtype,
+            quant_method=_method(quant_config, f"{prefix}.qkv_proj"),
+            parallel="column",
+            output_partitions=[tp, total_kv_heads, total_kv_heads],
+        )
+        self.o_proj = Linear(
+            q_size,
+            [config.hidden_size],
+            bias=getattr(config, "attention_bias", False),
+            dtype=dtype,
+            quant_method=_method(quant_config, f"{prefix}.o_proj"),
+            parallel="row",
+        )
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                              sliding_window=_sliding_window(config, layer_idx))
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            sliding_window=_sliding_window(config, layer_idx),
+        )
 
     def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -86,10 +107,22 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, dtype: torch.dtype, quant_config=None, prefix: str = ""):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype,
-                                   quant_method=_method(quant_config, f"{prefix}.gate_up_proj"), parallel="column")
-        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias, dtype=dtype,
-                                quant_method=_method(quant_config, f"{prefix}.down_proj"), parallel="row")
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            [config.intermediate_size] * 2,
+            bias=bias,
+            dtype=dtype,
+            quant_method=_method(quant_config, f"{prefix}.gate_up_proj"),
+            parallel="column",
+        )
+        self.down_proj = Linear(
+            config.intermediate_size,
+            [config.hidden_size],
+            bias=bias,
+            dtype=dtype,
+            quant_method=_method(quant_config, f"{prefix}.down_proj"),
+            parallel="row",
+        )
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
 
@@ -137,8 +170,10 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         # Layers of other stages are empty placeholders, so that parameter names keep their indices.
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, quant_config) if i in self.layer_range
-                                    else nn.Module() for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, quant_config) if i in self.layer_range else nn.Module()
+            for i in range(config.num_hidden_layers)
+        )
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -147,8 +182,13 @@ class LlamaModel(nn.Module):
     def local_layers(self) -> list[LlamaDecoderLayer]:
         return [self.layers[i] for i in self.layer_range]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """The first stage starts from the token ids, the others from the previous stage's
         (hidden, residual); the last returns the final hidden states, the others (hidden, residual)."""
         if self.is_first_stage:
@@ -264,5 +304,5 @@ def _target_name(name: str) -> tuple[str, int | None]:
     for i, part in enumerate(parts):
         if part in _STACKED:
             fused, shard = _STACKED[part]
-            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
     return name, None

@@ -1,4 +1,5 @@
 """Which Hugging Face architectures splitserve runs, and the class that runs each."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -22,6 +23,7 @@ def get_model_class(hf_config) -> type[nn.Module]:
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]
-    raise ValueError(f"Model architecture {archs or hf_config.model_type!r} is not supported. "
-                     f"Supported architectures: {', '.join(supported_architectures())}.")
-
+    raise ValueError(
+        f"Model architecture {archs or hf_config.model_type!r} is not supported. "
+        f"Supported architectures: {', '.join(supported_architectures())}."
+    )

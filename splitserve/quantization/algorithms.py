@@ -4,6 +4,7 @@ activation-aware scale search, and GPTQ's error-compensating rounding.
 SmoothQuant and AWQ both rescale the input channels of a group of linears that read the same
 input: W' = W diag(s), with 1/s folded into the op that produces that input, so that the float
 model computes exactly the same function and only the quantization error changes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from tqdm.auto import tqdm
 from splitserve.quantization.calibration import InputStats
 from splitserve.quantization.packing import Int4Weight, int4_params, quantize_int4, quantize_int4_groupwise
 
-AWQ_GRID = 20           # ratios 0, 0.05, ..., 0.95
-GPTQ_BLOCK_SIZE = 128   # columns whose error updates are applied lazily, as one matmul
+AWQ_GRID = 20  # ratios 0, 0.05, ..., 0.95
+GPTQ_BLOCK_SIZE = 128  # columns whose error updates are applied lazily, as one matmul
 
 
 @dataclass
@@ -24,7 +25,8 @@ class InputGroup:
     """Linears that read the same input, and `prev`, the op before them whose output is that input:
     an RMSNorm (scaled through its weight), a linear (through its output rows), or None when no
     exact fold exists."""
-    kind: str                      # "qkv", "o", "gate_up" or "down"
+
+    kind: str  # "qkv", "o", "gate_up" or "down"
     linears: dict[str, nn.Linear]  # checkpoint name -> module
     prev: nn.Module | None
 
@@ -49,15 +51,17 @@ def decoder_groups(model: nn.Module) -> list[list[InputGroup]]:
     result = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        result.append([
-            InputGroup("qkv", _named(i, attn, "self_attn", "q_proj", "k_proj", "v_proj"), layer.input_layernorm),
-            # Output row j of v_proj is input channel j of o_proj only without GQA; with GQA each
-            # v row feeds several heads' channels, which one scale per channel cannot undo exactly.
-            InputGroup("o", _named(i, attn, "self_attn", "o_proj"), attn.v_proj if mha else None),
-            InputGroup("gate_up", _named(i, mlp, "mlp", "gate_proj", "up_proj"), layer.post_attention_layernorm),
-            # down_proj reads silu(gate) * up, which is linear in up_proj's output rows.
-            InputGroup("down", _named(i, mlp, "mlp", "down_proj"), mlp.up_proj),
-        ])
+        result.append(
+            [
+                InputGroup("qkv", _named(i, attn, "self_attn", "q_proj", "k_proj", "v_proj"), layer.input_layernorm),
+                # Output row j of v_proj is input channel j of o_proj only without GQA; with GQA each
+                # v row feeds several heads' channels, which one scale per channel cannot undo exactly.
+                InputGroup("o", _named(i, attn, "self_attn", "o_proj"), attn.v_proj if mha else None),
+                InputGroup("gate_up", _named(i, mlp, "mlp", "gate_proj", "up_proj"), layer.post_attention_layernorm),
+                # down_proj reads silu(gate) * up, which is linear in up_proj's output rows.
+                InputGroup("down", _named(i, mlp, "mlp", "down_proj"), mlp.up_proj),
+            ]
+        )
     return result
 
 
@@ -107,9 +111,9 @@ def smooth_model(model: nn.Module, stats: dict[str, InputStats], alpha: float) -
 # --- AWQ ------------------------------------------------------------------------------------------
 @dataclass
 class AwqSearch:
-    scale: torch.Tensor   # [in] the best s
-    ratio: float          # its exponent a in s = mean|X|^a
-    losses: list[float]   # the objective at each ratio of the grid, a = 0 first
+    scale: torch.Tensor  # [in] the best s
+    ratio: float  # its exponent a in s = mean|X|^a
+    losses: list[float]  # the objective at each ratio of the grid, a = 0 first
 
 
 def awq_objective(moment: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, group_size: int) -> float:
@@ -120,8 +124,9 @@ def awq_objective(moment: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, g
     return ((error @ moment) * error).sum().item() / weight.shape[0]
 
 
-def awq_search(moment: torch.Tensor, act_absmean: torch.Tensor, weight: torch.Tensor, group_size: int,
-               grid: int = AWQ_GRID) -> AwqSearch:
+def awq_search(
+    moment: torch.Tensor, act_absmean: torch.Tensor, weight: torch.Tensor, group_size: int, grid: int = AWQ_GRID
+) -> AwqSearch:
     """Grid search of s = mean|X|^a (normalized so that max(s) * min(s) = 1) minimizing
     `awq_objective`. a = 0 (s = 1, plain round-to-nearest) is on the grid, so the result is never
     worse than no scaling on this objective."""
@@ -135,8 +140,9 @@ def awq_search(moment: torch.Tensor, act_absmean: torch.Tensor, weight: torch.Te
     return AwqSearch(candidates[best], best / grid, losses)
 
 
-def awq_scale_model(model: nn.Module, stats: dict[str, InputStats], group_size: int,
-                    clip: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+def awq_scale_model(
+    model: nn.Module, stats: dict[str, InputStats], group_size: int, clip: bool = True
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Search and fold AWQ's scales for every group with an exact fold, then (with `clip`) search
     each linear's clipping (`awq_clip_search`) on the rescaled weights and inputs. Returns the
     chosen scale exponents, and the clipping ratios by linear name."""
@@ -158,11 +164,12 @@ def awq_scale_model(model: nn.Module, stats: dict[str, InputStats], group_size: 
     return ratios, clips
 
 
-AWQ_CLIP_GRID = 20      # range shrinks 1.0, 0.975, ..., 0.525
+AWQ_CLIP_GRID = 20  # range shrinks 1.0, 0.975, ..., 0.525
 
 
-def awq_clip_search(weight: torch.Tensor, moment: torch.Tensor, group_size: int,
-                    grid: int = AWQ_CLIP_GRID) -> torch.Tensor:
+def awq_clip_search(
+    weight: torch.Tensor, moment: torch.Tensor, group_size: int, grid: int = AWQ_CLIP_GRID
+) -> torch.Tensor:
     """AWQ's clipping: per output row and group, shrink the quantization range [min, max] by the
     ratio r minimizing that group's share of the output error, e_g M_gg e_g^T (M the inputs'
     second moment; the cross-group terms are left out, as AutoAWQ's per-group search does). Rounding
@@ -174,8 +181,9 @@ def awq_clip_search(weight: torch.Tensor, moment: torch.Tensor, group_size: int,
     best = torch.ones(out_features, groups)
     for k in range(grid):
         r = 1.0 - k * 0.5 / grid
-        error = (quantize_int4_clipped(weight, group_size, torch.full((out_features, groups), r)).dequantize()
-                 - weight).reshape(out_features, groups, group_size)
+        error = (
+            quantize_int4_clipped(weight, group_size, torch.full((out_features, groups), r)).dequantize() - weight
+        ).reshape(out_features, groups, group_size)
         loss = torch.einsum("ogi,gij,ogj->og", error, blocks, error)
         better = loss < best_loss
         best_loss = torch.where(better, loss, best_loss)
@@ -191,14 +199,21 @@ def quantize_int4_clipped(weight: torch.Tensor, group_size: int, ratio: torch.Te
     hi = grouped.amax(dim=-1).clamp(min=0.0) * ratio
     scale = ((hi - lo) / 15.0).clamp(min=1e-8)
     zero = torch.round(-lo / scale).clamp(0, 15)
-    return Int4Weight(quantize_int4(weight, scale, zero, group_size=group_size), scale, zero.to(torch.int32),
-                      group_size)
+    return Int4Weight(
+        quantize_int4(weight, scale, zero, group_size=group_size), scale, zero.to(torch.int32), group_size
+    )
 
 
 # --- GPTQ -----------------------------------------------------------------------------------------
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool = True,
-                  desc_act: bool = False, damp_percent: float = 0.01,
-                  block_size: int = GPTQ_BLOCK_SIZE) -> Int4Weight:
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    group_size: int,
+    sym: bool = True,
+    desc_act: bool = False,
+    damp_percent: float = 0.01,
+    block_size: int = GPTQ_BLOCK_SIZE,
+) -> Int4Weight:
     """GPTQ: quantize the columns one at a time, each time spreading the rounding error over the
     columns not yet quantized so as to minimize ||X W^T - X Q^T||^2, with H = 2 X^T X / n.
     Rows are independent given H, so linears sharing an input can go through together.
@@ -219,8 +234,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
         # Upper Cholesky factor of H^-1: row i gives the update of columns i.. for column i's error.
         u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except torch.linalg.LinAlgError as exc:
-        raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even with dampening; "
-                           "use more calibration data (--num-samples, --seq-len).") from exc
+        raise RuntimeError(
+            "GPTQ: the calibration Hessian is not positive definite even with dampening; "
+            "use more calibration data (--num-samples, --seq-len)."
+        ) from exc
 
     q = torch.zeros(out_features, in_features, dtype=torch.int32)
     scales, zeros = [], []
@@ -233,13 +250,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
         ub = u[b0:b1, b0:b1]
         for i in range(b1 - b0):
             if (b0 + i) % group_size == 0:
-                scale, zero = (t[:, 0] for t in int4_params(wb[:, i:i + group_size], group_size, sym))
+                scale, zero = (t[:, 0] for t in int4_params(wb[:, i : i + group_size], group_size, sym))
                 scales.append(scale)
                 zeros.append(zero)
             col = wb[:, i]
             levels = torch.round(col / scale + zero).clamp(0, 15)
             err[:, i] = (col - (levels - zero) * scale) / ub[i, i]
-            wb[:, i + 1:] -= err[:, i:i + 1] * ub[i:i + 1, i + 1:]
+            wb[:, i + 1 :] -= err[:, i : i + 1] * ub[i : i + 1, i + 1 :]
             q[:, b0 + i] = levels.to(torch.int32)
         w[:, b1:] -= err @ u[b0:b1, b1:]
 
@@ -258,7 +275,6 @@ def split_rows(weight: Int4Weight, sizes: list[int]) -> list[Int4Weight]:
     parts, start = [], 0
     for size in sizes:
         rows = slice(start, start + size)
-        parts.append(Int4Weight(weight.q[rows], weight.scale[rows], weight.zero[rows], weight.group_size,
-                                weight.g_idx))
+        parts.append(Int4Weight(weight.q[rows], weight.scale[rows], weight.zero[rows], weight.group_size, weight.g_idx))
         start += size
     return parts

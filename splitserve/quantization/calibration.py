@@ -1,6 +1,7 @@
 """Calibration for `splitserve quantize`: the token sequences (a file of token ids, or a built-in
 text), and the statistics of each linear layer's input that the algorithms need, gathered with
 forward hooks in one pass of the float model."""
+
 from __future__ import annotations
 
 import os
@@ -19,16 +20,16 @@ BUILTIN_CALIBRATION_TEXT = (
     "grandparents built the barns on stone piers, and the oldest houses still have a door on the upper "
     "floor, where a boat could be tied when the water rose higher than anyone expected. Nobody in the "
     "valley calls the flood a disaster; it is simply the season before the sowing.\n\n"
-    "\"Did you remember to bring the map?\" asked Mara, pulling the tent bag out of the car.\n"
-    "\"It's on my phone,\" said Joel. \"We won't need paper.\"\n"
-    "\"There is no signal past the second bridge. You know that.\"\n"
+    '"Did you remember to bring the map?" asked Mara, pulling the tent bag out of the car.\n'
+    '"It\'s on my phone," said Joel. "We won\'t need paper."\n'
+    '"There is no signal past the second bridge. You know that."\n'
     "He paused, looked at the mountains, and sighed. \"Fine. I'll draw one from memory, then. North is "
-    "up, the lake is somewhere on the left, and we walk until we find it.\"\n"
-    "\"That is exactly how we got lost last year.\"\n\n"
+    'up, the lake is somewhere on the left, and we walk until we find it."\n'
+    '"That is exactly how we got lost last year."\n\n'
     "def moving_average(values, window):\n"
-    "    \"\"\"Return the mean of each run of `window` consecutive values.\"\"\"\n"
+    '    """Return the mean of each run of `window` consecutive values."""\n'
     "    if window <= 0:\n"
-    "        raise ValueError(\"window must be positive\")\n"
+    '        raise ValueError("window must be positive")\n'
     "    total = sum(values[:window])\n"
     "    result = [total / window]\n"
     "    for i in range(window, len(values)):\n"
@@ -68,8 +69,8 @@ BUILTIN_CALIBRATION_TEXT = (
     "evening. Visibility poor in rain squalls. Two trawlers sheltered in the lee of the island from "
     "noon. Lamp lit at 18:42, the clockwork wound twice in the night. At dawn the sea was still heavy, "
     "but the sky had cleared, and a seal was asleep on the landing stage as if nothing had happened.\n\n"
-    "{\"id\": 4711, \"name\": \"sensor-north\", \"active\": true, \"readings\": [12.5, 12.7, 13.1], "
-    "\"location\": {\"lat\": 59.3293, \"lon\": 18.0686}, \"tags\": [\"outdoor\", \"calibrated\"]}\n\n"
+    '{"id": 4711, "name": "sensor-north", "active": true, "readings": [12.5, 12.7, 13.1], '
+    '"location": {"lat": 59.3293, "lon": 18.0686}, "tags": ["outdoor", "calibrated"]}\n\n'
     "To make a simple lentil soup, soften a chopped onion, two carrots and a stick of celery in olive "
     "oil for ten minutes. Add two cloves of garlic, a teaspoon of cumin and 250 grams of red lentils, "
     "then pour in 1.2 litres of stock. Simmer for twenty-five minutes, until the lentils fall apart, "
@@ -100,8 +101,10 @@ def read_token_ids(path: str, vocab_size: int, seq_len: int, num_samples: int) -
                 except ValueError:
                     raise ValueError(f"{path}:{line_no}: {token!r} is not an integer token id.") from None
                 if not 0 <= token_id < vocab_size:
-                    raise ValueError(f"{path}:{line_no}: token id {token_id} is outside the model's vocabulary "
-                                     f"(0..{vocab_size - 1}).")
+                    raise ValueError(
+                        f"{path}:{line_no}: token id {token_id} is outside the model's vocabulary "
+                        f"(0..{vocab_size - 1})."
+                    )
                 ids.append(token_id)
             if ids:
                 sequences.append(ids[:seq_len])
@@ -116,16 +119,19 @@ def builtin_sequences(tokenizer, vocab_size: int, seq_len: int, num_samples: int
     """The built-in calibration text, tokenized and cut into sequences of `seq_len` tokens."""
     ids = tokenizer(BUILTIN_CALIBRATION_TEXT)["input_ids"]
     if max(ids) >= vocab_size:
-        raise ValueError(f"The tokenizer makes token id {max(ids)} from the built-in calibration text, outside "
-                         f"the model's vocabulary (0..{vocab_size - 1}); pass calibration data with --tokenids-path.")
-    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)][:num_samples]
+        raise ValueError(
+            f"The tokenizer makes token id {max(ids)} from the built-in calibration text, outside "
+            f"the model's vocabulary (0..{vocab_size - 1}); pass calibration data with --tokenids-path."
+        )
+    return [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)][:num_samples]
 
 
 @dataclass
 class InputStats:
     """What was seen at one linear layer's input (shared by the linears that read the same input)."""
-    absmax: torch.Tensor              # [in] max |x| per channel (SmoothQuant)
-    abssum: torch.Tensor              # [in] sum of |x| per channel (AWQ's scale candidates)
+
+    absmax: torch.Tensor  # [in] max |x| per channel (SmoothQuant)
+    abssum: torch.Tensor  # [in] sum of |x| per channel (AWQ's scale candidates)
     tokens: int = 0
     gram: torch.Tensor | None = None  # [in, in] sum of x^T x (GPTQ's Hessian, AWQ's objective)
 
@@ -139,13 +145,19 @@ class InputStats:
         return self.gram / max(self.tokens, 1)
 
 
-def collect_input_stats(model: nn.Module, sites: dict[str, nn.Linear], sequences: list[list[int]], *,
-                        gram: bool = False) -> dict[str, InputStats]:
+def collect_input_stats(
+    model: nn.Module, sites: dict[str, nn.Linear], sequences: list[list[int]], *, gram: bool = False
+) -> dict[str, InputStats]:
     """Run the float model over the sequences (one at a time, so no padding enters the statistics)
     and record each site's input: per-channel max and mean |x|, and X^T X if asked."""
-    stats = {name: InputStats(torch.zeros(m.in_features), torch.zeros(m.in_features),
-                              gram=torch.zeros(m.in_features, m.in_features) if gram else None)
-             for name, m in sites.items()}
+    stats = {
+        name: InputStats(
+            torch.zeros(m.in_features),
+            torch.zeros(m.in_features),
+            gram=torch.zeros(m.in_features, m.in_features) if gram else None,
+        )
+        for name, m in sites.items()
+    }
 
     def hook_for(name: str):
         def hook(module, args):
@@ -156,6 +168,7 @@ def collect_input_stats(model: nn.Module, sites: dict[str, nn.Linear], sequences
             s.tokens += x.shape[0]
             if s.gram is not None:
                 s.gram.addmm_(x.t(), x)
+
         return hook
 
     handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in sites.items()]

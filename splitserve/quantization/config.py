@@ -1,5 +1,6 @@
 """Which quantization a model runs with: the checkpoint's `quantization_config`, or `--quantization`
 applied while loading, and the linear method each layer gets from it."""
+
 from __future__ import annotations
 
 from splitserve.layers.basic import LinearMethod
@@ -13,8 +14,13 @@ ONLINE_METHODS = ("weight_only_int8", "fp8")
 class QuantizationConfig:
     """What the checkpoint's `quantization_config` (or `--quantization`) says about its linears."""
 
-    def __init__(self, method: str, from_checkpoint: bool = True, group_size: int = -1,
-                 modules_to_not_convert: list[str] | None = None):
+    def __init__(
+        self,
+        method: str,
+        from_checkpoint: bool = True,
+        group_size: int = -1,
+        modules_to_not_convert: list[str] | None = None,
+    ):
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={method!r} is not supported; choose one of {QUANTIZATION_METHODS}.")
         self.method = method
@@ -48,8 +54,9 @@ def quantization_config_for(hf_config, requested: str | None, load_format: str) 
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; choose one of {QUANTIZATION_METHODS}.")
     if found is not None and found not in QUANTIZATION_METHODS:
-        raise ValueError(f"The checkpoint is quantized with {found!r}, which is not supported; "
-                         f"supported: {QUANTIZATION_METHODS}.")
+        raise ValueError(
+            f"The checkpoint is quantized with {found!r}, which is not supported; supported: {QUANTIZATION_METHODS}."
+        )
     if found and requested and found != requested:
         raise ValueError(f"--quantization {requested} was asked for, but the checkpoint is quantized with {found}.")
     method = found or requested
@@ -60,7 +67,8 @@ def quantization_config_for(hf_config, requested: str | None, load_format: str) 
         raise ValueError(
             f"quantization={method!r} needs a checkpoint quantized with it (calibrated offline): run "
             f"`splitserve quantize --quant-type {method}` first, or load a published {method} checkpoint. "
-            f"Unquantized checkpoints can be quantized while loading with {ONLINE_METHODS}.")
+            f"Unquantized checkpoints can be quantized while loading with {ONLINE_METHODS}."
+        )
     if method in ("awq", "gptq"):
         qc = qc or {}
         bits = qc.get("bits", qc.get("w_bit", 4))
@@ -69,8 +77,7 @@ def quantization_config_for(hf_config, requested: str | None, load_format: str) 
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise ValueError(f"AWQ version {qc.get('version')!r} is not supported (only the 'gemm' layout).")
         if method == "gptq" and qc.get("checkpoint_format", "gptq") != "gptq":
-            raise ValueError(f"GPTQ checkpoint_format {qc.get('checkpoint_format')!r} is not supported "
-                             "(only 'gptq').")
+            raise ValueError(f"GPTQ checkpoint_format {qc.get('checkpoint_format')!r} is not supported (only 'gptq').")
         group_size = qc.get("group_size", qc.get("q_group_size", 128))
         return QuantizationConfig(method, from_checkpoint, group_size, qc.get("modules_to_not_convert"))
     return QuantizationConfig(method, from_checkpoint, modules_to_not_convert=(qc or {}).get("modules_to_not_convert"))

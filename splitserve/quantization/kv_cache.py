@@ -22,6 +22,7 @@ data (one or two fields per head_dim values).
 Each quantized format has its own storage dtype (int8, float8_e4m3fn, float8_e5m2, uint8), so
 the functions below are told the format by the dtype of the tensor they store into or read from.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,9 +47,9 @@ class KVCacheSpec:
     """How one cached vector of head_dim values is stored: data [packed_head_dim] in
     storage_dtype plus num_scale_fields float32 fields (0: unquantized; 1: scale; 2: scale, min)."""
 
-    name: str                     # the canonical --kv-cache-dtype: auto, int8, fp8_e4m3, fp8_e5m2, int4
+    name: str  # the canonical --kv-cache-dtype: auto, int8, fp8_e4m3, fp8_e5m2, int4
     storage_dtype: torch.dtype
-    values_per_element: int = 1   # int4 packs two values into one uint8
+    values_per_element: int = 1  # int4 packs two values into one uint8
     num_scale_fields: int = 0
 
     @property
@@ -61,8 +62,10 @@ class KVCacheSpec:
 
     def packed_head_dim(self, head_dim: int) -> int:
         if head_dim % self.values_per_element:
-            raise ValueError(f"kv_cache_dtype={self.name!r} packs {self.values_per_element} values per byte and "
-                             f"needs a head_dim divisible by that; this model's is {head_dim}.")
+            raise ValueError(
+                f"kv_cache_dtype={self.name!r} packs {self.values_per_element} values per byte and "
+                f"needs a head_dim divisible by that; this model's is {head_dim}."
+            )
         return head_dim // self.values_per_element
 
     def bytes_per_vector(self, head_dim: int) -> int:
@@ -145,8 +148,8 @@ def stored_values(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # value: the sign goes to bit 15, exponent and mantissa to the top of bfloat16's, which reads them
 # with bias 127 instead of 7 (e4m3) or 15 (e5m2), subnormals included; 2^(127 - bias) restores it.
 FP8_AS_BFLOAT16 = {
-    torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0 ** 120),
-    torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0 ** 112),
+    torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0**120),
+    torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0**112),
 }
 
 

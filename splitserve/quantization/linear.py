@@ -1,12 +1,14 @@
 """Quantized linear layers at run time: how each method loads its tensors, and the kernels it
 multiplies with (which method a model runs with is quantization/config.py's to say).
 
-| method           | weight                          | activations             | CPU kernel                               |
-|------------------|---------------------------------|-------------------------|------------------------------------------|
-| weight_only_int8 | int8, a scale per output row    | model dtype             | `_weight_int8pack_mm` for few rows, else int8->dtype conversion + matmul |
-| smooth_quant     | int8, a scale per output row    | int8, a scale per token | `torch._int_mm` (VNNI / AMX)             |
-| awq, gptq        | int4, scale + zero per group    | model dtype             | `_weight_int4pack_mm_for_cpu`            |
-| fp8              | float8_e4m3, a scale per row    | model dtype             | fp8->bf16 by moving bits + matmul (no fp8 units on CPUs) |
+| method           | weight                       | activations             | CPU kernel                          |
+|------------------|------------------------------|-------------------------|-------------------------------------|
+| weight_only_int8 | int8, a scale per output row | model dtype             | `_weight_int8pack_mm` for few rows, |
+|                  |                              |                         | else int8->dtype + matmul           |
+| smooth_quant     | int8, a scale per output row | int8, a scale per token | `torch._int_mm` (VNNI / AMX)        |
+| awq, gptq        | int4, scale + zero per group | model dtype             | `_weight_int4pack_mm_for_cpu`       |
+| fp8              | float8_e4m3, a scale per row | model dtype             | fp8->bf16 by moving bits + matmul   |
+|                  |                              |                         | (no fp8 units on CPUs)              |
 
 Other devices use the same formats through plain torch dequantize-then-matmul
 (`_dequantized_linear`), which the tests also run on CPU.
@@ -17,6 +19,7 @@ then builds its kernel's form from it. A method with `from_checkpoint=False` qua
 dense weights the layer loaded instead (round to nearest): `--quantization weight_only_int8|fp8`
 on an unquantized model, and dummy weights for benchmarks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,8 +80,10 @@ class _QuantMethod(LinearMethod):
         for shard in range(len(layer.output_sizes)):
             missing = [n for n in self.required if (n, shard) not in layer.staged]
             if missing:
-                raise ValueError(f"The checkpoint lacks {missing} for shard {shard} of a {type(self).__name__} "
-                                 f"layer ({layer.in_features} -> {layer.out_features}).")
+                raise ValueError(
+                    f"The checkpoint lacks {missing} for shard {shard} of a {type(self).__name__} "
+                    f"layer ({layer.in_features} -> {layer.out_features})."
+                )
             tensors = {n: layer.staged[(n, shard)] for n in self.required + self.optional if (n, shard) in layer.staged}
             full = self.from_tensors(tensors, layer.full_output_sizes[shard], layer.full_input_size)
             shards.append(self.narrow(full, *layer.checkpoint_slices(shard)))
@@ -187,7 +192,7 @@ class W8A8Int8Method(_RowScaledMethod):
         # 4096 rows instead of 0.4x for one big call (2-core AVX-512, 576 -> 3072).
         y = torch.empty(x2.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
         for start in range(0, x2.shape[0], _W8A8_CHUNK_ROWS):
-            y[start:start + _W8A8_CHUNK_ROWS] = self._matmul(layer, x2[start:start + _W8A8_CHUNK_ROWS])
+            y[start : start + _W8A8_CHUNK_ROWS] = self._matmul(layer, x2[start : start + _W8A8_CHUNK_ROWS])
         return _finish(layer, y, x)
 
     @staticmethod
@@ -247,8 +252,10 @@ class Int4Method(_QuantMethod):
         if layer.in_features % group:
             raise ValueError(f"A {layer.in_features}-input linear layer cannot use {self.method} group_size {group}.")
         if group not in (32, 64, 128, 256) and layer.in_features != group:
-            raise ValueError(f"{self.method} group_size {group} is not supported on this engine "
-                             "(the int4 kernel takes 32, 64, 128 or 256).")
+            raise ValueError(
+                f"{self.method} group_size {group} is not supported on this engine "
+                "(the int4 kernel takes 32, 64, 128 or 256)."
+            )
         super().create_weights(layer)
 
     def _group(self, in_features: int) -> int:
@@ -274,9 +281,11 @@ class Int4Method(_QuantMethod):
         if cols.stop - cols.start == plain.q.shape[1]:
             return Int4Weight(plain.q[rows], plain.scale[rows], plain.zero[rows], g, plain.g_idx)
         if plain.g_idx is not None:
-            raise ValueError("A GPTQ checkpoint with act-order (desc_act / g_idx) cannot be split by input columns "
-                             "across tensor-parallel ranks: its channels of one group are spread over all ranks. "
-                             "Use tensor_parallel_size=1 or a checkpoint quantized without act-order.")
+            raise ValueError(
+                "A GPTQ checkpoint with act-order (desc_act / g_idx) cannot be split by input columns "
+                "across tensor-parallel ranks: its channels of one group are spread over all ranks. "
+                "Use tensor_parallel_size=1 or a checkpoint quantized without act-order."
+            )
         groups = slice(cols.start // g, cols.stop // g)
         return Int4Weight(plain.q[rows, cols], plain.scale[rows, groups], plain.zero[rows, groups], g, None)
 
@@ -285,8 +294,13 @@ class Int4Method(_QuantMethod):
         for part in parts[1:]:
             if (part.g_idx is None) != (g_idx is None) or (g_idx is not None and not torch.equal(part.g_idx, g_idx)):
                 raise ValueError("Stacked projections (q/k/v or gate/up) have different g_idx.")
-        return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]), parts[0].group_size, g_idx)
+        return Int4Weight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+            parts[0].group_size,
+            g_idx,
+        )
 
     def build(self, layer, plain: Int4Weight):
         q, scale, zero = plain.q, plain.scale, plain.zero
@@ -306,12 +320,14 @@ class Int4Method(_QuantMethod):
         if layer.int4_kernel == "cpu_int4pack":
             if layer.out_features % 16:
                 raise ValueError(f"The CPU int4 kernel needs output sizes divisible by 16, got {layer.out_features}.")
-            layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                q.to(torch.int32).contiguous(), 8))
+            layer.register_buffer(
+                "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8)
+            )
             # the kernel computes (q - 8) * scale + bias per group
             bias = (8 - zero.float()) * scale
-            layer.register_buffer("scales_and_zeros", torch.stack([scale.t(), bias.t()], dim=-1)
-                                  .to(layer.dtype).contiguous())
+            layer.register_buffer(
+                "scales_and_zeros", torch.stack([scale.t(), bias.t()], dim=-1).to(layer.dtype).contiguous()
+            )
         else:
             layer.register_buffer("qweight", q.to(torch.uint8).contiguous())
             layer.register_buffer("scales", scale.to(layer.dtype))

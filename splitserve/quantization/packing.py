@@ -13,6 +13,7 @@ The checkpoint layouts are ways of packing that form into int32 words:
   historical offset), sequential nibbles; scales [in/G, out] float16; g_idx [in] int32, the group
   of each input channel (not monotonic when the model was quantized with desc_act / act-order).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ _NIBBLES = 8
 
 @dataclass
 class Int4Weight:
-    q: torch.Tensor          # [out, in] integer levels 0..15 (any integer dtype)
-    scale: torch.Tensor      # [out, in // group_size] float
-    zero: torch.Tensor       # [out, in // group_size] integer zero points 0..15
+    q: torch.Tensor  # [out, in] integer levels 0..15 (any integer dtype)
+    scale: torch.Tensor  # [out, in // group_size] float
+    zero: torch.Tensor  # [out, in // group_size] integer zero points 0..15
     group_size: int
     g_idx: torch.Tensor | None = None  # [in] group of each input channel; None means i // group_size
 
@@ -68,8 +69,13 @@ def int4_params(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tens
     return scale, zero
 
 
-def quantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                  g_idx: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
+def quantize_int4(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    g_idx: torch.Tensor | None = None,
+    group_size: int | None = None,
+) -> torch.Tensor:
     """Levels q [out, in] for given per-group scale / zero (g_idx, or consecutive groups)."""
     if g_idx is None:
         g_idx = torch.arange(w.shape[1], device=w.device) // group_size
@@ -96,14 +102,14 @@ def _pack_cols(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 
 def _unpack_cols(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nibbles = (packed.to(torch.int32)[:, :, None] >> shifts) & 0xF       # [rows, words, 8] in nibble order
+    nibbles = (packed.to(torch.int32)[:, :, None] >> shifts) & 0xF  # [rows, words, 8] in nibble order
     inverse = [order.index(c) for c in range(_NIBBLES)]
     return nibbles[:, :, inverse].reshape(packed.shape[0], -1)
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     """Unsigned 32-bit words held in int64 -> the same bits as int32."""
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 _SEQUENTIAL = tuple(range(_NIBBLES))
@@ -146,10 +152,11 @@ def _pack_rows(values: torch.Tensor) -> torch.Tensor:
     return _pack_cols(values.t(), _SEQUENTIAL).t().contiguous()
 
 
-def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                g_idx: torch.Tensor | None, group_size: int) -> Int4Weight:
-    q = _unpack_cols(qweight.t().contiguous(), _SEQUENTIAL).contiguous()            # [out, in]
-    zero = ((_unpack_cols(qzeros, _SEQUENTIAL) + 1) & 0xF).t().contiguous()           # [out, in/G]
+def unpack_gptq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, group_size: int
+) -> Int4Weight:
+    q = _unpack_cols(qweight.t().contiguous(), _SEQUENTIAL).contiguous()  # [out, in]
+    zero = ((_unpack_cols(qzeros, _SEQUENTIAL) + 1) & 0xF).t().contiguous()  # [out, in/G]
     _check_shapes("GPTQ", q, zero, scales.t(), group_size)
     in_features = q.shape[1]
     default = torch.arange(in_features, dtype=torch.int32) // group_size
@@ -162,6 +169,8 @@ def _check_shapes(layout: str, q: torch.Tensor, zero: torch.Tensor, scale_t: tor
     out_features, in_features = q.shape
     groups = -(-in_features // group_size)
     if tuple(scale_t.shape) != (out_features, groups) or tuple(zero.shape) != (out_features, groups):
-        raise ValueError(f"{layout} tensors do not agree: {out_features}x{in_features} weight with group_size "
-                         f"{group_size} needs {groups} groups, got scales {tuple(scale_t.shape[::-1])} and "
-                         f"zeros for {zero.shape[1]} groups.")
+        raise ValueError(
+            f"{layout} tensors do not agree: {out_features}x{in_features} weight with group_size "
+            f"{group_size} needs {groups} groups, got scales {tuple(scale_t.shape[::-1])} and "
+            f"zeros for {zero.shape[1]} groups."
+        )

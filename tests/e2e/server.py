@@ -1,4 +1,5 @@
 """Real `splitserve serve` processes on loopback, for end-to-end tests."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,14 @@ class RemoteServer:
     """`python -m splitserve.entrypoints.openai.api_server --model MODEL ARGS` (or, with
     model=None, `splitserve ARGS`, e.g. the router) on a free port; waits for /health."""
 
-    def __init__(self, model: str | None, *args: str, env: dict | None = None, port: int | None = None,
-                 startup_timeout: float = 180.0):
+    def __init__(
+        self,
+        model: str | None,
+        *args: str,
+        env: dict | None = None,
+        port: int | None = None,
+        startup_timeout: float = 180.0,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if model is None:
@@ -45,8 +52,9 @@ class RemoteServer:
         else:
             cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--model", model, *args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True
+        )
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -76,7 +84,7 @@ class RemoteServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    def __enter__(self) -> "RemoteServer":
+    def __enter__(self) -> RemoteServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server end to end: real server processes on loopback, driven by the
 official `openai` client and by raw HTTP for what the client hides (status codes, error bodies)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,17 @@ from splitserve import LLM, SamplingParams
 from tests.e2e.server import RemoteServer
 
 API_KEY = "test-key"
-COMMON = ["--dtype", "float32", "--max-model-len", "512", "--block-size", "16", "--num-gpu-blocks-override", "256",
-          "--disable-log-requests"]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--block-size",
+    "16",
+    "--num-gpu-blocks-override",
+    "256",
+    "--disable-log-requests",
+]
 PROMPT = "The capital of France is"
 
 
@@ -74,8 +84,16 @@ def test_model_may_be_default_or_omitted(server):
 def test_streamed_chat_equals_non_streamed(client):
     messages = [{"role": "user", "content": "Hello!"}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -85,9 +103,16 @@ def test_streamed_chat_equals_non_streamed(client):
 
 
 def test_streamed_completion_with_continuous_usage(client):
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
-                                            stream_options={"include_usage": True,
-                                                            "continuous_usage_stats": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 6
 
@@ -114,8 +139,14 @@ def test_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) == 2 for top in lp.top_logprobs)
     assert "".join(lp.tokens) == out.choices[0].text
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
     assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)
@@ -127,34 +158,56 @@ def test_echo_and_stop(client):
     base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     stop = base[5:8]
     cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
-    assert cut.choices[0].text == base[:base.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == base[: base.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_vllm_extensions(server):
-    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "top_k": -1, "min_tokens": 2, "ignore_eos": True,
-            "repetition_penalty": 1.1, "return_token_ids": True, "prompt_logprobs": 1}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "temperature": 0,
+        "top_k": -1,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "repetition_penalty": 1.1,
+        "return_token_ids": True,
+        "prompt_logprobs": 1,
+    }
     choice = _post(server, "/v1/completions", body).json()["choices"][0]
     assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"]
     assert choice["prompt_logprobs"][0] is None and choice["sentence_length"] == 3
-    meta = _post(server, "/v1/completions", {**body, "min_tokens": None, "metadata": {"min_tokens": 3},
-                                             "max_tokens": 5, "ignore_eos": False, "stop_token_ids": [2]})
+    meta = _post(
+        server,
+        "/v1/completions",
+        {
+            **body,
+            "min_tokens": None,
+            "metadata": {"min_tokens": 3},
+            "max_tokens": 5,
+            "ignore_eos": False,
+            "stop_token_ids": [2],
+        },
+    )
     assert meta.status_code == 200 and len(meta.json()["choices"][0]["token_ids"]) >= 3
 
 
 # --- errors -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
-    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ({"prompt": "x", "no_such_param": 1}, 400, "no_such_param"),
-    ({"prompt": "x", "n": 129}, 400, "n"),
-    ({"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
-    ({"prompt": "x", "logit_bias": {"99999999": 1}}, 400, None),
-    ({"prompt": "x " * 600}, 400, "prompt"),
-    ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
-    ({"prompt": [99999999]}, 400, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+        ({"prompt": "x", "no_such_param": 1}, 400, "no_such_param"),
+        ({"prompt": "x", "n": 129}, 400, "n"),
+        ({"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
+        ({"prompt": "x", "logit_bias": {"99999999": 1}}, 400, None),
+        ({"prompt": "x " * 600}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"prompt": [99999999]}, 400, "prompt"),
+    ],
+)
 def test_completion_errors(server, body, status, param):
     r = _post(server, "/v1/completions", body)
     assert r.status_code == status, r.text
@@ -165,8 +218,11 @@ def test_completion_errors(server, body, status, param):
 
 
 def test_chat_errors(server):
-    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                               "tools": [{"type": "function", "function": {"name": "f"}}]})
+    r = _post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     r = _post(server, "/v1/chat/completions", {"messages": []})
     assert r.status_code == 400
@@ -211,11 +267,21 @@ def test_metrics_count_requests(server, client):
     assert _metric(server, "splitserve:request_success_total") == before + 3
     assert _metric(server, "splitserve:prompt_tokens_total") > prompt_before
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "inter_token_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+    ):
         assert f"splitserve:{name}" in text, name
     assert 'model_name="tiny"' in text
 
@@ -225,8 +291,9 @@ def test_32_concurrent_streams(server):
     async def one(http: httpx.AsyncClient, i: int) -> tuple[str, str]:
         body = {"prompt": f"{PROMPT} {i}", "max_tokens": 12, "stream": True, "ignore_eos": True}
         text, finish = "", None
-        async with http.stream("POST", f"{server.url}/v1/completions", json=body,
-                               headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        async with http.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     choice = json.loads(line[6:])["choices"][0]
@@ -245,8 +312,10 @@ def test_32_concurrent_streams(server):
 def _wait_idle(server, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _metric(server, "splitserve:num_requests_running") == 0 and \
-                _metric(server, "splitserve:kv_cache_usage_perc") == 0:
+        if (
+            _metric(server, "splitserve:num_requests_running") == 0
+            and _metric(server, "splitserve:kv_cache_usage_perc") == 0
+        ):
             return
         time.sleep(0.2)
     raise AssertionError("the engine still holds requests or KV blocks")
@@ -255,8 +324,9 @@ def _wait_idle(server, timeout: float = 20.0) -> None:
 def test_disconnect_mid_stream_frees_blocks(server):
     _wait_idle(server)
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break
@@ -267,8 +337,9 @@ def test_disconnect_of_non_streamed_request_frees_blocks(server):
     # 500 tokens take the tiny model well over the client's 0.1 s patience.
     body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.1,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+        httpx.post(
+            f"{server.url}/v1/completions", json=body, timeout=0.1, headers={"Authorization": f"Bearer {API_KEY}"}
+        )
     _wait_idle(server)
 
 
@@ -284,6 +355,7 @@ def test_two_workers_share_the_engine_and_metrics(tiny_chat_model):
 
 def test_max_queued_requests_gives_429(tiny_chat_model):
     with RemoteServer(tiny_chat_model, *COMMON, "--max-num-seqs", "1", "--max-queued-requests", "1") as s:
+
         async def fire():
             async with httpx.AsyncClient(timeout=120) as http:
                 body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
@@ -329,6 +401,7 @@ def _is_zombie(pid: int) -> bool:
 def _engine_pid(server: RemoteServer) -> int:
     """The engine core process: of the server's spawned children (it and multiprocessing's resource
     tracker) the one holding the model, i.e. the largest resident memory."""
+
     def rss(pid: int) -> int:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1])
@@ -353,12 +426,25 @@ def test_fastdeploy_style_flags(tiny_chat_model):
 
     metrics_port, queue_port = free_port(), free_port()
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    with RemoteServer(tiny_chat_model, *COMMON, "--metrics-port", str(metrics_port), "--engine-worker-queue-port",
-                      str(queue_port), "--chat-template", template, "--reasoning-parser", "deepseek_r1") as s:
+    with RemoteServer(
+        tiny_chat_model,
+        *COMMON,
+        "--metrics-port",
+        str(metrics_port),
+        "--engine-worker-queue-port",
+        str(queue_port),
+        "--chat-template",
+        template,
+        "--reasoning-parser",
+        "deepseek_r1",
+    ) as s:
         tokens = httpx.post(f"{s.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert httpx.post(f"{s.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "<<hi>>"
-        chat = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}).json()
+        chat = httpx.post(
+            f"{s.url}/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0},
+        ).json()
         message = chat["choices"][0]["message"]
         # deepseek_r1: with no </think> in the output, all of it is reasoning.
         assert message["reasoning_content"] and not message["content"]

@@ -2,6 +2,7 @@
 
 Greedy outputs through the router must be token for token those of a single mixed engine; faults
 (a killed prefill or decode engine, client aborts) must end every request and leak no block."""
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,12 @@ from splitserve import LLM, SamplingParams
 from tests.e2e.server import RemoteServer, free_port
 from tests.e2e.test_openai_server import _engine_pid, _metric
 
-COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256",
-          "--disable-log-requests"]
-PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived a dragon who " * 3,
-           "def fibonacci(n):"]
+COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--disable-log-requests"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a dragon who " * 3,
+    "def fibonacci(n):",
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +64,11 @@ def _wait(predicate, timeout: float = 30.0, what: str = "condition") -> None:
 
 
 def _idle(url: str) -> bool:
-    return (_metric(url, "splitserve:kv_cache_usage_perc") == 0
-            and _metric(url, "splitserve:num_requests_running") == 0
-            and _metric(url, "splitserve:kv_transfer_leases_active") == 0)
+    return (
+        _metric(url, "splitserve:kv_cache_usage_perc") == 0
+        and _metric(url, "splitserve:num_requests_running") == 0
+        and _metric(url, "splitserve:kv_transfer_leases_active") == 0
+    )
 
 
 # --- one command ------------------------------------------------------------------------------
@@ -71,10 +76,16 @@ def test_one_command_1p1d_matches_a_mixed_instance(tiny_chat_model, offline):
     with RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d") as router:
         _check_parity(router.url, offline)
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
-        chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=8, temperature=0)
-        direct = offline.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=8),
-                              use_tqdm=False)[0].outputs[0].text
+        chat = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+        )
+        direct = (
+            offline.chat(
+                [{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .text
+        )
         assert chat.choices[0].message.content == direct
         metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
         assert 'role="prefill"' in metrics and "splitserve_router:fallbacks_total 0.0" in metrics
@@ -82,8 +93,9 @@ def test_one_command_1p1d_matches_a_mixed_instance(tiny_chat_model, offline):
 
 def test_one_command_2p2d_matches_a_mixed_instance(tiny_chat_model, offline):
     # With overlap scheduling in every engine (the GPU default; off on CPU), against a plain instance.
-    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "2p2d", "--policy", "least_load",
-                      "--async-scheduling") as router:
+    with RemoteServer(
+        tiny_chat_model, *COMMON, "--pd", "2p2d", "--policy", "least_load", "--async-scheduling"
+    ) as router:
         _check_parity(router.url, offline)
 
 
@@ -91,11 +103,19 @@ def test_one_command_2p2d_matches_a_mixed_instance(tiny_chat_model, offline):
 @pytest.fixture
 def pd_cluster(tiny_chat_model):
     """Two prefill instances, one decode instance (short leases), and a router."""
-    prefill = [RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "prefill", "--kv-lease-seconds", "3")
-               for _ in range(2)]
+    prefill = [
+        RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "prefill", "--kv-lease-seconds", "3") for _ in range(2)
+    ]
     decode = RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "decode")
-    router = RemoteServer(None, "router", *sum((["--prefill", p.url] for p in prefill), []), "--decode", decode.url,
-                          "--health-interval", "0.5")
+    router = RemoteServer(
+        None,
+        "router",
+        *sum((["--prefill", p.url] for p in prefill), []),
+        "--decode",
+        decode.url,
+        "--health-interval",
+        "0.5",
+    )
     try:
         yield prefill, decode, router
     finally:
@@ -132,17 +152,20 @@ def test_killed_decode_engine_fails_requests_and_frees_prefill_blocks(pd_cluster
     assert r.status_code >= 500 and r.json()["error"]["message"]
     # Whatever the prefill side leased for the dead decode instance expires and is freed.
     for p in prefill:
-        _wait(lambda: _idle(p.url), what=f"{p.url} to free its blocks")
+        _wait(lambda url=p.url: _idle(url), what=f"{p.url} to free its blocks")
 
 
 def test_client_aborts_free_both_sides(pd_cluster):
     prefill, decode, router = pd_cluster
     for _ in range(4):
         with pytest.raises(httpx.TimeoutException):  # 400 tokens take far longer than 0.15 s
-            httpx.post(f"{router.url}/v1/completions", timeout=0.15,
-                       json={"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True})
+            httpx.post(
+                f"{router.url}/v1/completions",
+                timeout=0.15,
+                json={"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True},
+            )
     for server in (decode, *prefill):
-        _wait(lambda: _idle(server.url), what=f"{server.url} to free its blocks")
+        _wait(lambda url=server.url: _idle(url), what=f"{server.url} to free its blocks")
 
 
 # --- the rank-table environment -----------------------------------------------------------------
@@ -151,19 +174,41 @@ def test_rank_table_environment_startup(tmp_path, tiny_chat_model, offline):
     if len(cores) < 2:
         pytest.skip("needs two CPU cores: one for the prefill instance, one for the decode instance")
     save = tmp_path / "tables"
-    subprocess.run([sys.executable, "-m", "splitserve.entrypoints.cli", "ranktable", "gen", "--prefill-server-list", str(cores[0]),
-                    "--decode-server-list", str(cores[-1]), "--api-server", "--server-ip", "127.0.0.1",
-                    "--save-dir", str(save)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.entrypoints.cli",
+            "ranktable",
+            "gen",
+            "--prefill-server-list",
+            str(cores[0]),
+            "--decode-server-list",
+            str(cores[-1]),
+            "--api-server",
+            "--server-ip",
+            "127.0.0.1",
+            "--save-dir",
+            str(save),
+        ],
+        check=True,
+    )
     glob_env = {"GLOBAL_RANK_TABLE_FILE_PATH": str(save / "global_ranktable_127.0.0.1.json")}
     ports = [free_port(), free_port()]
     servers = []
     try:
         for device, port in zip((cores[0], cores[-1]), ports):
-            env = {**glob_env, "RANK_TABLE_FILE_PATH": str(save / f"local_ranktable_127.0.0.1_{device}.json"),
-                   "NODE_PORTS": f"{ports[0]},{ports[1]}"}
+            env = {
+                **glob_env,
+                "RANK_TABLE_FILE_PATH": str(save / f"local_ranktable_127.0.0.1_{device}.json"),
+                "NODE_PORTS": f"{ports[0]},{ports[1]}",
+            }
             servers.append(RemoteServer(tiny_chat_model, *COMMON, env=env, port=port))
-        env = {**glob_env, "RANK_TABLE_FILE_PATH": str(save / "local_ranktable_127.0.0.1_host.json"),
-               "NODE_PORTS": f"{ports[0]},{ports[1]}"}
+        env = {
+            **glob_env,
+            "RANK_TABLE_FILE_PATH": str(save / "local_ranktable_127.0.0.1_host.json"),
+            "NODE_PORTS": f"{ports[0]},{ports[1]}",
+        }
         servers.append(RemoteServer(tiny_chat_model, *COMMON, env=env))
         body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
         out = httpx.post(f"{servers[-1].url}/v1/completions", json=body, timeout=120).json()

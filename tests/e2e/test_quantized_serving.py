@@ -1,5 +1,6 @@
 """`splitserve serve` with quantized weights and a quantized KV cache: an AWQ checkpoint served
 with an int8 KV cache answers exactly as the same engine offline."""
+
 from __future__ import annotations
 
 import httpx
@@ -16,10 +17,17 @@ def test_awq_checkpoint_served_with_int8_kv_cache(tiny_models, tmp_path):
     path = str(tmp_path / "awq")
     write_quantized_checkpoint(tiny_models["llama"], path, "awq")
     prompt = [5, 17, 300, 42, 7, 99, 512, 3]
-    offline = LLM(path, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, kv_cache_dtype="int8",
-                  use_tqdm_on_load=False)
-    expected = offline.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12,
-                                                                             ignore_eos=True), use_tqdm=False)
+    offline = LLM(
+        path,
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        kv_cache_dtype="int8",
+        use_tqdm_on_load=False,
+    )
+    expected = offline.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     with RemoteServer(path, *ARGS, "--quantization", "awq") as server:
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()

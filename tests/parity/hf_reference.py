@@ -1,4 +1,5 @@
 """Reference generations from Hugging Face transformers, one prompt at a time (no padding)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,9 +10,9 @@ import torch
 @dataclass
 class Reference:
     token_ids: list[int]
-    logprobs: list[float]          # log-probability of each generated token
-    top5: list[list[int]]          # the 5 most likely tokens at each step
-    gaps: list[float]              # logit gap between the best and second-best token at each step
+    logprobs: list[float]  # log-probability of each generated token
+    top5: list[list[int]]  # the 5 most likely tokens at each step
+    gaps: list[float]  # logit gap between the best and second-best token at each step
 
 
 def load_hf_model(path: str, dtype=torch.float32, gguf_file: str | None = None):
@@ -40,8 +41,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> Reference:
     return ref
 
 
-def assert_greedy_match(ours_ids: list[int], ours_logprobs: list[float] | None, ref: Reference,
-                        logprob_atol: float = 1e-4, tie_gap: float = 1e-4) -> None:
+def assert_greedy_match(
+    ours_ids: list[int],
+    ours_logprobs: list[float] | None,
+    ref: Reference,
+    logprob_atol: float = 1e-4,
+    tie_gap: float = 1e-4,
+) -> None:
     """Greedy tokens must be identical. The one allowed exception is a near tie (the reference's
     best two logits within `tie_gap`), where the float rounding of a different but equally valid
     computation order may pick the other token; then our token must be in the reference's top 5
@@ -51,8 +57,10 @@ def assert_greedy_match(ours_ids: list[int], ours_logprobs: list[float] | None, 
         if ours != theirs:
             assert ref.gaps[step] < tie_gap and ours in ref.top5[step], (
                 f"diverged at step {step}: ours {ours}, transformers {theirs} (gap {ref.gaps[step]:.3g}); "
-                f"ours={ours_ids} ref={ref.token_ids}")
+                f"ours={ours_ids} ref={ref.token_ids}"
+            )
             return
         if ours_logprobs is not None:
             assert abs(ours_logprobs[step] - ref.logprobs[step]) < logprob_atol, (
-                f"logprob at step {step}: ours {ours_logprobs[step]}, transformers {ref.logprobs[step]}")
+                f"logprob at step {step}: ours {ours_logprobs[step]}, transformers {ref.logprobs[step]}"
+            )

@@ -6,6 +6,7 @@ checked one step late (the extra step's token is dropped), and requests whose sa
 their output history (penalties, bad words, min_tokens) make the engine finish the step in flight
 first. On CPU the forward is synchronous, so this checks the bookkeeping, not the speed.
 """
+
 from __future__ import annotations
 
 import random
@@ -34,8 +35,7 @@ def overlap_counter(monkeypatch):
 
 def _llm(path: str, overlap: bool, **kwargs) -> LLM:
     kwargs.setdefault("num_gpu_blocks_override", 64)
-    return LLM(path, dtype="float32", max_model_len=128, use_tqdm_on_load=False, async_scheduling=overlap,
-               **kwargs)
+    return LLM(path, dtype="float32", max_model_len=128, use_tqdm_on_load=False, async_scheduling=overlap, **kwargs)
 
 
 def _run(llm: LLM, params):
@@ -71,17 +71,22 @@ def test_greedy_with_stops_and_lengths(tiny_models, overlap_counter):
     plain = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PROMPTS)
     first = _run(_llm(path, False), plain)
     # Stop each request at a token it produces mid-way, and cap others by length at various steps.
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[tokens[4]], logprobs=2)
-              if i % 2 else SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=2)
-              for i, (tokens, _, _) in enumerate(first)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[tokens[4]], logprobs=2)
+        if i % 2
+        else SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=2)
+        for i, (tokens, _, _) in enumerate(first)
+    ]
     sync, _ = _both(path, params)
     assert {reason for _, reason, _ in sync} == {"stop", "length"}
     assert overlap_counter["pending_steps"] > 5
 
 
 def test_seeded_sampling_and_logprobs(tiny_models, overlap_counter):
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, max_tokens=10, ignore_eos=True,
-                             logprobs=1) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, max_tokens=10, ignore_eos=True, logprobs=1)
+        for i in range(len(PROMPTS))
+    ]
     _both(tiny_models["llama"], params)
     assert overlap_counter["pending_steps"] > 5
 
@@ -89,8 +94,14 @@ def test_seeded_sampling_and_logprobs(tiny_models, overlap_counter):
 def test_history_dependent_sampling_finishes_the_step_in_flight(tiny_models, overlap_counter):
     """Penalties, bad words and min_tokens read the output tokens on the host: those steps wait for
     the previous one; the plain requests mixed in still get the same tokens."""
-    variants = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=0.3),
-                dict(bad_words=[" the", " of"]), dict(min_tokens=6, stop_token_ids=[7, 9, 11]), dict(), dict()]
+    variants = [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.5, presence_penalty=0.3),
+        dict(bad_words=[" the", " of"]),
+        dict(min_tokens=6, stop_token_ids=[7, 9, 11]),
+        dict(),
+        dict(),
+    ]
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, **extra) for extra in variants]
     _both(tiny_models["mistral"], params)
 
@@ -121,8 +132,7 @@ def test_abort_while_a_step_is_in_flight(tiny_models):
         if steps == 4:
             assert engine.engine_core._in_flight is not None
             engine.abort_request(["r1", "r4"])
-    assert set(finished) >= {f"r{i}" for i in (0, 2, 3, 5)} and all(
-        finished[f"r{i}"] == 30 for i in (0, 2, 3, 5))
+    assert set(finished) >= {f"r{i}" for i in (0, 2, 3, 5)} and all(finished[f"r{i}"] == 30 for i in (0, 2, 3, 5))
     core = engine.engine_core
     core.scheduler.check_invariants()
     assert not core.scheduler.requests and core.kv_manager.usage == 0.0

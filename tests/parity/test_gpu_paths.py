@@ -7,6 +7,7 @@ the fixed decode split count) still runs: the Triton backend in Triton's interpr
 buffers a CUDA graph would. The memory sizing runs its profiling pass on CPU with torch.cuda's
 memory queries replaced by fakes.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,12 +21,12 @@ if not HAS_CUDA:
     # Triton reads it when it is first imported (its own helpers are kernels too), so: before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitserve import LLM, SamplingParams
-from splitserve.executor import cuda_graph, gpu_memory
-from splitserve.executor.cuda_graph import capture_sizes
-from splitserve.executor.gpu_memory import MemoryProfile
-from splitserve.executor.model_runner import ModelRunner
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.executor import cuda_graph, gpu_memory  # noqa: E402
+from splitserve.executor.cuda_graph import capture_sizes  # noqa: E402
+from splitserve.executor.gpu_memory import MemoryProfile  # noqa: E402
+from splitserve.executor.model_runner import ModelRunner  # noqa: E402
+from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model  # noqa: E402
 
 
 # --- capture sizes ---------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def test_capture_sizes_follow_vllm():
     assert capture_sizes([20], 256) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes([3], 256) == [1, 2, 3]
     assert capture_sizes([64, 1, 8, 8], 256) == [1, 8, 64]
-    assert capture_sizes([64, 1, 8], 10) == [1, 8]          # never more than max_num_seqs
+    assert capture_sizes([64, 1, 8], 10) == [1, 8]  # never more than max_num_seqs
     assert capture_sizes(None, 5) == [1, 2, 4, 5]
     with pytest.raises(ValueError, match="positive"):
         capture_sizes([0, 8], 256)
@@ -92,8 +93,14 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
     lengths = [9, 3, 7, 5, 12, 2]
-    kwargs = dict(dtype="float32", max_model_len=128, cuda_graph_sizes=[1, 2, 4, 8], max_num_seqs=8,
-                  use_tqdm_on_load=False, num_gpu_blocks_override=64)
+    kwargs = dict(
+        dtype="float32",
+        max_model_len=128,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        max_num_seqs=8,
+        use_tqdm_on_load=False,
+        num_gpu_blocks_override=64,
+    )
     graphs = LLM(tiny_models["qwen3"], **kwargs)
     runner = graphs.llm_engine.engine_core.executor.runner
     assert sorted(runner.graph_runner.captured) == [1, 2, 4, 8]
@@ -110,8 +117,15 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
 def test_padding_rows_never_touch_request_blocks(tiny_models, emulated_graphs):
     """A batch of 3 replayed in the size-4 graph after a batch of 4: the stale fourth row must
     write into the padding block, not into the finished request's (freed, maybe reused) block."""
-    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, cuda_graph_sizes=[4], max_num_seqs=4,
-              use_tqdm_on_load=False, num_gpu_blocks_override=32)
+    llm = LLM(
+        tiny_models["llama"],
+        dtype="float32",
+        max_model_len=64,
+        cuda_graph_sizes=[4],
+        max_num_seqs=4,
+        use_tqdm_on_load=False,
+        num_gpu_blocks_override=32,
+    )
     graph_runner = llm.llm_engine.engine_core.executor.runner.graph_runner
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]
     _staggered_run(llm, prompts, [6, 6, 6, 3])
@@ -123,13 +137,15 @@ def test_padding_rows_never_touch_request_blocks(tiny_models, emulated_graphs):
 # --- memory sizing from a profiling pass -------------------------------------------------------------
 def test_memory_profile_budget_and_error():
     gib = 1 << 30
-    profile = MemoryProfile(total=80 * gib, free=78 * gib, weights=1 * gib, activation_peak=2 * gib,
-                            utilization=0.9, num_tokens=8192)
+    profile = MemoryProfile(
+        total=80 * gib, free=78 * gib, weights=1 * gib, activation_peak=2 * gib, utilization=0.9, num_tokens=8192
+    )
     assert profile.kv_cache_budget == 78 * gib - 8 * gib - 2 * gib
     assert "68.00 GiB for the KV cache" in profile.describe()
     profile.check(bytes_per_block=1 << 20)
-    full = MemoryProfile(total=80 * gib, free=10 * gib, weights=60 * gib, activation_peak=3 * gib,
-                         utilization=0.9, num_tokens=8192)
+    full = MemoryProfile(
+        total=80 * gib, free=10 * gib, weights=60 * gib, activation_peak=3 * gib, utilization=0.9, num_tokens=8192
+    )
     with pytest.raises(ValueError, match="No GPU memory is left for the KV cache.*--gpu-memory-utilization"):
         full.check(bytes_per_block=1 << 20)
 
@@ -139,7 +155,8 @@ def test_profile_run_sizes_the_cache_from_measured_peak(tiny_models, monkeypatch
     gib = 1 << 30
     allocated = {"now": 3 * gib}
     fake = {
-        "synchronize": lambda device=None: None, "empty_cache": lambda: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
         "reset_peak_memory_stats": lambda device=None: None,
         "memory_allocated": lambda device=None: allocated["now"],
         "max_memory_allocated": lambda device=None: allocated["now"] + gib // 2 + allocated["cache"],
@@ -147,8 +164,15 @@ def test_profile_run_sizes_the_cache_from_measured_peak(tiny_models, monkeypatch
     }
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
-    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100,
-              use_tqdm_on_load=False, num_gpu_blocks_override=32)
+    llm = LLM(
+        tiny_models["llama"],
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=5,
+        max_num_batched_tokens=100,
+        use_tqdm_on_load=False,
+        num_gpu_blocks_override=32,
+    )
     runner = llm.llm_engine.engine_core.executor.runner
     original = runner.profile_run
     seen = {}
@@ -167,14 +191,17 @@ def test_profile_run_sizes_the_cache_from_measured_peak(tiny_models, monkeypatch
     # The throwaway cache is gone and the engine still generates what a fresh one does.
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     after = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids
-    fresh = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, use_tqdm_on_load=False,
-                num_gpu_blocks_override=32)
+    fresh = LLM(
+        tiny_models["llama"], dtype="float32", max_model_len=64, use_tqdm_on_load=False, num_gpu_blocks_override=32
+    )
     assert after == fresh.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
 # --- the whole engine on a GPU ----------------------------------------------------------------------
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: runs the Triton backend, fused kernels and CUDA "
-                                         "graphs against transformers on the GPU")
+@pytest.mark.skipif(
+    not HAS_CUDA,
+    reason="needs a CUDA GPU: runs the Triton backend, fused kernels and CUDA graphs against transformers on the GPU",
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_gpu_engine_matches_transformers(tiny_models, arch, enforce_eager):
@@ -182,8 +209,14 @@ def test_gpu_engine_matches_transformers(tiny_models, arch, enforce_eager):
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(4, 60))] for _ in range(8)]
     model = load_hf_model(tiny_models[arch])  # the reference runs on CPU, in float32
     refs = [hf_greedy(model, p, 24) for p in prompts]
-    llm = LLM(tiny_models[arch], dtype="float32", max_model_len=256, enforce_eager=enforce_eager,
-              use_tqdm_on_load=False, gpu_memory_utilization=0.3)
+    llm = LLM(
+        tiny_models[arch],
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=enforce_eager,
+        use_tqdm_on_load=False,
+        gpu_memory_utilization=0.3,
+    )
     runner = llm.llm_engine.engine_core.executor.runner
     assert runner.backend.name == "triton" and (runner.graph_runner is None) == enforce_eager
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -192,5 +225,8 @@ def test_gpu_engine_matches_transformers(tiny_models, arch, enforce_eager):
         completion = out.outputs[0]
         logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
         assert_greedy_match(completion.token_ids, logprobs, ref, 1e-3)
-    print(f"GPU parity ({arch}, enforce_eager={enforce_eager}) on {torch.cuda.get_device_name()}: "
-          f"{len(prompts)} prompts x 24 tokens match", flush=True)
+    print(
+        f"GPU parity ({arch}, enforce_eager={enforce_eager}) on {torch.cuda.get_device_name()}: "
+        f"{len(prompts)} prompts x 24 tokens match",
+        flush=True,
+    )

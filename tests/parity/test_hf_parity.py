@@ -1,5 +1,6 @@
 """Greedy outputs and logprobs equal transformers' on tiny random-weight models of every
 supported architecture, in float32, however the engine batches, chunks, caches or preempts."""
+
 from __future__ import annotations
 
 import random

@@ -10,6 +10,7 @@ requests quantized). Per kv_cache_dtype, two checks:
   models (initializer_range 0.5) turn any perturbation into large logprob changes, so the
   yardstick is the drift that computing in bfloat16 instead of float32 causes on the same model.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,7 +58,7 @@ class Greedy:
 @dataclass
 class Run:
     prompt_logprobs: list[float]  # of every prompt token but the first, prompts in order
-    outputs: list[Greedy]         # PROMPTS, then HITS
+    outputs: list[Greedy]  # PROMPTS, then HITS
 
 
 def _greedy(completion) -> Greedy:
@@ -70,16 +71,24 @@ def _greedy(completion) -> Greedy:
 
 
 def _run(path: str, kv_cache_dtype: str, dtype: str = "float32") -> Run:
-    llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=512, max_num_batched_tokens=64,
-              use_tqdm_on_load=False)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        use_tqdm_on_load=False,
+    )
     greedy = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 2}
-    scored = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                          SamplingParams(**greedy, prompt_logprobs=0), use_tqdm=False)
+    scored = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**greedy, prompt_logprobs=0), use_tqdm=False
+    )
     # One at a time, after PROMPTS: prompt_logprobs requests read no cached blocks, these do.
     hits = [llm.generate([{"prompt_token_ids": p}], SamplingParams(**greedy), use_tqdm=False)[0] for p in HITS]
     assert [h.num_cached_tokens for h in hits] == [320, 288]  # whole blocks of 16
-    prompt_logprobs = [out.prompt_logprobs[i][prompt[i]].logprob
-                       for prompt, out in zip(PROMPTS, scored) for i in range(1, len(prompt))]
+    prompt_logprobs = [
+        out.prompt_logprobs[i][prompt[i]].logprob for prompt, out in zip(PROMPTS, scored) for i in range(1, len(prompt))
+    ]
     return Run(prompt_logprobs, [_greedy(out.outputs[0]) for out in scored + hits])
 
 
@@ -102,6 +111,7 @@ def fake_quantized_cache(monkeypatch):
     """Make an auto (unquantized) cache store what kv_cache_dtype would represent: each written
     vector quantized and dequantized. Prompts with no cached context still use their exact k/v.
     (On the torch backend, whose write this patches; the CPU backend writes in C++.)"""
+
     def use(kv_cache_dtype: str) -> None:
         monkeypatch.setenv(BACKEND_ENV, "torch")
         storage, write_kv = kv_cache_spec(kv_cache_dtype, torch.float32).storage_dtype, torch_ref.write_kv
@@ -113,6 +123,7 @@ def fake_quantized_cache(monkeypatch):
             write_kv(k_cache, v_cache, roundtrip(k), roundtrip(v), slot_mapping)
 
         monkeypatch.setattr(torch_ref, "write_kv", write_roundtrip)
+
     return use
 
 
@@ -144,15 +155,27 @@ def test_accuracy_against_the_unquantized_cache(tiny_models, arch):
     assert list(drifts.values()) == sorted(drifts.values()), drifts
 
 
-@pytest.mark.parametrize("kv_cache_dtype, vector_bytes, described", [
-    ("auto", 64, "float32"), ("int8", 20, "int8 + float32 scales"), ("fp8", 20, "fp8_e4m3 + float32 scales"),
-    ("int4", 16, "int4 + float32 scales and mins")])
+@pytest.mark.parametrize(
+    "kv_cache_dtype, vector_bytes, described",
+    [
+        ("auto", 64, "float32"),
+        ("int8", 20, "int8 + float32 scales"),
+        ("fp8", 20, "fp8_e4m3 + float32 scales"),
+        ("int4", 16, "int4 + float32 scales and mins"),
+    ],
+)
 def test_the_same_memory_holds_more_blocks(tiny_models, caplog, kv_cache_dtype, vector_bytes, described):
     """head_dim 16 in float32 is 64 bytes a cached vector; int8 and fp8 16 plus a 4-byte scale;
     int4 8 plus scale and min. A block: K and V, 3 layers, 16 tokens, 2 KV heads."""
     with caplog.at_level(logging.INFO, logger="splitserve.executor.model_runner"):
-        llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=1 << 20,
-                  max_model_len=512, use_tqdm_on_load=False)
+        llm = LLM(
+            tiny_models["llama"],
+            dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_bytes=1 << 20,
+            max_model_len=512,
+            use_tqdm_on_load=False,
+        )
     block_bytes = 2 * 3 * 16 * 2 * vector_bytes
     assert llm.llm_engine.engine_core.executor.runner.kv_bytes_per_block() == block_bytes
     assert llm.llm_engine.config.cache_config.num_gpu_blocks == (1 << 20) // block_bytes
@@ -175,12 +198,22 @@ def test_quant_policy_maps_to_kv_cache_dtype(config_class):
 
 def test_pipeline_with_quant_policy_runs_a_quantized_cache(tiny_chat_model):
     backend = PytorchEngineConfig(dtype="float32", session_len=256, num_gpu_blocks=64, quant_policy=8)
-    llm = LLM(tiny_chat_model, dtype="float32", max_model_len=256, block_size=64, num_gpu_blocks_override=64,
-              enable_prefix_caching=False, kv_cache_dtype="int8", use_tqdm_on_load=False)
-    expected = llm.generate(["Shanghai is"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0]
+    llm = LLM(
+        tiny_chat_model,
+        dtype="float32",
+        max_model_len=256,
+        block_size=64,
+        num_gpu_blocks_override=64,
+        enable_prefix_caching=False,
+        kv_cache_dtype="int8",
+        use_tqdm_on_load=False,
+    )
+    expected = llm.generate(
+        ["Shanghai is"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     with pipeline(tiny_chat_model, backend_config=backend) as pipe:
         assert pipe.engine.engine_core.executor.runner.kv_spec.name == "int8"
-        response = pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=12, ignore_eos=True),
-                        do_preprocess=False)
+        response = pipe(
+            "Shanghai is", gen_config=GenerationConfig(max_new_tokens=12, ignore_eos=True), do_preprocess=False
+        )
     assert response.token_ids == expected.token_ids

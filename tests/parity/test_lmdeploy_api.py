@@ -1,5 +1,6 @@
 """The LMDeploy-style API (pipeline, GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig,
 Response) runs LMDeploy's documented calls on splitserve's engine and agrees with splitserve.LLM."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,15 @@ import threading
 
 import pytest
 
-from splitserve import LLM, GenerationConfig, PytorchEngineConfig, Response, SamplingParams, TurbomindEngineConfig
-from splitserve import pipeline
+from splitserve import (
+    LLM,
+    GenerationConfig,
+    PytorchEngineConfig,
+    Response,
+    SamplingParams,
+    TurbomindEngineConfig,
+    pipeline,
+)
 
 PROMPTS = ["Hi, pls intro yourself", "Shanghai is"]
 MAX_NEW = 12
@@ -36,8 +44,15 @@ def pipe(model_dir):
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(model_dir, dtype="float32", max_model_len=256, block_size=64, num_gpu_blocks_override=64,
-               enable_prefix_caching=False, use_tqdm_on_load=False)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=256,
+        block_size=64,
+        num_gpu_blocks_override=64,
+        enable_prefix_caching=False,
+        use_tqdm_on_load=False,
+    )
 
 
 def _rendered_ids(tokenizer, messages) -> list[int]:
@@ -69,9 +84,11 @@ def test_greedy_call_matches_llm(pipe, llm):
 
 def test_documented_example(pipe):
     """LMDeploy's README call: top_p/top_k/temperature without do_sample, which samples."""
+
     def run(seed):
-        config = GenerationConfig(top_p=0.8, top_k=40, temperature=0.8, max_new_tokens=MAX_NEW, ignore_eos=True,
-                                  random_seed=seed)
+        config = GenerationConfig(
+            top_p=0.8, top_k=40, temperature=0.8, max_new_tokens=MAX_NEW, ignore_eos=True, random_seed=seed
+        )
         return pipe(["Hi, pls intro yourself", "Shanghai is"], gen_config=config)
 
     responses = run(0)
@@ -107,8 +124,11 @@ def test_do_preprocess_false_sends_raw_text(pipe, llm):
     assert raw.input_token_len == len(llm.get_tokenizer()("Shanghai is").input_ids)
     assert raw.token_ids == expected.token_ids
     # A conversation is joined as LMDeploy's 'base' template does: its contents, nothing else.
-    joined = pipe([{"role": "user", "content": "Shanghai"}, {"role": "user", "content": " is"}],
-                  gen_config=_greedy(), do_preprocess=False)
+    joined = pipe(
+        [{"role": "user", "content": "Shanghai"}, {"role": "user", "content": " is"}],
+        gen_config=_greedy(),
+        do_preprocess=False,
+    )
     assert joined.token_ids == raw.token_ids
 
 
@@ -203,10 +223,21 @@ def test_generation_config_to_sampling_params():
     # LMDeploy's own examples set these without do_sample and expect sampling.
     implied = GenerationConfig(top_p=0.8, top_k=40, temperature=0.8).to_sampling_params()
     assert (implied.temperature, implied.top_p, implied.top_k) == (0.8, 0.8, 40)
-    full = GenerationConfig(max_new_tokens=7, stop_words=["ab"], bad_words=["cd"], stop_token_ids=[5],
-                            bad_token_ids=[9], random_seed=3, min_new_tokens=2, logprobs=4, min_p=0.1,
-                            repetition_penalty=1.2, ignore_eos=True, skip_special_tokens=False,
-                            include_stop_str_in_output=True).to_sampling_params()
+    full = GenerationConfig(
+        max_new_tokens=7,
+        stop_words=["ab"],
+        bad_words=["cd"],
+        stop_token_ids=[5],
+        bad_token_ids=[9],
+        random_seed=3,
+        min_new_tokens=2,
+        logprobs=4,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    ).to_sampling_params()
     assert full.max_tokens == 7 and full.stop == ["ab"] and full.bad_words == ["cd"]
     assert full.stop_token_ids == [5] and full.logit_bias == {9: -math.inf}
     assert (full.seed, full.min_tokens, full.logprobs, full.min_p) == (3, 2, 4, 0.1)
@@ -223,16 +254,17 @@ def test_stop_words_cut_the_text(pipe):
     word = next(w for w in whole.text.split()[2:] if len(w) >= 3)
     stopped = pipe("Hi", gen_config=_greedy(stop_words=[word]))
     assert stopped.finish_reason == "stop"
-    assert stopped.text == whole.text[:whole.text.index(word)]
+    assert stopped.text == whole.text[: whole.text.index(word)]
     assert stopped.generate_token_len < whole.generate_token_len
     kept = pipe("Hi", gen_config=_greedy(stop_words=[word], include_stop_str_in_output=True))
-    assert kept.text == whole.text[:whole.text.index(word) + len(word)]
+    assert kept.text == whole.text[: whole.text.index(word) + len(word)]
 
 
 def test_random_seed_reproducible(pipe):
     def sample(seed):
-        config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True, do_sample=True, temperature=1.5,
-                                  top_k=0, random_seed=seed)
+        config = GenerationConfig(
+            max_new_tokens=MAX_NEW, ignore_eos=True, do_sample=True, temperature=1.5, top_k=0, random_seed=seed
+        )
         return pipe(PROMPTS, gen_config=config)
 
     first, again, other = sample(1), sample(1), sample(2)
@@ -271,36 +303,49 @@ def test_logprobs(pipe):
 
 
 # --- engine configuration --------------------------------------------------------------------
-@pytest.mark.parametrize("config, field", [
-    (PytorchEngineConfig(num_cpu_blocks=8), "num_cpu_blocks"),
-    (PytorchEngineConfig(quant_policy=2), "quant_policy"),
-    (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
-    (PytorchEngineConfig(tp=2), "tp"),
-    (PytorchEngineConfig(adapters={"a": "/x"}), "adapters"),
-    (PytorchEngineConfig(download_dir="/tmp/x"), "download_dir"),
-    (PytorchEngineConfig(device_type="ascend"), "device_type"),
-    (PytorchEngineConfig(prefill_interval=0), "prefill_interval"),
-    (PytorchEngineConfig(cache_max_entry_count=1.5), "cache_max_entry_count"),
-    (PytorchEngineConfig(max_prefill_token_num=0), "max_prefill_token_num"),
-    (PytorchEngineConfig(max_batch_size=0), "max_batch_size"),
-    (TurbomindEngineConfig(model_format="int3"), "model_format"),
-    (TurbomindEngineConfig(tp=2), "tp"),
-    (TurbomindEngineConfig(quant_policy=3), "quant_policy"),
-    (TurbomindEngineConfig(rope_scaling_factor=2.0), "rope_scaling_factor"),
-    (TurbomindEngineConfig(use_logn_attn=True), "use_logn_attn"),
-    (TurbomindEngineConfig(num_tokens_per_iter=8), "num_tokens_per_iter"),
-    (TurbomindEngineConfig(max_prefill_iters=2), "max_prefill_iters"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        (PytorchEngineConfig(num_cpu_blocks=8), "num_cpu_blocks"),
+        (PytorchEngineConfig(quant_policy=2), "quant_policy"),
+        (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
+        (PytorchEngineConfig(tp=2), "tp"),
+        (PytorchEngineConfig(adapters={"a": "/x"}), "adapters"),
+        (PytorchEngineConfig(download_dir="/tmp/x"), "download_dir"),
+        (PytorchEngineConfig(device_type="ascend"), "device_type"),
+        (PytorchEngineConfig(prefill_interval=0), "prefill_interval"),
+        (PytorchEngineConfig(cache_max_entry_count=1.5), "cache_max_entry_count"),
+        (PytorchEngineConfig(max_prefill_token_num=0), "max_prefill_token_num"),
+        (PytorchEngineConfig(max_batch_size=0), "max_batch_size"),
+        (TurbomindEngineConfig(model_format="int3"), "model_format"),
+        (TurbomindEngineConfig(tp=2), "tp"),
+        (TurbomindEngineConfig(quant_policy=3), "quant_policy"),
+        (TurbomindEngineConfig(rope_scaling_factor=2.0), "rope_scaling_factor"),
+        (TurbomindEngineConfig(use_logn_attn=True), "use_logn_attn"),
+        (TurbomindEngineConfig(num_tokens_per_iter=8), "num_tokens_per_iter"),
+        (TurbomindEngineConfig(max_prefill_iters=2), "max_prefill_iters"),
+    ],
+)
 def test_unsupported_backend_fields_raise(model_dir, config, field):
     with pytest.raises(ValueError, match=rf"EngineConfig\.{field}\b"):
         pipeline(model_dir, backend_config=config)
 
 
 def test_pytorch_engine_config_mapping():
-    args = PytorchEngineConfig(dtype="bfloat16", session_len=2048, max_batch_size=8, block_size=32,
-                               num_gpu_blocks=100, max_prefill_token_num=1024, enable_prefix_caching=True,
-                               eager_mode=True, device_type="cpu", revision="main", prefill_interval=1,
-                               thread_safe=True).to_engine_args("m")
+    args = PytorchEngineConfig(
+        dtype="bfloat16",
+        session_len=2048,
+        max_batch_size=8,
+        block_size=32,
+        num_gpu_blocks=100,
+        max_prefill_token_num=1024,
+        enable_prefix_caching=True,
+        eager_mode=True,
+        device_type="cpu",
+        revision="main",
+        prefill_interval=1,
+        thread_safe=True,
+    ).to_engine_args("m")
     assert (args.model, args.dtype, args.max_model_len, args.max_num_seqs) == ("m", "bfloat16", 2048, 8)
     assert (args.block_size, args.num_gpu_blocks_override, args.max_num_batched_tokens) == (32, 100, 1024)
     assert args.enable_prefix_caching and args.enforce_eager and args.device == "cpu" and args.revision == "main"
@@ -321,8 +366,9 @@ def test_cache_max_entry_count_is_a_share_of_free_memory():
 
 
 def test_turbomind_engine_config_mapping():
-    args = TurbomindEngineConfig(session_len=512, max_batch_size=4, cache_block_seq_len=128,
-                                 enable_prefix_caching=True, model_format="hf").to_engine_args("m")
+    args = TurbomindEngineConfig(
+        session_len=512, max_batch_size=4, cache_block_seq_len=128, enable_prefix_caching=True, model_format="hf"
+    ).to_engine_args("m")
     assert (args.max_model_len, args.max_num_seqs, args.block_size) == (512, 4, 128)
     assert args.enable_prefix_caching and args.max_num_batched_tokens == 8192 and args.device == "auto"
 
@@ -335,14 +381,17 @@ def test_engine_honours_backend_config(pipe):
 
 
 # --- pipeline() arguments, chat templates, closing -------------------------------------------
-@pytest.mark.parametrize("kwargs, error", [
-    (dict(chat_template_config=42), ValueError),
-    (dict(chat_template_config={"model_name": "internlm2"}), ValueError),
-    (dict(chat_template_config={"chat_template": "{{ x }}", "system": "hi"}), ValueError),
-    (dict(log_level="LOUD"), ValueError),
-    (dict(model_name="x"), TypeError),
-    (dict(backend_config={"session_len": 8}), TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(chat_template_config=42), ValueError),
+        (dict(chat_template_config={"model_name": "internlm2"}), ValueError),
+        (dict(chat_template_config={"chat_template": "{{ x }}", "system": "hi"}), ValueError),
+        (dict(log_level="LOUD"), ValueError),
+        (dict(model_name="x"), TypeError),
+        (dict(backend_config={"session_len": 8}), TypeError),
+    ],
+)
 def test_pipeline_rejects_bad_arguments(model_dir, kwargs, error):
     with pytest.raises(error):
         pipeline(model_dir, **kwargs)

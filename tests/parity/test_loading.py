@@ -1,5 +1,6 @@
 """Model sources: sharded safetensors, .bin checkpoints, hub ids through the local cache, dummy
 weights, bfloat16; and clear errors for what cannot be loaded."""
+
 from __future__ import annotations
 
 import json
@@ -88,10 +89,13 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, smollm_toke
 
 
 def test_refused_engine_settings(tiny_models):
-    for kwargs, field in [({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-                          ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
-                          ({"quantization": "awq"}, "quantization"),
-                          ({"max_model_len": 100000}, "max_model_len")]:
+    for kwargs, field in [
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
+        ({"pipeline_parallel_size": 4}, "pipeline_parallel_size"),
+        ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
+        ({"quantization": "awq"}, "quantization"),
+        ({"max_model_len": 100000}, "max_model_len"),
+    ]:
         with pytest.raises(ValueError, match=field):
             LLM(tiny_models["llama"], **kwargs)
     with pytest.raises(TypeError, match="no_such_flag"):

@@ -1,4 +1,5 @@
 """`splitserve perplexity` against transformers' own computation of the same sliding windows."""
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@ written by the tests (tests/quant_layouts.py), load and generate what transforme
 the same dequantized weights: the engine's unpacking and int4 / int8 kernels are exact up to float
 rounding. SmoothQuant's run-time activation quantization is reproduced on the transformers side
 with a hook that rounds each linear's input per token to int8."""
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,16 @@ LOGPROB_ATOL = 1e-3
 # rounding by one level (~1% of a token's largest activation), and these tiny models' logits reach
 # tens. Most steps still agree to 1e-3; a flipped step was seen to move a logprob by up to 0.17.
 W8A8_LOGPROB_ATOL = 0.25
-CASES = [("llama", "awq", False), ("qwen2", "awq", False), ("llama", "gptq", False), ("qwen3", "gptq", True),
-         ("llama", "weight_only_int8", False), ("qwen2", "smooth_quant", False), ("llama", "smooth_quant", False), ("llama", "fp8", False)]
+CASES = [
+    ("llama", "awq", False),
+    ("qwen2", "awq", False),
+    ("llama", "gptq", False),
+    ("qwen3", "gptq", True),
+    ("llama", "weight_only_int8", False),
+    ("qwen2", "smooth_quant", False),
+    ("llama", "smooth_quant", False),
+    ("llama", "fp8", False),
+]
 
 
 def _prompts() -> list[list[int]]:
@@ -33,6 +42,7 @@ def _prompts() -> list[list[int]]:
 
 def _fake_quantize_inputs(model) -> None:
     """SmoothQuant at run time: each decoder linear's input rounded to int8 with a scale per token."""
+
     def hook(_module, args):
         x = args[0]
         scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-6) / 127.0
@@ -45,8 +55,9 @@ def _fake_quantize_inputs(model) -> None:
 
 @pytest.mark.parametrize("arch,method,act_order", CASES)
 def test_quantized_checkpoint_matches_transformers(tiny_models, tmp_path, arch, method, act_order):
-    reference_state = write_quantized_checkpoint(tiny_models[arch], str(tmp_path / method), method,
-                                                 group_size=32, act_order=act_order)
+    reference_state = write_quantized_checkpoint(
+        tiny_models[arch], str(tmp_path / method), method, group_size=32, act_order=act_order
+    )
     hf = load_hf_model(tiny_models[arch])
     hf.load_state_dict(reference_state, strict=False)
     if method == "smooth_quant":
@@ -98,10 +109,15 @@ def test_online_and_dummy_quantization_generate(tiny_models, method):
     """weight_only_int8 / fp8 quantize an unquantized checkpoint while loading; with dummy weights
     every method quantizes random weights (for benchmarks)."""
     load_format = "auto" if method in ("weight_only_int8", "fp8") else "dummy"
-    llm = LLM(tiny_models["llama"], quantization=method, load_format=load_format, dtype="bfloat16",
-              max_model_len=128, use_tqdm_on_load=False)
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
+    llm = LLM(
+        tiny_models["llama"],
+        quantization=method,
+        load_format=load_format,
+        dtype="bfloat16",
+        max_model_len=128,
+        use_tqdm_on_load=False,
+    )
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -115,8 +131,20 @@ def test_quantize_tool_round_trip(tiny_models, tmp_path, quant_type):
     rng = random.Random(2)
     calibration = tmp_path / "ids.txt"
     calibration.write_text("\n".join(" ".join(str(rng.randrange(3, 1024)) for _ in range(64)) for _ in range(4)))
-    out = run_tool("-i", source, "-o", str(tmp_path / quant_type), "--quant-type", quant_type, "--group-size", "32",
-                   "-t", "fp32", "--tokenids-path", str(calibration))
+    out = run_tool(
+        "-i",
+        source,
+        "-o",
+        str(tmp_path / quant_type),
+        "--quant-type",
+        quant_type,
+        "--group-size",
+        "32",
+        "-t",
+        "fp32",
+        "--tokenids-path",
+        str(calibration),
+    )
     hf = dequantized_model(out, source)
     if quant_type == "smooth_quant":
         _fake_quantize_inputs(hf)
@@ -136,8 +164,9 @@ def test_lmdeploy_model_format(tiny_models, tmp_path):
 
     path = str(tmp_path / "awq")
     write_quantized_checkpoint(tiny_models["llama"], path, "awq")
-    with pipeline(path, backend_config=TurbomindEngineConfig(model_format="awq", session_len=128,
-                                                             cache_max_entry_count=0.01)) as pipe:
+    with pipeline(
+        path, backend_config=TurbomindEngineConfig(model_format="awq", session_len=128, cache_max_entry_count=0.01)
+    ) as pipe:
         response = pipe("a b c", gen_config=GenerationConfig(max_new_tokens=4, ignore_eos=True), do_preprocess=False)
         assert response.generate_token_len == 4
     with pytest.raises(ValueError, match="checkpoint is quantized with awq"):

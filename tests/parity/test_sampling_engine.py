@@ -1,4 +1,5 @@
 """Sampling parameters through the whole engine, on a tiny random model with a real tokenizer."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,10 +33,13 @@ def test_top_k_one_equals_greedy(llm):
 def test_seed_gives_the_same_tokens_whatever_the_batch(llm):
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=42)
     alone = _one(llm, params).outputs[0].token_ids
-    mixed = llm.generate([OTHERS[0], PROMPT, *OTHERS[1:]],
-                         [SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True, seed=i) for i in range(1)]
-                         + [params] + [SamplingParams(temperature=1.0, max_tokens=10) for _ in OTHERS[1:]],
-                         use_tqdm=False)
+    mixed = llm.generate(
+        [OTHERS[0], PROMPT, *OTHERS[1:]],
+        [SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True, seed=i) for i in range(1)]
+        + [params]
+        + [SamplingParams(temperature=1.0, max_tokens=10) for _ in OTHERS[1:]],
+        use_tqdm=False,
+    )
     assert mixed[1].outputs[0].token_ids == alone
     other_seed = _one(llm, params.clone(seed=43)).outputs[0].token_ids
     assert other_seed != alone
@@ -57,9 +61,10 @@ def test_stop_strings_cut_exactly(llm):
     cut = text.index(stop)  # its first occurrence, which may come before position 6
     out = _one(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])).outputs[0]
     assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
-    inc = _one(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
-                                   include_stop_str_in_output=True)).outputs[0]
-    assert inc.text == text[:cut + len(stop)]
+    inc = _one(
+        llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    ).outputs[0]
+    assert inc.text == text[: cut + len(stop)]
 
 
 def test_stop_token_ids(llm):
@@ -67,7 +72,7 @@ def test_stop_token_ids(llm):
     stop_id = tokens[5]
     first = tokens.index(stop_id)
     out = _one(llm, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])).outputs[0]
-    assert out.token_ids == tokens[:first + 1]
+    assert out.token_ids == tokens[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
@@ -99,8 +104,9 @@ def test_repetition_penalty_matches_transformers(llm, tiny_models):
     model = load_hf_model(tiny_models["llama"])
     ids = torch.tensor([PROMPT["prompt_token_ids"]])
     with torch.inference_mode():
-        ref = model.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.8,
-                             attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+        ref = model.generate(
+            ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.8, attention_mask=torch.ones_like(ids)
+        )[0, ids.shape[1] :].tolist()
     assert ours == ref
     assert ours != _greedy(llm, 16).token_ids
 
@@ -110,8 +116,14 @@ def test_frequency_and_presence_penalties_reduce_repeats(llm):
         return len(tokens) - len(set(tokens))
 
     base = _greedy(llm, 48).token_ids
-    penalized = _one(llm, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, frequency_penalty=2.0,
-                                         presence_penalty=2.0)).outputs[0].token_ids
+    penalized = (
+        _one(
+            llm,
+            SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+        )
+        .outputs[0]
+        .token_ids
+    )
     assert repeats(base) > 0 and repeats(penalized) < repeats(base)
 
 
@@ -124,7 +136,8 @@ def test_logprobs_and_prompt_logprobs(llm, tiny_models, monkeypatch, chunk):
     for step, token in zip(completion.logprobs, completion.token_ids):
         assert token in step and step[token].rank == 1 and len(step) == 3
     assert completion.cumulative_logprob == pytest.approx(
-        sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids)))
+        sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids))
+    )
     prompt = PROMPT["prompt_token_ids"]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     model = load_hf_model(tiny_models["llama"])

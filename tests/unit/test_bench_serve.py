@@ -2,6 +2,7 @@
 its delays are known, so the measured TTFT and ITL can be checked, and it records the request bodies and the
 peak number of requests in flight. The arrival-gap generator, the SSE splitter, the percentile arithmetic and
 the tokenizer-made prompts are checked on their own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,12 +36,16 @@ class FakeServer:
         self.auth: list[str | None] = []
         app = web.Application()
         for prefix in ("", "/nousage", "/flaky"):
-            app.add_routes([web.get(f"{prefix}/v1/models", self.models),
-                            web.post(f"{prefix}/v1/completions", self.generate),
-                            web.post(f"{prefix}/v1/chat/completions", self.generate)])
+            app.add_routes(
+                [
+                    web.get(f"{prefix}/v1/models", self.models),
+                    web.post(f"{prefix}/v1/completions", self.generate),
+                    web.post(f"{prefix}/v1/chat/completions", self.generate),
+                ]
+            )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(app, access_log=None)
         self.loop.run_until_complete(self.runner.setup())
@@ -83,8 +88,13 @@ class FakeServer:
             await response.write(f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode())
 
         def chunk(text: str) -> dict:
-            return {"choices": [{"index": 0, "delta": {"role": "assistant", "content": text}} if chat
-                                else {"index": 0, "text": text}]}
+            return {
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": text}}
+                    if chat
+                    else {"index": 0, "text": text}
+                ]
+            }
 
         await send(chunk(""))  # an empty first chunk, as vLLM's chat stream sends: no TTFT yet
         for i in range(chunks):
@@ -97,8 +107,16 @@ class FakeServer:
         if body.get("stream_options", {}).get("include_usage") and not request.path.startswith("/nousage"):
             prompt = body["messages"][0]["content"] if chat else body["prompt"]
             prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            await send({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                                                 "total_tokens": prompt_tokens + max_tokens}})
+            await send(
+                {
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": max_tokens,
+                        "total_tokens": prompt_tokens + max_tokens,
+                    },
+                }
+            )
         self.active -= 1  # before [DONE], so that a client reusing the slot never looks like an overlap
         await send("[DONE]")
         return response
@@ -123,8 +141,7 @@ def _bench(*args: str) -> dict:
 
 
 def _small(url: str, *args: str) -> dict:
-    return _bench("--base-url", url, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "6",
-                  *args)
+    return _bench("--base-url", url, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "6", *args)
 
 
 def test_completions_counts_and_timings(fake, capsys):
@@ -137,16 +154,26 @@ def test_completions_counts_and_timings(fake, capsys):
     assert len(gaps) == 4 * 2 and 0.75 * CHUNK_SLEEP <= statistics.median(gaps) <= 2.5 * CHUNK_SLEEP
     e2el, ttft = result["e2els"][0], result["ttfts"][0]
     assert e2el >= ttft + 2 * CHUNK_SLEEP
-    assert result["mean_tpot_ms"] == pytest.approx(np.mean([(e - t) / 5 * 1000 for e, t in
-                                                            zip(result["e2els"], result["ttfts"])]))
+    assert result["mean_tpot_ms"] == pytest.approx(
+        np.mean([(e - t) / 5 * 1000 for e, t in zip(result["e2els"], result["ttfts"])])
+    )
     assert result["output_throughput"] == pytest.approx(24 / result["duration"])
     body = fake.bodies[0]
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
     assert body["max_tokens"] == 6 and len(body["prompt"].split()) == 8 and body["model"] == "fake-model"
     report = capsys.readouterr().out
-    for line in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
-                 "Output token throughput (tok/s):", "Max concurrency reached:", "Median TTFT (ms):",
-                 "P99 TPOT (ms):", "P50 ITL (ms):", "Mean E2EL (ms):"):
+    for line in (
+        "Successful requests:",
+        "Failed requests:",
+        "Benchmark duration (s):",
+        "Total input tokens:",
+        "Output token throughput (tok/s):",
+        "Max concurrency reached:",
+        "Median TTFT (ms):",
+        "P99 TPOT (ms):",
+        "P50 ITL (ms):",
+        "Mean E2EL (ms):",
+    ):
         assert line in report
 
 
@@ -157,8 +184,18 @@ def test_without_usage_chunks_are_counted(fake):
 
 
 def test_failures_are_counted_not_raised(fake, capsys):
-    result = _bench("--base-url", fake.url + "/flaky", "--model", "m", "--num-prompts", "8",
-                    "--random-input-len", "4", "--random-output-len", "4")
+    result = _bench(
+        "--base-url",
+        fake.url + "/flaky",
+        "--model",
+        "m",
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "4",
+    )
     assert (result["completed"], result["failed"]) == (2, 6)
     errors = [e for e in result["errors"] if e]
     assert sum(e.startswith("HTTP 500") for e in errors) == 2
@@ -170,7 +207,7 @@ def test_failures_are_counted_not_raised(fake, capsys):
 def test_unreachable_server(fake):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.close()
     result = _small(url, "--model", "m")
     assert (result["completed"], result["failed"]) == (0, 4) and all(result["errors"])
@@ -180,8 +217,18 @@ def test_unreachable_server(fake):
 
 
 def test_max_concurrency_is_respected(fake):
-    result = _bench("--base-url", fake.url, "--num-prompts", "8", "--random-input-len", "4",
-                    "--random-output-len", "2", "--max-concurrency", "3")
+    result = _bench(
+        "--base-url",
+        fake.url,
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "2",
+        "--max-concurrency",
+        "3",
+    )
     assert result["completed"] == 8 and fake.peak <= 3 and result["max_concurrent_requests"] == 3
     fake.reset()
     _bench("--base-url", fake.url, "--num-prompts", "8", "--random-input-len", "4", "--random-output-len", "2")
@@ -198,16 +245,47 @@ def test_chat_endpoint(fake):
 
 
 def test_save_result_extra_body_and_api_key(fake, tmp_path):
-    result = _small(fake.url, "--save-result", "--result-dir", str(tmp_path), "--result-filename", "run.json",
-                    "--extra-body", '{"top_p": 0.5}', "--no-ignore-eos", "--api-key", "secret-key",
-                    "--metric-percentiles", "90,99.9", "--random-prefix-len", "3")
+    result = _small(
+        fake.url,
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "run.json",
+        "--extra-body",
+        '{"top_p": 0.5}',
+        "--no-ignore-eos",
+        "--api-key",
+        "secret-key",
+        "--metric-percentiles",
+        "90,99.9",
+        "--random-prefix-len",
+        "3",
+    )
     text = (tmp_path / "run.json").read_text()
     saved = json.loads(text)
     assert saved["completed"] == 4 and saved["request_rate"] == "inf"
-    for key in ("duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-                "output_throughput", "total_token_throughput", "max_concurrent_requests", "mean_ttft_ms",
-                "median_tpot_ms", "p90_itl_ms", "p99.9_e2el_ms", "std_e2el_ms", "ttfts", "itls", "e2els",
-                "input_lens", "output_lens", "errors", "args"):
+    for key in (
+        "duration",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_concurrent_requests",
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "p90_itl_ms",
+        "p99.9_e2el_ms",
+        "std_e2el_ms",
+        "ttfts",
+        "itls",
+        "e2els",
+        "input_lens",
+        "output_lens",
+        "errors",
+        "args",
+    ):
         assert saved[key] == result[key], key
     assert saved["input_lens"] == [11] * 4  # 3 prefix + 8 words
     assert "secret-key" not in text and set(fake.auth) == {"Bearer secret-key"}
@@ -246,7 +324,7 @@ def test_summarize_percentiles():
 def test_sse_buffer_joins_split_events():
     buffer = serve_client.SSEBuffer()
     stream = b'data: {"a": 1}\r\n\r\n: keep-alive\n\ndata:{"b": "\xc3\xa9"}\n\ndata: [DONE]\n\n'
-    payloads = [p for i in range(0, len(stream), 5) for p in buffer.feed(stream[i:i + 5])]
+    payloads = [p for i in range(0, len(stream), 5) for p in buffer.feed(stream[i : i + 5])]
     assert payloads == ['{"a": 1}', '{"b": "\u00e9"}', "[DONE]"]
 
 
@@ -255,8 +333,12 @@ def test_argument_checks(monkeypatch):
     assert not hasattr(ns, "max_model_len")  # a client: no engine arguments
     with pytest.raises(ValueError, match="only 'random'"):
         serve.check_arguments(ns)
-    for bad in (["--percentile-metrics", "ttft,foo"], ["--random-range-ratio", "1.5"],
-                ["--backend", "openai-chat"], ["--metric-percentiles", "50,x"]):
+    for bad in (
+        ["--percentile-metrics", "ttft,foo"],
+        ["--random-range-ratio", "1.5"],
+        ["--backend", "openai-chat"],
+        ["--metric-percentiles", "50,x"],
+    ):
         with pytest.raises(ValueError):
             serve.check_arguments(build_parser().parse_args(["bench", "serve", *bad]))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
@@ -265,8 +347,18 @@ def test_argument_checks(monkeypatch):
 
 
 def test_tokenizer_prompts(smollm_tokenizer):
-    args = ["bench", "serve", "--num-prompts", "6", "--random-input-len", "40", "--random-prefix-len", "5",
-            "--random-range-ratio", "0.5"]
+    args = [
+        "bench",
+        "serve",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "40",
+        "--random-prefix-len",
+        "5",
+        "--random-range-ratio",
+        "0.5",
+    ]
     ns = build_parser().parse_args(args)
     special = set(smollm_tokenizer.all_special_ids)
     requests = serve.make_requests(ns, smollm_tokenizer, chat=False)

@@ -1,6 +1,7 @@
 """BlockPool / KVCacheManager bookkeeping on tiny pools, with exact block ids.
 
 Every manager call goes through `Checked`, which runs `check_invariants()` after it."""
+
 from __future__ import annotations
 
 import hashlib
@@ -44,8 +45,9 @@ def make_manager(num_blocks: int = 8, caching: bool = True) -> Checked:
 
 
 def req(rid: str, tokens, max_tokens: int = 8, **params) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=2, max_tokens=max_tokens)
+    return Request(
+        rid, list(tokens), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=2, max_tokens=max_tokens
+    )
 
 
 def admit(m: Checked, request: Request) -> tuple[list[int], int, bool]:
@@ -83,10 +85,10 @@ def test_allocate_slots_grows_only_when_a_block_fills():
     a.num_computed_tokens = 4
     assert m.get_block_ids("a") == [0]
     a.append_output_token(7)
-    assert m.allocate_slots(a, 1)            # token 5 needs a second block
+    assert m.allocate_slots(a, 1)  # token 5 needs a second block
     assert m.get_block_ids("a") == [0, 1]
     a.num_computed_tokens = 5
-    assert m.allocate_slots(a, 3)            # tokens 6..8 still fit in block 1
+    assert m.allocate_slots(a, 3)  # tokens 6..8 still fit in block 1
     assert m.get_block_ids("a") == [0, 1]
     assert m.pool.num_free_blocks == 6
 
@@ -98,17 +100,17 @@ def test_allocate_slots_returns_false_and_changes_nothing_when_short():
     assert m.get_block_ids("a") == [0, 1, 2, 3, 4, 5]
     before = free_ids(m)
 
-    assert not m.allocate_slots(b, 12)       # needs 3, 2 free
+    assert not m.allocate_slots(b, 12)  # needs 3, 2 free
     assert "b" not in m.req_to_blocks
     assert m.get_block_ids("b") == []
     assert free_ids(m) == before == [6, 7]
 
-    a.num_computed_tokens = 24               # a running request asking for too much
+    a.num_computed_tokens = 24  # a running request asking for too much
     assert not m.allocate_slots(a, 12)
     assert m.get_block_ids("a") == [0, 1, 2, 3, 4, 5]
     assert free_ids(m) == [6, 7]
 
-    assert m.allocate_slots(b, 8)            # exactly what is left still fits
+    assert m.allocate_slots(b, 8)  # exactly what is left still fits
     assert m.get_block_ids("b") == [6, 7]
     assert m.pool.num_free_blocks == 0
 
@@ -152,7 +154,7 @@ def test_double_free_of_a_block_is_caught():
 # --- prefix caching ---------------------------------------------------------------------------
 def test_same_prompt_hits_the_same_full_blocks():
     m = make_manager()
-    prompt = list(range(10, 19))             # 9 tokens: 2 full blocks + 1 token
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks + 1 token
     a, b = req("a", prompt), req("b", prompt)
     assert admit(m, a) == ([], 0, True)
     assert m.get_block_ids("a") == [0, 1, 2]
@@ -164,11 +166,11 @@ def test_same_prompt_hits_the_same_full_blocks():
 
 def test_last_prompt_token_is_always_left_to_compute():
     m = make_manager()
-    prompt = list(range(10, 18))             # exactly 2 full blocks
+    prompt = list(range(10, 18))  # exactly 2 full blocks
     a, b = req("a", prompt), req("b", prompt)
     admit(m, a)
     assert m.get_block_ids("a") == [0, 1]
-    assert len(m.pool.cached) == 2           # both blocks are registered...
+    assert len(m.pool.cached) == 2  # both blocks are registered...
     hits, num_cached, ok = admit(m, b)
     assert (hits, num_cached, ok) == ([0], 4, True)  # ...but only the first one is a hit
     assert m.get_block_ids("b") == [0, 2]
@@ -183,7 +185,7 @@ def test_one_token_prompt_never_hits():
 
 def test_shared_prefix_of_two_different_prompts():
     m = make_manager()
-    a = req("a", list(range(10, 22)))                       # 3 full blocks
+    a = req("a", list(range(10, 22)))  # 3 full blocks
     b = req("b", list(range(10, 18)) + [90, 91, 92, 93, 94])  # same first 2 blocks
     admit(m, a)
     assert m.get_block_ids("a") == [0, 1, 2]
@@ -194,7 +196,7 @@ def test_shared_prefix_of_two_different_prompts():
 def test_hash_chain_means_a_different_first_block_misses_everything():
     m = make_manager()
     a = req("a", list(range(10, 22)) + [1])
-    b = req("b", [99] + list(range(11, 22)) + [1])           # only token 0 differs
+    b = req("b", [99] + list(range(11, 22)) + [1])  # only token 0 differs
     admit(m, a)
     assert admit(m, b) == ([], 0, True)
     assert m.get_block_ids("b") == [4, 5, 6, 7]
@@ -233,7 +235,7 @@ def test_revived_hits_count_against_free_blocks():
     assert "c" not in m.req_to_blocks
     assert free_ids(m) == [3, 2, 1, 0]
     assert [m.pool.blocks[i].ref_cnt for i in range(4)] == [0, 0, 0, 0]
-    assert m.pool.lookup(c.block_hashes[0]) is m.pool.blocks[0]   # nothing evicted
+    assert m.pool.lookup(c.block_hashes[0]) is m.pool.blocks[0]  # nothing evicted
     assert m.pool.lookup(c.block_hashes[1]) is m.pool.blocks[1]
 
     # 16 tokens: 4 blocks, 2 hits -> exactly the 2 non-hit free blocks.
@@ -258,10 +260,10 @@ def test_reusing_a_freed_cached_block_evicts_its_hash():
     assert m.allocate_slots(other, 12)
     assert m.get_block_ids("x") == [2, 3, 1]
     assert m.pool.lookup(h1) is None and h1 not in m.pool.cached
-    assert m.pool.blocks[1].block_hash == other.block_hashes[2]   # now named by its new content
+    assert m.pool.blocks[1].block_hash == other.block_hashes[2]  # now named by its new content
     assert m.pool.lookup(h0) is m.pool.blocks[0]
 
-    d = req("d", prompt + [1])               # would hit 2 blocks; the second was evicted
+    d = req("d", prompt + [1])  # would hit 2 blocks; the second was evicted
     # 3 blocks needed, 1 is a hit, and the only free block is that hit: does not fit.
     assert admit(m, d) == ([0], 4, False)
     assert m.get_block_ids("d") == []
@@ -269,7 +271,7 @@ def test_reusing_a_freed_cached_block_evicts_its_hash():
     assert free_ids(m) == [0, 1, 3, 2]
     assert admit(m, d) == ([0], 4, True)
     assert m.get_block_ids("d") == [0, 1, 3]
-    assert m.pool.lookup(h1) is m.pool.blocks[1]   # recomputed and registered again
+    assert m.pool.lookup(h1) is m.pool.blocks[1]  # recomputed and registered again
 
 
 def test_ref_counts_with_two_requests_sharing_blocks():
@@ -281,7 +283,7 @@ def test_ref_counts_with_two_requests_sharing_blocks():
     assert m.get_block_ids("a") == [0, 1, 2] and m.get_block_ids("b") == [0, 1, 3]
     m.free(a)
     assert [m.pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
-    assert free_ids(m) == [4, 5, 6, 7, 2]    # shared blocks stay out of the free queue
+    assert free_ids(m) == [4, 5, 6, 7, 2]  # shared blocks stay out of the free queue
     m.free(b)
     assert [m.pool.blocks[i].ref_cnt for i in range(4)] == [0, 0, 0, 0]
     assert free_ids(m) == [4, 5, 6, 7, 2, 3, 1, 0]
@@ -311,14 +313,14 @@ def test_no_hits_and_no_registration_when_caching_is_disabled():
 
 def test_full_blocks_are_registered_as_chunks_are_scheduled():
     m = make_manager()
-    a = req("a", list(range(10, 20)))         # 10 tokens
+    a = req("a", list(range(10, 20)))  # 10 tokens
     assert m.allocate_slots(a, 3)
-    assert m.pool.cached == {}                # no full block yet
+    assert m.pool.cached == {}  # no full block yet
     a.num_computed_tokens = 3
-    assert m.allocate_slots(a, 4)             # tokens 0..6: block 0 full
+    assert m.allocate_slots(a, 4)  # tokens 0..6: block 0 full
     assert list(m.pool.cached.values()) == [m.pool.blocks[0]]
     a.num_computed_tokens = 7
-    assert m.allocate_slots(a, 3)             # tokens 0..9: block 1 full, block 2 not
+    assert m.allocate_slots(a, 3)  # tokens 0..9: block 1 full, block 2 not
     a.num_computed_tokens = 10
     assert m.get_block_ids("a") == [0, 1, 2]
     assert [m.pool.blocks[i].block_hash for i in range(3)] == a.block_hashes[:2] + [None]
@@ -364,16 +366,16 @@ def test_hash_block_tokens_is_sha256_of_the_documented_encoding():
 
 
 def test_update_block_hashes_covers_only_full_blocks_and_is_incremental():
-    r = req("r", list(range(10, 20)))        # 10 tokens: 2 full blocks
+    r = req("r", list(range(10, 20)))  # 10 tokens: 2 full blocks
     hashes = update_block_hashes(r, BS)
     assert hashes is r.block_hashes
     h0 = _expected_hash(None, [10, 11, 12, 13])
     h1 = _expected_hash(h0, [14, 15, 16, 17])
     assert hashes == [h0, h1]
 
-    r.append_output_token(30)                # 11 tokens: still 2
+    r.append_output_token(30)  # 11 tokens: still 2
     assert update_block_hashes(r, BS) == [h0, h1]
-    r.append_output_token(31)                # 12 tokens: 3
+    r.append_output_token(31)  # 12 tokens: 3
     assert update_block_hashes(r, BS) == [h0, h1, _expected_hash(h1, [18, 19, 30, 31])]
 
     # Incremental: existing entries are kept, not recomputed.

@@ -1,5 +1,6 @@
 """splitserve's C++ CPU kernels against the torch code they replace (which stays in
 splitserve.kernels as the reference, and in the torch attention backend)."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,8 +56,11 @@ def test_rms_norm_of_strided_3d_input(ops, monkeypatch):
     qkv = torch.randn(5, 3 * 64, dtype=torch.bfloat16)
     q = qkv[:, :128].view(5, 2, 64)
     weight = torch.randn(64, dtype=torch.bfloat16)
-    _close(kernels.rms_norm(q, weight, 1e-6)[0], _reference(monkeypatch, kernels.rms_norm, q, weight, 1e-6)[0],
-           torch.bfloat16)
+    _close(
+        kernels.rms_norm(q, weight, 1e-6)[0],
+        _reference(monkeypatch, kernels.rms_norm, q, weight, 1e-6)[0],
+        torch.bfloat16,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,16 +96,22 @@ def _decode_meta(seq_lens, block_size, num_blocks, gen):
         tables.append([free.pop() for _ in range(need)])
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return AttentionMetadata(backend=TorchAttentionBackend(), num_decodes=len(seq_lens),
-                             query_start_loc=list(range(len(seq_lens) + 1)), seq_lens=list(seq_lens),
-                             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
-                             slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long), block_size=block_size)
+    return AttentionMetadata(
+        backend=TorchAttentionBackend(),
+        num_decodes=len(seq_lens),
+        query_start_loc=list(range(len(seq_lens) + 1)),
+        seq_lens=list(seq_lens),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
+        block_size=block_size,
+    )
 
 
 class _Layer:
     def __init__(self, hq, hkv, d, window, kv_cache):
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.scale, self.sliding_window = d ** -0.5, window
+        self.scale, self.sliding_window = d**-0.5, window
         self.kv_cache, self.kv_scales = kv_cache, None
 
 
@@ -118,7 +128,7 @@ def test_decode_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window
     # the decodes that the kernel must leave alone.
     B = len(seq_lens)
     qkv = torch.randn(B + 1, (hq + 2 * hkv) * d, generator=gen).to(dtype)
-    q = qkv[:, :hq * d].view(B + 1, hq, d)
+    q = qkv[:, : hq * d].view(B + 1, hq, d)
     assert kernels.paged_kv_supported(q, cache, None)
     out = torch.full_like(q, 7.0).contiguous()
     kernels.decode_attention(out, q, cache, meta.block_tables, meta.seq_lens_tensor, B, layer.scale, window)
@@ -137,7 +147,7 @@ def test_write_kv_matches_torch_reference(ops, dtype):
     gen = torch.Generator().manual_seed(9)
     hkv, d, bs, blocks, T = 3, 64, 16, 10, 21
     qkv = torch.randn(T, 5 * hkv * d, generator=gen).to(dtype)  # k and v as strided views, like the model's
-    k, v = qkv[:, hkv * d:2 * hkv * d].view(T, hkv, d), qkv[:, 2 * hkv * d:3 * hkv * d].view(T, hkv, d)
+    k, v = qkv[:, hkv * d : 2 * hkv * d].view(T, hkv, d), qkv[:, 2 * hkv * d : 3 * hkv * d].view(T, hkv, d)
     slots = torch.randperm(blocks * bs, generator=gen)[:T]
     ref = torch.zeros(2, hkv, blocks, bs, d, dtype=dtype)
     write_kv(ref[0], ref[1], k, v, slots)
@@ -174,12 +184,19 @@ def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(ops, kv_dtype):
         cache = torch.randn(2, hkv, num_blocks, bs, d, generator=torch.Generator().manual_seed(4))
         layer = _Layer(hq, hkv, d, None, cache.to(spec.storage_dtype) if spec.quantized else cache)
         if spec.quantized:
-            layer.kv_scales = torch.rand(2, hkv, num_blocks, bs, 1, dtype=SCALE_DTYPE,
-                                         generator=torch.Generator().manual_seed(6))
-        meta = AttentionMetadata(backend=backend, num_decodes=2, query_start_loc=[0, 1, 2, 10],
-                                 seq_lens=seq_lens, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
-                                 block_tables=torch.tensor(tables, dtype=torch.int32),
-                                 slot_mapping=torch.tensor(slots), block_size=bs)
+            layer.kv_scales = torch.rand(
+                2, hkv, num_blocks, bs, 1, dtype=SCALE_DTYPE, generator=torch.Generator().manual_seed(6)
+            )
+        meta = AttentionMetadata(
+            backend=backend,
+            num_decodes=2,
+            query_start_loc=[0, 1, 2, 10],
+            seq_lens=seq_lens,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots),
+            block_size=bs,
+        )
         g = torch.Generator().manual_seed(5)
         q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
         results.append((backend.forward(layer, q, k, v, meta), layer.kv_cache))

@@ -1,12 +1,18 @@
 """Incremental detokenization against decoding everything at once, with multi-byte characters."""
+
 from __future__ import annotations
 
 import pytest
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 
-TEXTS = ["Hello, world! How are you?", "héllo wörld — naïve café", "数学 and 日本語のテキスト",
-         "emoji 🎉🚀 mixed 👩‍👩‍👧 text", "  leading spaces\n\nand\ttabs"]
+TEXTS = [
+    "Hello, world! How are you?",
+    "héllo wörld — naïve café",
+    "数学 and 日本語のテキスト",
+    "emoji 🎉🚀 mixed 👩‍👩‍👧 text",
+    "  leading spaces\n\nand\ttabs",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)

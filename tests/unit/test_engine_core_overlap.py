@@ -3,6 +3,7 @@ N+1 before it collects step N, waits for step N where sampling reads the output 
 token of a step launched for a request that has just stopped, and gives the same outputs as the
 plain loop. The fake samples a token that depends only on the request and its position, so
 both loops must produce exactly the same sequences."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ def test_history_reading_requests_wait_for_the_step_in_flight():
     for i, (kind, ids) in enumerate(log):
         if kind == "launch" and "pen" in ids:
             earlier = [entry for entry in log[:i] if "pen" in entry[1]]
-            assert not earlier or earlier[-1][0] == "collect", log[:i + 1]
+            assert not earlier or earlier[-1][0] == "collect", log[: i + 1]
     assert set(results) == {"pen", "plain"}
 
 

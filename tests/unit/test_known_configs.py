@@ -2,6 +2,7 @@
 through transformers and builds splitserve's model class with the published parameter count (on the
 meta device: no memory, no forward); the resolution rules; the stand-in tokenizer's end-of-sequence
 ids; the benchmark's workload flags and its transformers baseline with random weights."""
+
 from __future__ import annotations
 
 import json
@@ -52,9 +53,16 @@ def _tiny_config_dir(directory, tokenizer=None) -> str:
     import transformers
 
     os.makedirs(directory, exist_ok=True)
-    transformers.Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             max_position_embeddings=256).save_pretrained(directory)
+    transformers.Qwen3Config(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    ).save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return str(directory)
@@ -75,8 +83,10 @@ def test_builtin_config_builds_the_published_model(model_id):
     with open(path) as f:
         raw = json.load(f)
     config = AutoConfig.from_pretrained(path)
-    assert type(config).__name__ == {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[
-        raw["model_type"]]
+    assert (
+        type(config).__name__
+        == {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[raw["model_type"]]
+    )
     assert raw["torch_dtype"] == "bfloat16" and config.dtype == torch.bfloat16
     cls = get_model_class(config)
     with torch.device("meta"):
@@ -87,25 +97,43 @@ def test_builtin_config_builds_the_published_model(model_id):
 
 def test_architecture_details():
     qwen3 = known_configs.load_builtin_config("Qwen/Qwen3-0.6B")
-    assert (qwen3.hidden_size, qwen3.intermediate_size, qwen3.num_hidden_layers, qwen3.num_attention_heads,
-            qwen3.num_key_value_heads, qwen3.head_dim, qwen3.vocab_size) == (1024, 3072, 28, 16, 8, 128, 151936)
+    assert (
+        qwen3.hidden_size,
+        qwen3.intermediate_size,
+        qwen3.num_hidden_layers,
+        qwen3.num_attention_heads,
+        qwen3.num_key_value_heads,
+        qwen3.head_dim,
+        qwen3.vocab_size,
+    ) == (1024, 3072, 28, 16, 8, 128, 151936)
     assert qwen3.tie_word_embeddings and qwen3.max_position_embeddings == 40960
     assert qwen3.rope_parameters["rope_theta"] == 1000000 and qwen3.eos_token_id == 151645
 
     llama = known_configs.load_builtin_config("meta-llama/Llama-3.2-1B")
     rope = llama.rope_parameters
     assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
-    assert (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-            rope["original_max_position_embeddings"]) == (32.0, 1.0, 4.0, 8192)
+    assert (
+        rope["factor"],
+        rope["low_freq_factor"],
+        rope["high_freq_factor"],
+        rope["original_max_position_embeddings"],
+    ) == (32.0, 1.0, 4.0, 8192)
     assert (llama.hidden_size, llama.head_dim, llama.num_key_value_heads, llama.vocab_size) == (2048, 64, 8, 128256)
     assert llama.tie_word_embeddings and llama.eos_token_id == 128001
-    assert known_configs.load_builtin_config("meta-llama/Llama-3.2-1B-Instruct").eos_token_id == [128001, 128008,
-                                                                                                  128009]
+    assert known_configs.load_builtin_config("meta-llama/Llama-3.2-1B-Instruct").eos_token_id == [
+        128001,
+        128008,
+        128009,
+    ]
     assert known_configs.load_builtin_config("meta-llama/Llama-3.1-8B").rope_parameters["factor"] == 8.0
 
     qwen25 = known_configs.load_builtin_config("Qwen/Qwen2.5-7B")
     assert (qwen25.hidden_size, qwen25.intermediate_size, qwen25.num_key_value_heads, qwen25.vocab_size) == (
-        3584, 18944, 4, 152064)
+        3584,
+        18944,
+        4,
+        152064,
+    )
     assert not qwen25.tie_word_embeddings and not qwen25.use_sliding_window
     assert known_configs.load_builtin_config("Qwen/Qwen2.5-7B-Instruct").max_position_embeddings == 32768
 
@@ -194,8 +222,10 @@ def test_nano_vllm_workload_flags():
     from splitserve.engine.arg_utils import engine_args_from
     from splitserve.entrypoints.cli import build_parser
 
-    argv = ("bench throughput --model Qwen/Qwen3-0.6B --load-format dummy --num-prompts 256 --min-input-len 100 "
-            "--max-input-len 1024 --min-output-len 100 --max-output-len 1024 --seed 0").split()
+    argv = (
+        "bench throughput --model Qwen/Qwen3-0.6B --load-format dummy --num-prompts 256 --min-input-len 100 "
+        "--max-input-len 1024 --min-output-len 100 --max-output-len 1024 --seed 0"
+    ).split()
     ns = build_parser().parse_args(argv)
     args = engine_args_from(ns)
     assert args.load_format == "dummy" and args.seed == 0
@@ -215,8 +245,15 @@ def test_transformers_baseline_with_dummy_weights():
     from splitserve.benchmarks.throughput import _hf_generate
     from splitserve.loader.hf_model import dummy_hf_model
 
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = dummy_hf_model(config, torch.float32, 0, CPU)
     assert type(model).__name__ == "LlamaForCausalLM" and not model.training
     assert all(p.abs().max() <= 1e-3 and p.dtype == torch.float32 for p in model.parameters())
@@ -229,9 +266,30 @@ def test_throughput_benchmark_runs_both_backends_on_dummy_weights(tmp_path, smol
     from splitserve.entrypoints.cli import build_parser, engine_args_from
 
     model = _tiny_config_dir(tmp_path / "tiny", smollm_tokenizer)
-    argv = ["bench", "throughput", "--model", model, "--load-format", "dummy", "--dtype", "float32",
-            "--num-prompts", "3", "--min-input-len", "4", "--max-input-len", "9", "--min-output-len", "2",
-            "--max-output-len", "5", "--backend", "splitserve", "hf", "--no-use-tqdm-on-load"]
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--num-prompts",
+        "3",
+        "--min-input-len",
+        "4",
+        "--max-input-len",
+        "9",
+        "--min-output-len",
+        "2",
+        "--max-output-len",
+        "5",
+        "--backend",
+        "splitserve",
+        "hf",
+        "--no-use-tqdm-on-load",
+    ]
     ns = build_parser().parse_args(argv)
     results = throughput.main(ns, engine_args_from(ns))
     assert [r.backend for r in results] == ["splitserve", "hf"]

@@ -1,6 +1,7 @@
 """The quantized KV cache: round-trip error bounds of each format, int4 packing against a plain
 reference, per-token scales over a long context of varied magnitudes, the attention backend
 reading exactly the values it stored, and the PD connector moving quantized blocks and scales."""
+
 from __future__ import annotations
 
 import pytest
@@ -86,7 +87,7 @@ def test_int4_error_is_at_most_half_a_step():
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_zero_and_extreme_vectors_stay_finite(name):
     x = torch.zeros(3, 2, 16)
-    x[1] = 3e4   # beyond e4m3's range before scaling: x / s must be clamped, never NaN
+    x[1] = 3e4  # beyond e4m3's range before scaling: x / s must be clamped, never NaN
     x[2, :, 0] = -1e-30
     out = _roundtrip(x, name)
     assert torch.isfinite(out).all()
@@ -143,7 +144,7 @@ BS, NUM_BLOCKS, HEADS, KV_HEADS, DIM = 4, 16, 4, 2, 16
 
 def _layer(name: str, dtype: torch.dtype, sliding_window) -> Attention:
     spec = kv_cache_spec(name, dtype)
-    layer = Attention(HEADS, KV_HEADS, DIM, DIM ** -0.5, sliding_window)
+    layer = Attention(HEADS, KV_HEADS, DIM, DIM**-0.5, sliding_window)
     layer.kv_cache = torch.zeros(2, KV_HEADS, NUM_BLOCKS, BS, spec.packed_head_dim(DIM), dtype=spec.storage_dtype)
     layer.kv_scales = torch.zeros(2, KV_HEADS, NUM_BLOCKS, BS, spec.num_scale_fields) if spec.quantized else None
     return layer
@@ -175,10 +176,16 @@ def test_attention_reads_exactly_what_it_stored(name, sliding_window):
     q, k, v = randn(tokens, HEADS, DIM), randn(tokens, KV_HEADS, DIM), randn(tokens, KV_HEADS, DIM)
     slot_mapping = torch.cat([slots(t, range(n - m, n)) for t, n, m in zip(tables, seq_lens, query_lens)])
     width = max(map(len, tables))
-    meta = AttentionMetadata(TorchAttentionBackend(), 3, [0, 1, 2, 3, 8], seq_lens,
-                             torch.tensor(seq_lens, dtype=torch.int32),
-                             torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-                             slot_mapping, BS)
+    meta = AttentionMetadata(
+        TorchAttentionBackend(),
+        3,
+        [0, 1, 2, 3, 8],
+        seq_lens,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping,
+        BS,
+    )
     out = meta.backend.forward(quantized, q, k, v, meta)
     expected = meta.backend.forward(reference, q, _roundtrip(k, name), _roundtrip(v, name), meta)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

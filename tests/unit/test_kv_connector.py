@@ -1,5 +1,6 @@
 """The KV connector between two in-process connectors over loopback TCP: blocks arrive intact, and
 frames that do not match (wrong request, shape, dtype, checksum) or leases that ended are refused."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,11 @@ LAYERS, HEADS, BLOCKS, BS, DIM = 2, 2, 8, 4, 8
 
 def _caches(fill: bool) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    make = (lambda: torch.randn(2, HEADS, BLOCKS, BS, DIM, generator=gen)) if fill else \
-        (lambda: torch.zeros(2, HEADS, BLOCKS, BS, DIM))
+    make = (
+        (lambda: torch.randn(2, HEADS, BLOCKS, BS, DIM, generator=gen))
+        if fill
+        else (lambda: torch.zeros(2, HEADS, BLOCKS, BS, DIM))
+    )
     return [make() for _ in range(LAYERS)]
 
 
@@ -98,12 +102,15 @@ def test_asking_past_the_lease_is_refused(pair):
     assert "blocks 1..2 asked" in _result(decode).error
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("request_id", "other", "frame for other"),
-    ("shape", [1, 2, 3], "shape"),
-    ("dtype", "bfloat16", "dtype"),
-    ("checksum", 12345, "checksum mismatch"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("request_id", "other", "frame for other"),
+        ("shape", [1, 2, 3], "shape"),
+        ("dtype", "bfloat16", "dtype"),
+        ("checksum", 12345, "checksum mismatch"),
+    ],
+)
 def test_frames_that_do_not_match_are_refused(pair, monkeypatch, field, value, message):
     prefill, decode = pair
     real = C.KVConnector._read_blocks

@@ -1,6 +1,7 @@
 """The code's layout rules: no import cycle among splitserve's modules (imports inside functions
 included: a lazy import only hides a cycle until the code path runs), layers that depend downwards
 only, and modules small enough to read in one sitting."""
+
 from __future__ import annotations
 
 import ast
@@ -14,8 +15,17 @@ MAX_MODULE_LINES = 400
 # package's leaf modules (config, sampling_params, outputs, tokenizer, kernels, process_utils).
 LEAVES = {"splitserve", "config", "sampling_params", "outputs", "tokenizer", "kernels", "process_utils"}
 ALLOWED = {
-    "entrypoints": {"engine", "executor", "disagg", "loader", "models", "layers", "quantization", "benchmarks",
-                    "distributed"},
+    "entrypoints": {
+        "engine",
+        "executor",
+        "disagg",
+        "loader",
+        "models",
+        "layers",
+        "quantization",
+        "benchmarks",
+        "distributed",
+    },
     "benchmarks": {"engine", "executor", "disagg", "loader", "models", "layers", "quantization", "entrypoints"},
     "disagg": {"engine", "executor", "quantization", "distributed"},
     "engine": {"executor", "disagg", "loader", "models", "layers", "quantization", "distributed"},
@@ -56,7 +66,7 @@ def _absolute(node: ast.ImportFrom, name: str, is_package: bool) -> str:
     if not node.level:
         return node.module
     parts = name.split(".")
-    base = parts[:len(parts) - node.level + is_package]
+    base = parts[: len(parts) - node.level + is_package]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -73,7 +83,7 @@ def find_cycle() -> list[str] | None:
         stack.append(node)
         for nxt in sorted(GRAPH[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -106,8 +116,7 @@ def test_layers_depend_downwards(name):
     layer = _layer(name)
     if layer in LEAVES:
         return
-    wrong = sorted(m for m in GRAPH[name]
-                   if _layer(m) not in LEAVES | {layer} | ALLOWED.get(layer, set()))
+    wrong = sorted(m for m in GRAPH[name] if _layer(m) not in LEAVES | {layer} | ALLOWED.get(layer, set()))
     assert not wrong, f"{name} (layer {layer}) imports {wrong}"
 
 
@@ -115,3 +124,19 @@ def test_layers_depend_downwards(name):
 def test_modules_stay_small(name):
     lines = MODULES[name].read_text().count("\n")
     assert lines <= MAX_MODULE_LINES, f"{MODULES[name]} has {lines} lines (at most {MAX_MODULE_LINES})"
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_is_clean(command):
+    """ruff's lint and format rules (pyproject.toml) hold for the package, the tests and the scripts."""
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, "splitserve", "tests", "scripts"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

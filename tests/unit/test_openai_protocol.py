@@ -1,6 +1,7 @@
 """The OpenAI-compatible request/response models: every validation rule gives an error naming the
 parameter at fault, accepted requests map onto the right SamplingParams, and responses serialize
 in OpenAI's shapes."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,27 @@ from pydantic import ValidationError
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.entrypoints.http import error_body, install_error_handlers
 from splitserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
-    parse_tokenize_request, validation_error_message)
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse_tokenize_request,
+)
+from splitserve.entrypoints.openai.request_model import validation_error_message
 from splitserve.entrypoints.openai.response_models import (
-    ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
-    ChatMessage, CompletionResponse, CompletionResponseChoice, DeltaMessage, ModelCard, ModelList, UsageInfo)
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionResponse,
+    CompletionResponseChoice,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
 from splitserve.outputs import Logprob
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -52,38 +69,74 @@ def test_unknown_field_is_refused_by_name(make):
 
 
 COMMON_UNSUPPORTED = {
-    "suffix": "!", "use_beam_search": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
-    "response_format": {"type": "json_object"}, "service_tier": "flex", "store": True,
+    "suffix": "!",
+    "use_beam_search": True,
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
+    "structured_outputs": {"json": {}},
+    "response_format": {"type": "json_object"},
+    "service_tier": "flex",
+    "store": True,
 }
 CHAT_UNSUPPORTED = {
-    "tools": [{"type": "function", "function": {"name": "f"}}], "functions": [{"name": "f"}],
-    "tool_choice": "auto", "reasoning_effort": "low", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "functions": [{"name": "f"}],
+    "tool_choice": "auto",
+    "reasoning_effort": "low",
+    "audio": {"voice": "alloy"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
 }
 
 
-@pytest.mark.parametrize("make, name, value",
-                         [(completion, k, v) for k, v in COMMON_UNSUPPORTED.items()]
-                         + [(chat, k, v) for k, v in {**COMMON_UNSUPPORTED, **CHAT_UNSUPPORTED}.items()])
+@pytest.mark.parametrize(
+    "make, name, value",
+    [(completion, k, v) for k, v in COMMON_UNSUPPORTED.items()]
+    + [(chat, k, v) for k, v in {**COMMON_UNSUPPORTED, **CHAT_UNSUPPORTED}.items()],
+)
 def test_unsupported_parameter_with_a_value_is_refused(make, name, value):
     message, param = rejected(make, **{name: value})
     assert param == name
     assert name in message and "not supported" in message
 
 
-@pytest.mark.parametrize("make, name", [(completion, k) for k in COMMON_UNSUPPORTED]
-                         + [(chat, k) for k in {**COMMON_UNSUPPORTED, **CHAT_UNSUPPORTED}])
+@pytest.mark.parametrize(
+    "make, name",
+    [(completion, k) for k in COMMON_UNSUPPORTED] + [(chat, k) for k in {**COMMON_UNSUPPORTED, **CHAT_UNSUPPORTED}],
+)
 def test_unsupported_parameter_as_null_is_accepted(make, name):
     assert getattr(make(**{name: None}), name) is None
 
 
-@pytest.mark.parametrize("make, fields", [
-    (completion, {"use_beam_search": False, "response_format": {"type": "text"}, "store": False,
-                  "service_tier": "auto", "user": "u1"}),
-    (chat, {"tool_choice": "none", "modalities": ["text"], "parallel_tool_calls": True,
-            "service_tier": "default", "store": False, "user": "u1"}),
-])
+@pytest.mark.parametrize(
+    "make, fields",
+    [
+        (
+            completion,
+            {
+                "use_beam_search": False,
+                "response_format": {"type": "text"},
+                "store": False,
+                "service_tier": "auto",
+                "user": "u1",
+            },
+        ),
+        (
+            chat,
+            {
+                "tool_choice": "none",
+                "modalities": ["text"],
+                "parallel_tool_calls": True,
+                "service_tier": "default",
+                "store": False,
+                "user": "u1",
+            },
+        ),
+    ],
+)
 def test_parameters_meaning_off_are_accepted(make, fields):
     request = make(**fields)
     assert {k: getattr(request, k) for k in fields} == fields
@@ -110,12 +163,26 @@ def test_n_bounds(make, n, ok):
         assert rejected(make, n=n)[1] == "n"
 
 
-@pytest.mark.parametrize("field, bad", [
-    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-    ("min_p", 1.1), ("frequency_penalty", 2.5), ("presence_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 21), ("max_tokens", 0), ("min_tokens", -1),
-    ("seed", 2**64),
-])
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.1),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("seed", 2**64),
+    ],
+)
 def test_out_of_range_values_are_refused_by_name(field, bad):
     message, param = rejected(completion, **{field: bad})
     assert param == field and message.startswith(field)
@@ -126,10 +193,19 @@ def test_chat_top_logprobs_bound():
 
 
 # --- stop strings, logit_bias ----------------------------------------------------------------
-@pytest.mark.parametrize("stop, ok", [
-    ("\n", True), (["a"] * 16, True), (["a"] * 17, False), ([""], False), ("", False),
-    (["x" * 1024], True), (["x" * 1025], False), ([1], False),
-])
+@pytest.mark.parametrize(
+    "stop, ok",
+    [
+        ("\n", True),
+        (["a"] * 16, True),
+        (["a"] * 17, False),
+        ([""], False),
+        ("", False),
+        (["x" * 1024], True),
+        (["x" * 1025], False),
+        ([1], False),
+    ],
+)
 def test_stop_limits(stop, ok):
     if ok:
         assert completion(stop=stop).to_sampling_params(16).stop == ([stop] if isinstance(stop, str) else stop)
@@ -142,8 +218,9 @@ def test_logit_bias_is_mapped_to_int_token_ids():
     assert params.logit_bias == {5: -100.0, 7: 2.5}
 
 
-@pytest.mark.parametrize("bias", [{"a": 1}, {"-3": 1}, {"1.5": 1}, {"5": 100.5}, {"5": -101},
-                                  {str(i): 0 for i in range(1025)}])
+@pytest.mark.parametrize(
+    "bias", [{"a": 1}, {"-3": 1}, {"1.5": 1}, {"5": 100.5}, {"5": -101}, {str(i): 0 for i in range(1025)}]
+)
 def test_logit_bias_bad_key_value_or_size(bias):
     assert rejected(completion, logit_bias=bias)[1] == "logit_bias"
 
@@ -202,30 +279,42 @@ def test_min_tokens_above_max_tokens_raises_value_error():
 
 # --- chat messages ---------------------------------------------------------------------------
 def test_image_content_part_is_refused_naming_its_type():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+            ],
+        }
+    ]
     message, param = rejected(validate(ChatCompletionRequest), messages=messages)
     assert param == "messages.0.content" and "image_url" in message
 
 
-@pytest.mark.parametrize("messages, param", [
-    ([], "messages"),
-    ([{"role": "robot", "content": "x"}], "messages.0.role"),
-    ([{"role": "user"}], "messages.0.content"),
-    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content"),
-    ([{"role": "user", "content": "x", "tool_calls": []}], "messages.0.tool_calls"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([], "messages"),
+        ([{"role": "robot", "content": "x"}], "messages.0.role"),
+        ([{"role": "user"}], "messages.0.content"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content"),
+        ([{"role": "user", "content": "x", "tool_calls": []}], "messages.0.tool_calls"),
+    ],
+)
 def test_bad_messages(messages, param):
     assert rejected(validate(ChatCompletionRequest), messages=messages)[1] == param
 
 
 def test_template_messages_are_plain_string_dicts():
-    request = chat(messages=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "ok"},
-        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
-    ])
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        ]
+    )
     assert request.template_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb", "name": "ann"},
@@ -243,16 +332,51 @@ def test_continue_final_message_excludes_generation_prompt():
 # --- to_sampling_params ----------------------------------------------------------------------
 def test_completion_to_sampling_params_maps_every_field():
     params = completion(
-        n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["END"], stop_token_ids=[9],
-        include_stop_str_in_output=True, frequency_penalty=0.5, presence_penalty=-0.5,
-        repetition_penalty=1.2, ignore_eos=True, min_tokens=2, max_tokens=30, logprobs=3,
-        prompt_logprobs=1, skip_special_tokens=False, spaces_between_special_tokens=False,
-        bad_words=["bad"], allowed_token_ids=[1, 2, 3]).to_sampling_params(1000)
-    expected = dict(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["END"],
-                    stop_token_ids=[9], include_stop_str_in_output=True, frequency_penalty=0.5,
-                    presence_penalty=-0.5, repetition_penalty=1.2, ignore_eos=True, min_tokens=2,
-                    max_tokens=30, logprobs=3, prompt_logprobs=1, skip_special_tokens=False,
-                    spaces_between_special_tokens=False, bad_words=["bad"], allowed_token_ids=[1, 2, 3])
+        n=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=3,
+        stop=["END"],
+        stop_token_ids=[9],
+        include_stop_str_in_output=True,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        min_tokens=2,
+        max_tokens=30,
+        logprobs=3,
+        prompt_logprobs=1,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        bad_words=["bad"],
+        allowed_token_ids=[1, 2, 3],
+    ).to_sampling_params(1000)
+    expected = dict(
+        n=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=3,
+        stop=["END"],
+        stop_token_ids=[9],
+        include_stop_str_in_output=True,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        min_tokens=2,
+        max_tokens=30,
+        logprobs=3,
+        prompt_logprobs=1,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        bad_words=["bad"],
+        allowed_token_ids=[1, 2, 3],
+    )
     assert {k: getattr(params, k) for k in expected} == expected
 
 
@@ -270,10 +394,16 @@ def test_null_max_tokens_takes_the_default():
     assert chat(max_tokens=5).to_sampling_params(321).max_tokens == 5
 
 
-@pytest.mark.parametrize("fields, logprobs", [
-    ({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
-    ({"logprobs": True, "top_logprobs": 0}, 0), ({"logprobs": True, "top_logprobs": 5}, 5),
-])
+@pytest.mark.parametrize(
+    "fields, logprobs",
+    [
+        ({}, None),
+        ({"logprobs": False}, None),
+        ({"logprobs": True}, 0),
+        ({"logprobs": True, "top_logprobs": 0}, 0),
+        ({"logprobs": True, "top_logprobs": 5}, 5),
+    ],
+)
 def test_chat_logprobs_mapping(fields, logprobs):
     assert chat(**fields).to_sampling_params(16).logprobs == logprobs
 
@@ -284,12 +414,15 @@ def test_chat_prompt_logprobs_and_penalties():
 
 
 # --- prompts ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt, prompts", [
-    ("Hello", ["Hello"]),
-    (["a", "b"], ["a", "b"]),
-    ([1, 2, 3], [[1, 2, 3]]),
-    ([[1, 2], [3]], [[1, 2], [3]]),
-])
+@pytest.mark.parametrize(
+    "prompt, prompts",
+    [
+        ("Hello", ["Hello"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
 def test_prompt_normalisation(prompt, prompts):
     assert completion(prompt=prompt).prompts() == prompts
 
@@ -320,7 +453,8 @@ def test_tokenize_request_forms():
 # --- responses and errors --------------------------------------------------------------------
 def test_error_body_shape():
     assert error_body("bad n", param="n") == {
-        "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": 400}}
+        "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": 400}
+    }
     assert error_body("boom", type="internal_server_error", code=500)["error"]["code"] == 500
 
 
@@ -342,8 +476,11 @@ def test_validation_error_message_picks_the_first_parameter():
 
 
 def test_response_ids_objects_and_extensions():
-    response = CompletionResponse(model="m", usage=UsageInfo(prompt_tokens=2, completion_tokens=1, total_tokens=3),
-                                  choices=[CompletionResponseChoice(index=0, text="x", finish_reason="stop")])
+    response = CompletionResponse(
+        model="m",
+        usage=UsageInfo(prompt_tokens=2, completion_tokens=1, total_tokens=3),
+        choices=[CompletionResponseChoice(index=0, text="x", finish_reason="stop")],
+    )
     body = json.loads(response.model_dump_json())
     assert body["id"].startswith("cmpl-") and len(body["id"]) > 10 and body["object"] == "text_completion"
     assert isinstance(body["created"], int)
@@ -355,30 +492,42 @@ def test_response_ids_objects_and_extensions():
 
 
 def test_prompt_logprobs_serialize():
-    choice = CompletionResponseChoice(index=0, text="", token_ids=[5],
-                                      prompt_logprobs=[None, {7: Logprob(-0.5, 1, "a")}])
+    choice = CompletionResponseChoice(
+        index=0, text="", token_ids=[5], prompt_logprobs=[None, {7: Logprob(-0.5, 1, "a")}]
+    )
     body = json.loads(choice.model_dump_json())
     assert body["prompt_logprobs"] == [None, {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}]
     assert body["token_ids"] == [5]
 
 
 def test_chat_response_shapes():
-    response = ChatCompletionResponse(model="m", usage=UsageInfo(), choices=[
-        ChatCompletionResponseChoice(index=0, message=ChatMessage(content="hi", reasoning_content="think"))])
+    response = ChatCompletionResponse(
+        model="m",
+        usage=UsageInfo(),
+        choices=[ChatCompletionResponseChoice(index=0, message=ChatMessage(content="hi", reasoning_content="think"))],
+    )
     body = json.loads(response.model_dump_json())
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi", "reasoning_content": "think"}
-    chunk = ChatCompletionStreamResponse(model="m", choices=[
-        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="length", arrival_time=0.5)])
+    chunk = ChatCompletionStreamResponse(
+        model="m",
+        choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="length", arrival_time=0.5)],
+    )
     body = json.loads(chunk.model_dump_json())
     assert body["object"] == "chat.completion.chunk" and "usage" not in body
     assert body["choices"][0]["delta"] == {} and body["choices"][0]["arrival_time"] == 0.5
     assert json.loads(DeltaMessage(role="assistant", content="").model_dump_json()) == {
-        "role": "assistant", "content": ""}
+        "role": "assistant",
+        "content": "",
+    }
 
 
 def test_model_list():
     body = ModelList(data=[ModelCard(id="m", root="/models/m", max_model_len=2048)]).model_dump()
     assert body["object"] == "list"
     assert {k: body["data"][0][k] for k in ("id", "object", "owned_by", "max_model_len")} == {
-        "id": "m", "object": "model", "owned_by": "splitserve", "max_model_len": 2048}
+        "id": "m",
+        "object": "model",
+        "owned_by": "splitserve",
+        "max_model_len": 2048,
+    }

@@ -1,6 +1,7 @@
 """The Processor, the one place a request is tokenized and validated: every refusal is an
 InvalidRequestError (a ValueError) naming its parameter, the server's length rule is an option
 that the offline API leaves off, and params are completed once on a copy."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -29,8 +30,12 @@ class CharTokenizer:
 @pytest.fixture
 def processor() -> Processor:
     # A stand-in tokenizer takes its end-of-sequence ids from the model's config: no files are read.
-    config = SimpleNamespace(vocab_size=VOCAB, max_model_len=MAX_LEN, substitute_tokenizer=True,
-                             hf_config=SimpleNamespace(eos_token_id=[2, 7]))
+    config = SimpleNamespace(
+        vocab_size=VOCAB,
+        max_model_len=MAX_LEN,
+        substitute_tokenizer=True,
+        hf_config=SimpleNamespace(eos_token_id=[2, 7]),
+    )
     return Processor(config, CharTokenizer())
 
 
@@ -72,8 +77,13 @@ def test_server_rule_needs_room_for_max_tokens(processor):
     assert fits.params is params
     error = refused(processor.process_prompt, {"prompt_token_ids": [5] * 7}, params, max_tokens_must_fit=True)
     assert "maximum context length is 16 tokens" in str(error) and error.param == "max_tokens"
-    error = refused(processor.process_prompt, {"prompt_token_ids": [5] * MAX_LEN}, params, param="messages",
-                    max_tokens_must_fit=True)
+    error = refused(
+        processor.process_prompt,
+        {"prompt_token_ids": [5] * MAX_LEN},
+        params,
+        param="messages",
+        max_tokens_must_fit=True,
+    )
     assert "leaving no room for output" in str(error) and error.param == "messages"
 
 

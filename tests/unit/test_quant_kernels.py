@@ -1,6 +1,7 @@
 """Quantized weight formats and kernels against straightforward references: the packers against
 the word-by-word layouts of tests/quant_layouts.py, and every quantized matmul against a float
 matmul with the dequantized weight."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,13 @@ def weight() -> torch.Tensor:
 
 def _reference_int4(w: torch.Tensor, g_idx=None) -> Int4Weight:
     q, scale, zero, g, _ = rtn_int4(w, GROUP, g_idx)
-    return Int4Weight(torch.tensor(q, dtype=torch.int32), torch.tensor(scale, dtype=torch.float32),
-                      torch.tensor(zero, dtype=torch.int32), GROUP, None if g_idx is None else torch.tensor(g, dtype=torch.int32))
+    return Int4Weight(
+        torch.tensor(q, dtype=torch.int32),
+        torch.tensor(scale, dtype=torch.float32),
+        torch.tensor(zero, dtype=torch.int32),
+        GROUP,
+        None if g_idx is None else torch.tensor(g, dtype=torch.int32),
+    )
 
 
 def test_awq_layout_matches_autoawq_word_order(weight):
@@ -63,12 +69,19 @@ def test_round_to_nearest_error_bounds(weight):
     assert ((int4.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
 
 
-def _quantized_linear(method: str, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                      group_size: int = GROUP) -> Linear:
+def _quantized_linear(
+    method: str, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None, group_size: int = GROUP
+) -> Linear:
     """A Linear whose method quantizes the given dense weight, as loading an unquantized checkpoint does."""
-    layer = Linear(weight.shape[1], [weight.shape[0]], bias=bias is not None, dtype=dtype,
-                   quant_method=QuantizationConfig(method, from_checkpoint=False, group_size=group_size)
-                   .linear_method("model.layers.0.mlp.down_proj"))
+    layer = Linear(
+        weight.shape[1],
+        [weight.shape[0]],
+        bias=bias is not None,
+        dtype=dtype,
+        quant_method=QuantizationConfig(method, from_checkpoint=False, group_size=group_size).linear_method(
+            "model.layers.0.mlp.down_proj"
+        ),
+    )
     layer.weight.data.copy_(weight)
     if bias is not None:
         layer.bias.data.copy_(bias)
@@ -119,8 +132,12 @@ def test_int4_matmul(weight, dtype, portable, act_order, monkeypatch):
         layout, _ = gptq_tensors(weight, GROUP, act_order_seed=5)
         g_idx = layout["g_idx"].numpy()
     plain = _reference_int4(weight, g_idx)
-    layer = Linear(IN, [OUT], dtype=dtype, quant_method=QuantizationConfig("gptq", group_size=GROUP)
-                   .linear_method("model.layers.0.mlp.down_proj"))
+    layer = Linear(
+        IN,
+        [OUT],
+        dtype=dtype,
+        quant_method=QuantizationConfig("gptq", group_size=GROUP).linear_method("model.layers.0.mlp.down_proj"),
+    )
     for name, tensor in pack_gptq(plain).items():
         layer.quant_method.load(layer, name, 0, tensor)
     layer.quant_method.process_weights_after_loading(layer)
@@ -136,7 +153,7 @@ def test_fp8_matmul(weight):
     x = torch.randn(4, IN)
     reference = F.linear(x, weight)
     # e4m3 keeps 3 mantissa bits: each weight within 2^-4 relative
-    bound = F.linear(x.abs(), weight.abs()) * 2 ** -4
+    bound = F.linear(x.abs(), weight.abs()) * 2**-4
     assert ((layer(x) - reference).abs() <= bound + 1e-5).all()
     expected = F.linear(x, layer.qweight.float() * layer.weight_scale[:, None])
     torch.testing.assert_close(layer(x), expected, **TOL[torch.float32])

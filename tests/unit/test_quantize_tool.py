@@ -1,5 +1,6 @@
 """`splitserve quantize`: the checkpoints it writes (names, dtypes, shapes, config), their accuracy
 once dequantized back into the transformers model, the algorithms' own guarantees, and its errors."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import safetensors.torch
 import torch
 import transformers
 
+from splitserve.entrypoints import quantize_cli
 from splitserve.quantization import algorithms, tool
 from splitserve.quantization.calibration import collect_input_stats, read_token_ids
 from splitserve.quantization.packing import quantize_int4_groupwise, unpack_awq, unpack_gptq
@@ -23,8 +25,8 @@ GROUP = 32  # divides the tiny models' hidden (64) and intermediate (128) sizes
 
 def run_tool(*argv: str) -> str:
     parser = argparse.ArgumentParser()
-    tool.add_arguments(parser)
-    return tool.main(parser.parse_args(list(argv)))
+    quantize_cli.add_arguments(parser)
+    return quantize_cli.main(parser.parse_args(list(argv)))
 
 
 def _save_llama(directory: str, tokenizer, **overrides) -> str:
@@ -83,11 +85,13 @@ def dequantized_model(out_dir: str, float_dir: str):
         if suffix == "weight" and tensor.dtype == torch.int8:
             state[name] = tensor.float() * tensors[f"{base}.weight_scale"][:, None]
         elif suffix == "qweight" and qc["quant_method"] == "awq":
-            state[f"{base}.weight"] = unpack_awq(tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"],
-                                                 qc["group_size"]).dequantize()
+            state[f"{base}.weight"] = unpack_awq(
+                tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], qc["group_size"]
+            ).dequantize()
         elif suffix == "qweight":
-            state[f"{base}.weight"] = unpack_gptq(tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"],
-                                                  tensors[f"{base}.g_idx"], qc["group_size"]).dequantize()
+            state[f"{base}.weight"] = unpack_gptq(
+                tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], tensors[f"{base}.g_idx"], qc["group_size"]
+            ).dequantize()
         elif suffix not in ("weight_scale", "qzeros", "scales", "g_idx"):
             state[name] = tensor.float()
     model = _load_float(float_dir)
@@ -104,8 +108,15 @@ def _config(out_dir: str) -> dict:
 
 def _linear_names(num_layers: int = 3):
     for i in range(num_layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
             yield f"model.layers.{i}.{name}"
 
 
@@ -122,8 +133,10 @@ def _check_tensors(out_dir: str, quant_type: str, float_dir: str, dtype: torch.d
             continue
         assert f"{name}.weight" not in tensors
         groups = in_features // GROUP
-        expected = {"qzeros": ((groups, out_features // 8), torch.int32),
-                    "scales": ((groups, out_features), torch.float16)}
+        expected = {
+            "qzeros": ((groups, out_features // 8), torch.int32),
+            "scales": ((groups, out_features), torch.float16),
+        }
         if quant_type == "awq":
             expected["qweight"] = ((in_features, out_features // 8), torch.int32)
         else:
@@ -138,19 +151,49 @@ def _check_tensors(out_dir: str, quant_type: str, float_dir: str, dtype: torch.d
 
 _EXPECTED_CONFIG = {
     "weight_only_int8": {"quant_method": "weight_only_int8", "bits": 8},
-    "smooth_quant": {"quant_method": "smooth_quant", "bits": 8, "smoothing_strength": 0.8,
-                     "activation_scheme": "dynamic_per_token"},
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": None},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
-             "damp_percent": 0.01, "true_sequential": False, "checkpoint_format": "gptq"},
+    "smooth_quant": {
+        "quant_method": "smooth_quant",
+        "bits": 8,
+        "smoothing_strength": 0.8,
+        "activation_scheme": "dynamic_per_token",
+    },
+    "awq": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    },
+    "gptq": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "desc_act": False,
+        "sym": True,
+        "damp_percent": 0.01,
+        "true_sequential": False,
+        "checkpoint_format": "gptq",
+    },
 }
 
 
 @pytest.mark.parametrize("quant_type", list(_EXPECTED_CONFIG))
 def test_checkpoint_layout_and_accuracy(llama, calib_file, tmp_path, quant_type):
-    out = run_tool("-i", llama, "-o", str(tmp_path / quant_type), "--quant-type", quant_type, "-t", "bf16",
-                   "--group-size", str(GROUP), "--tokenids-path", calib_file)
+    out = run_tool(
+        "-i",
+        llama,
+        "-o",
+        str(tmp_path / quant_type),
+        "--quant-type",
+        quant_type,
+        "-t",
+        "bf16",
+        "--group-size",
+        str(GROUP),
+        "--tokenids-path",
+        calib_file,
+    )
     config = _config(out)
     assert config["quantization_config"] == {**_EXPECTED_CONFIG[quant_type], "tensor_parallel_size": 1}
     assert config["dtype"] == config["torch_dtype"] == "bfloat16"
@@ -164,8 +207,10 @@ def test_checkpoint_layout_and_accuracy(llama, calib_file, tmp_path, quant_type)
     reference = _logits(_load_float(llama), ids)
     logits = _logits(dequantized_model(out, llama), ids)
     relative = ((logits - reference).norm() / reference.norm()).item()
-    nll = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
-           for x in (reference, logits)]
+    nll = [
+        torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+        for x in (reference, logits)
+    ]
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
     if quant_type in ("weight_only_int8", "smooth_quant"):
         # 8-bit weights (+ bf16 embeddings and norms): measured ~1.5% logit error.
@@ -180,8 +225,22 @@ def test_checkpoint_layout_and_accuracy(llama, calib_file, tmp_path, quant_type)
 def test_gptq_desc_act_tied_embeddings_and_biases(tiny_models, calib_file, tmp_path):
     """Qwen2: q/k/v biases stay unquantized in the -t dtype, tied embeddings stay tied (no
     lm_head.weight), and act-order writes a g_idx that permutes the groups."""
-    out = run_tool("-i", tiny_models["qwen2"], "-o", str(tmp_path / "q"), "--quant_type", "gptq", "-t", "float16",
-                   "--group-size", str(GROUP), "-token", calib_file, "--desc-act", "--no-sym")
+    out = run_tool(
+        "-i",
+        tiny_models["qwen2"],
+        "-o",
+        str(tmp_path / "q"),
+        "--quant_type",
+        "gptq",
+        "-t",
+        "float16",
+        "--group-size",
+        str(GROUP),
+        "-token",
+        calib_file,
+        "--desc-act",
+        "--no-sym",
+    )
     config = _config(out)
     assert config["quantization_config"]["desc_act"] is True and config["quantization_config"]["sym"] is False
     assert config["tie_word_embeddings"] is True and config["dtype"] == "float16"
@@ -199,10 +258,32 @@ def test_gptq_desc_act_tied_embeddings_and_biases(tiny_models, calib_file, tmp_p
 def test_cli_subprocess(llama, calib_file, tmp_path):
     out = str(tmp_path / "awq")
     result = subprocess.run(
-        [sys.executable, "-m", "splitserve.entrypoints.cli", "quantize", "-i", llama, "-o", out,
-         "-quant_type", "awq", "--group-size", str(GROUP), "-token", calib_file, "-tp", "2", "--multi-query-mode",
-         "-sq", "0.5"],
-        check=False, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "splitserve.entrypoints.cli",
+            "quantize",
+            "-i",
+            llama,
+            "-o",
+            out,
+            "-quant_type",
+            "awq",
+            "--group-size",
+            str(GROUP),
+            "-token",
+            calib_file,
+            "-tp",
+            "2",
+            "--multi-query-mode",
+            "-sq",
+            "0.5",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "2 KV heads are read from its config" in result.stderr
     assert "Ignoring -sq" in result.stderr
@@ -210,9 +291,25 @@ def test_cli_subprocess(llama, calib_file, tmp_path):
     assert _config(out)["quantization_config"]["tensor_parallel_size"] == 2
 
     bad = subprocess.run(
-        [sys.executable, "-m", "splitserve.entrypoints.cli", "quantize", "-i", llama, "-o", out,
-         "--quant-type", "smooth_quant", "--tokenids-path", str(tmp_path / "missing.txt")],
-        check=False, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "splitserve.entrypoints.cli",
+            "quantize",
+            "-i",
+            llama,
+            "-o",
+            out,
+            "--quant-type",
+            "smooth_quant",
+            "--tokenids-path",
+            str(tmp_path / "missing.txt"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].endswith("missing.txt does not exist.")
 
@@ -257,7 +354,7 @@ def test_awq_clipping_never_loses_to_the_full_range():
 
     def group_losses(w):
         error = (w.dequantize() - weight).reshape(32, -1, GROUP)
-        blocks = [moment[g * GROUP:(g + 1) * GROUP, g * GROUP:(g + 1) * GROUP] for g in range(64 // GROUP)]
+        blocks = [moment[g * GROUP : (g + 1) * GROUP, g * GROUP : (g + 1) * GROUP] for g in range(64 // GROUP)]
         return torch.stack([((error[:, g] @ blocks[g]) * error[:, g]).sum(-1) for g in range(len(blocks))], dim=1)
 
     clipped = group_losses(algorithms.quantize_int4_clipped(weight, GROUP, ratio))
@@ -303,35 +400,78 @@ def _calibrate(model, calib_file: str):
 def test_builtin_calibration_text(tiny_chat_model, tmp_path):
     """Without --tokenids-path the built-in text is cut into --seq-len sequences (needs the whole
     SmolLM2 vocabulary, which the tiny chat model has)."""
-    out = run_tool("-i", tiny_chat_model, "-o", str(tmp_path / "sq"), "--quant-type", "smooth_quant",
-                   "-sq", "0.5", "--seq-len", "256", "--num-samples", "2")
+    out = run_tool(
+        "-i",
+        tiny_chat_model,
+        "-o",
+        str(tmp_path / "sq"),
+        "--quant-type",
+        "smooth_quant",
+        "-sq",
+        "0.5",
+        "--seq-len",
+        "256",
+        "--num-samples",
+        "2",
+    )
     assert _config(out)["quantization_config"]["smoothing_strength"] == 0.5
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "holds no token ids"),
-    ("1 2 three\n", r":1: 'three' is not an integer token id"),
-    ("1 2 3\n4 1024\n", r":2: token id 1024 is outside the model's vocabulary \(0..1023\)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "holds no token ids"),
+        ("1 2 three\n", r":1: 'three' is not an integer token id"),
+        ("1 2 3\n4 1024\n", r":2: token id 1024 is outside the model's vocabulary \(0..1023\)"),
+    ],
+)
 def test_bad_calibration_files(llama, tmp_path, content, message):
     path = tmp_path / "ids.txt"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        run_tool("-i", llama, "-o", str(tmp_path / "out"), "--quant-type", "awq", "--group-size", str(GROUP),
-                 "--tokenids-path", str(path))
+        run_tool(
+            "-i",
+            llama,
+            "-o",
+            str(tmp_path / "out"),
+            "--quant-type",
+            "awq",
+            "--group-size",
+            str(GROUP),
+            "--tokenids-path",
+            str(path),
+        )
 
 
-@pytest.mark.parametrize("argv, error, message", [
-    (["--quant-type", "gptq", "--group-size", "48"], ValueError,
-     r"hidden_size \(the input of q/k/v/gate/up_proj\) 64 is not divisible by --group-size 48; pass --group-size 32"),
-    (["--quant-type", "gptq", "--group-size", "12"], ValueError, "must be a positive multiple of 8"),
-    (["--quant-type", "weight_only_int8", "-tp", "3"], ValueError, "num_attention_heads 4 is not divisible by -tp 3"),
-    (["--quant-type", "awq", "--group-size", "64", "-tp", "2"], ValueError,
-     r"o_proj's input size per rank \(4 heads x 16 / 2\) 32 is not divisible by --group-size 64; pass --group-size 32"),
-    (["--quant-type", "smooth_quant"], ValueError, "outside the model's vocabulary .* --tokenids-path"),
-    (["--quant-type", "awq", "--group-size", "32", "--tokenids-path", "/nonexistent/ids.txt"], FileNotFoundError,
-     "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, error, message",
+    [
+        (
+            ["--quant-type", "gptq", "--group-size", "48"],
+            ValueError,
+            r"hidden_size \(the input of q/k/v/gate/up_proj\) 64 is not divisible by --group-size 48; "
+            r"pass --group-size 32",
+        ),
+        (["--quant-type", "gptq", "--group-size", "12"], ValueError, "must be a positive multiple of 8"),
+        (
+            ["--quant-type", "weight_only_int8", "-tp", "3"],
+            ValueError,
+            "num_attention_heads 4 is not divisible by -tp 3",
+        ),
+        (
+            ["--quant-type", "awq", "--group-size", "64", "-tp", "2"],
+            ValueError,
+            r"o_proj's input size per rank \(4 heads x 16 / 2\) 32 is not divisible by --group-size 64; "
+            r"pass --group-size 32",
+        ),
+        (["--quant-type", "smooth_quant"], ValueError, "outside the model's vocabulary .* --tokenids-path"),
+        (
+            ["--quant-type", "awq", "--group-size", "32", "--tokenids-path", "/nonexistent/ids.txt"],
+            FileNotFoundError,
+            "does not exist",
+        ),
+    ],
+)
 def test_bad_arguments(llama, tmp_path, argv, error, message):
     with pytest.raises(error, match=message):
         run_tool("-i", llama, "-o", str(tmp_path / "out"), *argv)
@@ -347,8 +487,9 @@ def test_bad_paths_and_types(llama, tmp_path):
 
 
 def test_smollm2_shapes_ask_for_group_size_64():
-    config = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                                      num_key_value_heads=3, head_dim=64)
+    config = transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+    )
     with pytest.raises(ValueError, match="576 is not divisible by --group-size 128; pass --group-size 64"):
         tool.check_shapes(config, "awq", 128, 1)
     tool.check_shapes(config, "awq", 64, 3)

@@ -1,6 +1,7 @@
 """Rank tables: `splitserve ranktable gen/merge` through the CLI entry point, every validation rule broken
 once (the message must name the rule), and resolve_pd_environment for a prefill instance, a decode instance
 and the router. Pure file and JSON work: no model, no network."""
+
 from __future__ import annotations
 
 import copy
@@ -8,25 +9,47 @@ import json
 
 import pytest
 
-from splitserve.disagg.environment import PDLaunch, resolve_pd_environment
+from splitserve.disagg.environment import PDLaunch, parse_node_ports, resolve_pd_environment
 from splitserve.disagg.ranktable import (
-    RankTableError, generate_ranktables, load_ranktable, parse_node_ports, parse_server_list, ranktable_from_json,
-    validate_local_ranktable)
+    RankTableError,
+    generate_ranktables,
+    load_ranktable,
+    parse_server_list,
+    ranktable_from_json,
+    validate_local_ranktable,
+)
 from splitserve.entrypoints.cli import main
 
 IP = "10.0.0.1"
 SCHEDULER = {"server_id": IP, "server_ip": IP}
-PREFILL_45 = {"server_id": IP, "server_ip": IP, "device": [
-    {"device_id": "4", "device_ip": IP, "rank_id": "0"}, {"device_id": "5", "device_ip": IP, "rank_id": "1"}]}
-DECODE_67 = {"server_id": IP, "server_ip": IP, "device": [
-    {"device_id": "6", "device_ip": IP, "rank_id": "0"}, {"device_id": "7", "device_ip": IP, "rank_id": "1"}]}
+PREFILL_45 = {
+    "server_id": IP,
+    "server_ip": IP,
+    "device": [
+        {"device_id": "4", "device_ip": IP, "rank_id": "0"},
+        {"device_id": "5", "device_ip": IP, "rank_id": "1"},
+    ],
+}
+DECODE_67 = {
+    "server_id": IP,
+    "server_ip": IP,
+    "device": [
+        {"device_id": "6", "device_ip": IP, "rank_id": "0"},
+        {"device_id": "7", "device_ip": IP, "rank_id": "1"},
+    ],
+}
 
 
 def table(scheduler=(), prefill=(), decode=()) -> dict:
     """A rank table dict in the specification's layout, with counts matching the lists."""
     groups = [("0", list(scheduler)), ("1", list(prefill)), ("2", list(decode))]
-    return {"version": "1.0", "status": "completed", "server_group_list": [
-        {"group_id": gid, "server_count": str(len(servers)), "server_list": servers} for gid, servers in groups]}
+    return {
+        "version": "1.0",
+        "status": "completed",
+        "server_group_list": [
+            {"group_id": gid, "server_count": str(len(servers)), "server_list": servers} for gid, servers in groups
+        ],
+    }
 
 
 SPEC_GLOBAL = table([SCHEDULER], [PREFILL_45], [DECODE_67])
@@ -51,8 +74,21 @@ def cli_error(args, caplog) -> str:
 
 # ---------------------------------------------------------------- gen and merge
 def test_gen_specification_example(tmp_path, capsys):
-    main(["ranktable", "gen", "--prefill-server-list", "4,5", "--decode-server-list", "6,7", "--api-server",
-          "--server-ip", IP, "--save-dir", str(tmp_path / "save_dir")])
+    main(
+        [
+            "ranktable",
+            "gen",
+            "--prefill-server-list",
+            "4,5",
+            "--decode-server-list",
+            "6,7",
+            "--api-server",
+            "--server-ip",
+            IP,
+            "--save-dir",
+            str(tmp_path / "save_dir"),
+        ]
+    )
     out = tmp_path / "save_dir"
     expected = {
         f"global_ranktable_{IP}.json": SPEC_GLOBAL,
@@ -67,17 +103,36 @@ def test_gen_specification_example(tmp_path, capsys):
 
 
 def test_gen_several_instances_per_role_and_no_api_server(tmp_path):
-    main(["ranktable", "gen", "--prefill-server-list", "0;1", "--decode-server-list", " 2, 3 ",
-          "--server-ip", IP, "--save-dir", str(tmp_path)])
+    main(
+        [
+            "ranktable",
+            "gen",
+            "--prefill-server-list",
+            "0;1",
+            "--decode-server-list",
+            " 2, 3 ",
+            "--server-ip",
+            IP,
+            "--save-dir",
+            str(tmp_path),
+        ]
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"global_ranktable_{IP}.json", f"local_ranktable_{IP}_0.json", f"local_ranktable_{IP}_1.json",
-         f"local_ranktable_{IP}_23.json"])
+        [
+            f"global_ranktable_{IP}.json",
+            f"local_ranktable_{IP}_0.json",
+            f"local_ranktable_{IP}_1.json",
+            f"local_ranktable_{IP}_23.json",
+        ]
+    )
     part = read(tmp_path / f"global_ranktable_{IP}.json")
     assert [g["server_count"] for g in part["server_group_list"]] == ["0", "2", "1"]
     prefill = part["server_group_list"][1]["server_list"]
     assert [[d["device_id"] for d in s["device"]] for s in prefill] == [["0"], ["1"]]
     assert read(tmp_path / f"local_ranktable_{IP}_23.json")["server_group_list"][2]["server_list"][0]["device"] == [
-        {"device_id": "2", "device_ip": IP, "rank_id": "0"}, {"device_id": "3", "device_ip": IP, "rank_id": "1"}]
+        {"device_id": "2", "device_ip": IP, "rank_id": "0"},
+        {"device_id": "3", "device_ip": IP, "rank_id": "1"},
+    ]
 
 
 def test_parse_server_list():
@@ -89,13 +144,16 @@ def test_parse_server_list():
             parse_server_list(bad)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prefill-server-list", "4,4"], "rule: unique-devices"),
-    (["--prefill-server-list", "4", "--decode-server-list", "4"], "rule: unique-devices"),
-    (["--prefill-server-list", "4,x"], "bad device list"),
-    ([], "nothing to generate"),
-    (["--prefill-server-list", "1,23;12,3"], "would both write"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prefill-server-list", "4,4"], "rule: unique-devices"),
+        (["--prefill-server-list", "4", "--decode-server-list", "4"], "rule: unique-devices"),
+        (["--prefill-server-list", "4,x"], "bad device list"),
+        ([], "nothing to generate"),
+        (["--prefill-server-list", "1,23;12,3"], "would both write"),
+    ],
+)
 def test_gen_refuses_bad_input(tmp_path, caplog, args, message):
     log = cli_error(["ranktable", "gen", "--server-ip", IP, "--save-dir", str(tmp_path), *args], caplog)
     assert message in log
@@ -110,21 +168,29 @@ def test_gen_refuses_a_server_ip_that_is_no_address():
 def gen_two_machines(tmp_path) -> dict:
     """Machine A (10.0.0.1) runs the router and two prefill instances; B (10.0.0.2) one prefill instance and
     one decode instance of two devices, reusing A's device numbers. Returns the paths of interest."""
-    for ip, extra in (("10.0.0.1", ["--prefill-server-list", "0;1", "--api-server"]),
-                      ("10.0.0.2", ["--prefill-server-list", "0", "--decode-server-list", "1,2"])):
+    for ip, extra in (
+        ("10.0.0.1", ["--prefill-server-list", "0;1", "--api-server"]),
+        ("10.0.0.2", ["--prefill-server-list", "0", "--decode-server-list", "1,2"]),
+    ):
         main(["ranktable", "gen", "--server-ip", ip, "--save-dir", str(tmp_path / ip), *extra])
     parts = [str(tmp_path / ip / f"global_ranktable_{ip}.json") for ip in ("10.0.0.1", "10.0.0.2")]
     main(["ranktable", "merge", "--global-ranktable-list", *parts, "--save-dir", str(tmp_path / "merged")])
-    return {"global": tmp_path / "merged" / "global_ranktable_merge.json", "parts": parts,
-            "host": tmp_path / "10.0.0.1" / "local_ranktable_10.0.0.1_host.json",
-            "a1": tmp_path / "10.0.0.1" / "local_ranktable_10.0.0.1_1.json",
-            "b0": tmp_path / "10.0.0.2" / "local_ranktable_10.0.0.2_0.json",
-            "b12": tmp_path / "10.0.0.2" / "local_ranktable_10.0.0.2_12.json"}
+    return {
+        "global": tmp_path / "merged" / "global_ranktable_merge.json",
+        "parts": parts,
+        "host": tmp_path / "10.0.0.1" / "local_ranktable_10.0.0.1_host.json",
+        "a1": tmp_path / "10.0.0.1" / "local_ranktable_10.0.0.1_1.json",
+        "b0": tmp_path / "10.0.0.2" / "local_ranktable_10.0.0.2_0.json",
+        "b12": tmp_path / "10.0.0.2" / "local_ranktable_10.0.0.2_12.json",
+    }
 
 
 def instance(ip, *device_ids) -> dict:
-    return {"server_id": ip, "server_ip": ip, "device": [
-        {"device_id": str(d), "device_ip": ip, "rank_id": str(r)} for r, d in enumerate(device_ids)]}
+    return {
+        "server_id": ip,
+        "server_ip": ip,
+        "device": [{"device_id": str(d), "device_ip": ip, "rank_id": str(r)} for r, d in enumerate(device_ids)],
+    }
 
 
 def test_merge_two_machines(tmp_path, capsys):
@@ -133,10 +199,15 @@ def test_merge_two_machines(tmp_path, capsys):
     assert read(paths["global"]) == table(
         [{"server_id": "10.0.0.1", "server_ip": "10.0.0.1"}],
         [instance("10.0.0.1", 0), instance("10.0.0.1", 1), instance("10.0.0.2", 0)],
-        [instance("10.0.0.2", 1, 2)])
+        [instance("10.0.0.2", 1, 2)],
+    )
     merged = load_ranktable(paths["global"], complete=True)
     assert [(gid, inst.server_ip, inst.device_ids) for gid, inst in merged.instances()] == [
-        ("1", "10.0.0.1", [0]), ("1", "10.0.0.1", [1]), ("1", "10.0.0.2", [0]), ("2", "10.0.0.2", [1, 2])]
+        ("1", "10.0.0.1", [0]),
+        ("1", "10.0.0.1", [1]),
+        ("1", "10.0.0.2", [0]),
+        ("2", "10.0.0.2", [1, 2]),
+    ]
 
 
 def test_merge_keeps_file_order(tmp_path):
@@ -149,14 +220,17 @@ def test_merge_keeps_file_order(tmp_path):
 def test_merge_refuses_incomplete_or_doubled_tables(tmp_path, caplog):
     paths = gen_two_machines(tmp_path)
     a, b = paths["parts"]
-    assert "rule: scheduler" in cli_error(["ranktable", "merge", "--global-ranktable-list", b,
-                                           "--save-dir", str(tmp_path / "x")], caplog)
+    assert "rule: scheduler" in cli_error(
+        ["ranktable", "merge", "--global-ranktable-list", b, "--save-dir", str(tmp_path / "x")], caplog
+    )
     caplog.clear()
-    assert "rule: complete" in cli_error(["ranktable", "merge", "--global-ranktable-list", a,
-                                          "--save-dir", str(tmp_path / "x")], caplog)
+    assert "rule: complete" in cli_error(
+        ["ranktable", "merge", "--global-ranktable-list", a, "--save-dir", str(tmp_path / "x")], caplog
+    )
     caplog.clear()
-    assert "rule: unique-devices" in cli_error(["ranktable", "merge", "--global-ranktable-list", a, b, b,
-                                                "--save-dir", str(tmp_path / "x")], caplog)
+    assert "rule: unique-devices" in cli_error(
+        ["ranktable", "merge", "--global-ranktable-list", a, b, b, "--save-dir", str(tmp_path / "x")], caplog
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -184,22 +258,32 @@ BROKEN = {
     "missing group": ("groups", lambda t: _groups(t).pop(2)),
     "group twice": ("groups", lambda t: _groups(t).append(copy.deepcopy(_groups(t)[1]))),
     "unknown group": ("groups", lambda t: _groups(t)[2].update(group_id="3")),
-    "two servers in group 0": ("scheduler", lambda t: _groups(t)[0].update(
-        server_count="2", server_list=[SCHEDULER, {"server_id": "10.0.0.2", "server_ip": "10.0.0.2"}])),
+    "two servers in group 0": (
+        "scheduler",
+        lambda t: _groups(t)[0].update(
+            server_count="2", server_list=[SCHEDULER, {"server_id": "10.0.0.2", "server_ip": "10.0.0.2"}]
+        ),
+    ),
     "no server in group 0": ("scheduler", lambda t: _groups(t)[0].update(server_count="0", server_list=[])),
     "device in group 0": ("scheduler", lambda t: _groups(t)[0].update(server_list=[instance(IP, 0)])),
     "server_count mismatch": ("server-count", lambda t: _groups(t)[1].update(server_count="2")),
     "instance without devices": ("devices", lambda t: _groups(t)[1]["server_list"][0].update(device=[])),
     "instance without device key": ("devices", lambda t: _drop(_groups(t)[2]["server_list"][0], "device")),
     "rank ids out of order": ("rank-ids", lambda t: _groups(t)[1]["server_list"][0]["device"][0].update(rank_id="1")),
-    "rank ids not from 0": ("rank-ids", lambda t: [d.update(rank_id=str(int(d["rank_id"]) + 1))
-                                                   for d in _groups(t)[2]["server_list"][0]["device"]]),
-    "duplicate device across roles": ("unique-devices",
-                                      lambda t: _groups(t)[2]["server_list"][0]["device"][0].update(device_id="5")),
+    "rank ids not from 0": (
+        "rank-ids",
+        lambda t: [d.update(rank_id=str(int(d["rank_id"]) + 1)) for d in _groups(t)[2]["server_list"][0]["device"]],
+    ),
+    "duplicate device across roles": (
+        "unique-devices",
+        lambda t: _groups(t)[2]["server_list"][0]["device"][0].update(device_id="5"),
+    ),
     "no decode instance": ("complete", lambda t: _groups(t)[2].update(server_count="0", server_list=[])),
     "number not a string": ("format", lambda t: _groups(t)[1].update(server_count=1)),
-    "device id not decimal": ("format",
-                              lambda t: _groups(t)[1]["server_list"][0]["device"][0].update(device_id="npu4")),
+    "device id not decimal": (
+        "format",
+        lambda t: _groups(t)[1]["server_list"][0]["device"][0].update(device_id="npu4"),
+    ),
     "missing server_ip": ("format", lambda t: _drop(_groups(t)[0]["server_list"][0], "server_ip")),
 }
 
@@ -227,16 +311,19 @@ def test_a_machines_part_is_not_complete(tmp_path):
         load_ranktable(write(tmp_path / "t.json", obj), complete=True)
 
 
-@pytest.mark.parametrize("local, rule", [
-    (table(prefill=[instance(IP, 4, 6)]), "local-in-global"),
-    (table(prefill=[instance(IP, 5, 4)]), "local-in-global"),  # same devices, other rank order
-    (table(decode=[PREFILL_45]), "local-in-global"),  # the instance, but in the other group
-    (table(prefill=[instance("10.0.0.9", 4, 5)]), "local-in-global"),
-    (table(scheduler=[{"server_id": "10.0.0.9", "server_ip": "10.0.0.9"}]), "local-in-global"),
-    (table(prefill=[PREFILL_45], decode=[DECODE_67]), "local-shape"),
-    (table(scheduler=[SCHEDULER], prefill=[PREFILL_45]), "local-shape"),
-    (table(), "local-shape"),
-])
+@pytest.mark.parametrize(
+    "local, rule",
+    [
+        (table(prefill=[instance(IP, 4, 6)]), "local-in-global"),
+        (table(prefill=[instance(IP, 5, 4)]), "local-in-global"),  # same devices, other rank order
+        (table(decode=[PREFILL_45]), "local-in-global"),  # the instance, but in the other group
+        (table(prefill=[instance("10.0.0.9", 4, 5)]), "local-in-global"),
+        (table(scheduler=[{"server_id": "10.0.0.9", "server_ip": "10.0.0.9"}]), "local-in-global"),
+        (table(prefill=[PREFILL_45], decode=[DECODE_67]), "local-shape"),
+        (table(scheduler=[SCHEDULER], prefill=[PREFILL_45]), "local-shape"),
+        (table(), "local-shape"),
+    ],
+)
 def test_local_table_must_match_the_global_one(local, rule):
     with pytest.raises(RankTableError, match=rf"\[rule: {rule}\]"):
         validate_local_ranktable(ranktable_from_json(local), ranktable_from_json(SPEC_GLOBAL))
@@ -249,16 +336,19 @@ def test_local_tables_found_in_the_global_one():
     assert validate_local_ranktable(ranktable_from_json(table([SCHEDULER])), global_table)[0] == "0"
 
 
-@pytest.mark.parametrize("ports, rule", [
-    ("8001", "node-ports-count"),
-    ("8001,8002,8003", "node-ports-count"),
-    ("8001,8001", "node-ports-distinct"),
-    ("0,8002", "node-ports-range"),
-    ("8001,65536", "node-ports-range"),
-    ("8001,http", "node-ports-integers"),
-    ("8001;8002", "node-ports-integers"),
-    ("", "node-ports-integers"),
-])
+@pytest.mark.parametrize(
+    "ports, rule",
+    [
+        ("8001", "node-ports-count"),
+        ("8001,8002,8003", "node-ports-count"),
+        ("8001,8001", "node-ports-distinct"),
+        ("0,8002", "node-ports-range"),
+        ("8001,65536", "node-ports-range"),
+        ("8001,http", "node-ports-integers"),
+        ("8001;8002", "node-ports-integers"),
+        ("", "node-ports-integers"),
+    ],
+)
 def test_node_ports_rules(ports, rule):
     with pytest.raises(RankTableError, match=rf"\[rule: {rule}\].*NODE_PORTS"):
         parse_node_ports(ports, ranktable_from_json(SPEC_GLOBAL))
@@ -286,12 +376,20 @@ def test_resolve_prefill_and_decode_instances(tmp_path):
     prefill = resolve_pd_environment(env_for(paths, "a1"))
     assert isinstance(prefill, PDLaunch)
     assert (prefill.role, prefill.server_ip, prefill.device_ids, prefill.instance_index) == (
-        "prefill", "10.0.0.1", [1], 1)
+        "prefill",
+        "10.0.0.1",
+        [1],
+        1,
+    )
     assert (prefill.prefill_urls, prefill.decode_urls) == ([], [])
     assert len(prefill.global_ranktable.instances()) == 4
     decode = resolve_pd_environment(env_for(paths, "b12", ports="8001,8002,8003,8004"))
     assert (decode.role, decode.server_ip, decode.device_ids, decode.instance_index) == (
-        "decode", "10.0.0.2", [1, 2], 3)
+        "decode",
+        "10.0.0.2",
+        [1, 2],
+        3,
+    )
     assert resolve_pd_environment(env_for(paths, "b0")).instance_index == 2
 
 
@@ -315,8 +413,9 @@ def test_resolve_errors(tmp_path):
         resolve_pd_environment(env_for(paths, "a1", ports="8001,8002,8003,8001"))
     # A machine's part is not a global table a deployment can run from.
     with pytest.raises(RankTableError, match=r"\[rule: complete\]"):
-        resolve_pd_environment({"GLOBAL_RANK_TABLE_FILE_PATH": paths["parts"][0],
-                                "RANK_TABLE_FILE_PATH": str(paths["a1"])})
+        resolve_pd_environment(
+            {"GLOBAL_RANK_TABLE_FILE_PATH": paths["parts"][0], "RANK_TABLE_FILE_PATH": str(paths["a1"])}
+        )
     # A local table of another deployment.
     other = write(tmp_path / "other.json", table(prefill=[instance("10.0.0.3", 0)]))
     with pytest.raises(RankTableError, match=r"\[rule: local-in-global\]"):

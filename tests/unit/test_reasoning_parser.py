@@ -1,5 +1,6 @@
 """Reasoning parsers: whole-text splits for both parsers, and streaming over every way of cutting a
 text into deltas gives the same split without ever emitting part of a tag."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,29 +11,35 @@ DEEPSEEK = get_reasoning_parser("deepseek_r1")
 QWEN3 = get_reasoning_parser("qwen3")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("Let me think.</think>The answer is 4.", ("Let me think.", "The answer is 4.")),
-    ("<think>Repeated tag.</think>Answer", ("Repeated tag.", "Answer")),
-    ("still thinking, no end", ("still thinking, no end", None)),
-    ("</think>Direct answer", (None, "Direct answer")),
-    ("All reasoning</think>", ("All reasoning", None)),
-    ("a < b and c </thing>", ("a < b and c </thing>", None)),
-    ("r</think>x</think>y", ("r", "x</think>y")),
-    ("", (None, None)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Let me think.</think>The answer is 4.", ("Let me think.", "The answer is 4.")),
+        ("<think>Repeated tag.</think>Answer", ("Repeated tag.", "Answer")),
+        ("still thinking, no end", ("still thinking, no end", None)),
+        ("</think>Direct answer", (None, "Direct answer")),
+        ("All reasoning</think>", ("All reasoning", None)),
+        ("a < b and c </thing>", ("a < b and c </thing>", None)),
+        ("r</think>x</think>y", ("r", "x</think>y")),
+        ("", (None, None)),
+    ],
+)
 def test_deepseek_r1_whole_text(text, expected):
     assert DEEPSEEK.extract(text) == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("<think>Hmm.</think>\n\nHello!", ("Hmm.", "\n\nHello!")),
-    ("Hello, no thinking here.", (None, "Hello, no thinking here.")),
-    ("<think></think>Answer", (None, "Answer")),
-    ("<think>unterminated", ("unterminated", None)),
-    ("Intro <think>x</think> y", (None, "Intro <think>x</think> y")),
-    ("</think>stray end", (None, "</think>stray end")),
-    ("<thi", (None, "<thi")),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>Hmm.</think>\n\nHello!", ("Hmm.", "\n\nHello!")),
+        ("Hello, no thinking here.", (None, "Hello, no thinking here.")),
+        ("<think></think>Answer", (None, "Answer")),
+        ("<think>unterminated", ("unterminated", None)),
+        ("Intro <think>x</think> y", (None, "Intro <think>x</think> y")),
+        ("</think>stray end", (None, "</think>stray end")),
+        ("<thi", (None, "<thi")),
+    ],
+)
 def test_qwen3_whole_text(text, expected):
     assert QWEN3.extract(text) == expected
 
@@ -46,17 +53,35 @@ def test_unknown_parser_lists_the_known_names():
 # --- streaming -------------------------------------------------------------------------------
 # Texts whose bodies hold no angle brackets, so any '<' or '>' in a delta would be a tag fragment.
 CLEAN_TEXTS = {
-    "deepseek_r1": ["Let me think.</think>The answer is 4.", "<think>ab</think>cd", "no end at all",
-                    "</think>x", "reason</think>", "r</think>\n\nc"],
-    "qwen3": ["<think>Hmm.</think>\n\nHello!", "<think></think>A", "plain content", "<think>open",
-              "<think>r</think>"],
+    "deepseek_r1": [
+        "Let me think.</think>The answer is 4.",
+        "<think>ab</think>cd",
+        "no end at all",
+        "</think>x",
+        "reason</think>",
+        "r</think>\n\nc",
+    ],
+    "qwen3": ["<think>Hmm.</think>\n\nHello!", "<think></think>A", "plain content", "<think>open", "<think>r</think>"],
 }
 # Texts with '<' in the bodies or tags that never complete: streaming must still add up.
 TRICKY_TEXTS = {
-    "deepseek_r1": ["a < b </thinking> c </think> x < y", "ends with </thi", "<thi", "<", "</think></think>",
-                    "<think", "x</think>y<think>z"],
-    "qwen3": ["<think>a < b</think>c <think> d", "<thi", "<think>ends with </th", "<", "Intro <think>x</think>",
-              "<think>x</think></think>"],
+    "deepseek_r1": [
+        "a < b </thinking> c </think> x < y",
+        "ends with </thi",
+        "<thi",
+        "<",
+        "</think></think>",
+        "<think",
+        "x</think>y<think>z",
+    ],
+    "qwen3": [
+        "<think>a < b</think>c <think> d",
+        "<thi",
+        "<think>ends with </th",
+        "<",
+        "Intro <think>x</think>",
+        "<think>x</think></think>",
+    ],
 }
 
 

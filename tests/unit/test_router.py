@@ -4,6 +4,7 @@ on loopback: aiohttp.web apps on one background event loop that record the bodie
 kv_transfer_params, a stream that breaks after two chunks, a request held open). The router itself runs
 under a real uvicorn server in a thread, so that streaming and client disconnects behave as in production.
 The policies, body rewriting, load parsing and configuration checks are also tested on their own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,19 +20,29 @@ import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.disagg.policies import (InstanceLoad, LeastLoadPolicy, PrefixAwarePolicy, RoundRobinPolicy, Upstream,
-                                        parse_instance_load, prompt_prefix)
+from splitserve.disagg.policies import (
+    InstanceLoad,
+    LeastLoadPolicy,
+    PrefixAwarePolicy,
+    RoundRobinPolicy,
+    Upstream,
+    parse_instance_load,
+    prompt_prefix,
+)
+from splitserve.entrypoints.cli import build_parser
 from splitserve.entrypoints.router import RouterConfig, build_router_app
 from splitserve.entrypoints.router.config import DECODE, PREFILL, config_from_args
 from splitserve.entrypoints.router.relay import decode_request_body, prefill_request_body
-from splitserve.entrypoints.cli import build_parser
 
-CHUNKS = [b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"Hel"}]}\n\n',
-          b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"lo"}]}\n\n',
-          b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\n',
-          b"data: [DONE]\n\n"]
-BAD_REQUEST = {"error": {"message": "The prompt is empty.", "type": "invalid_request_error", "param": "prompt",
-                         "code": 400}}
+CHUNKS = [
+    b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"Hel"}]}\n\n',
+    b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"lo"}]}\n\n',
+    b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+BAD_REQUEST = {
+    "error": {"message": "The prompt is empty.", "type": "invalid_request_error", "param": "prompt", "code": 400}
+}
 HOLD = "HOLD"  # a prompt containing it is held open by a decode instance until released
 
 
@@ -72,12 +83,19 @@ class FakeInstance:
         self.disconnected = threading.Event()
         self.count = 0
         app = web.Application()
-        app.add_routes([web.post("/v1/completions", self.generate), web.post("/v1/chat/completions", self.generate),
-                        web.get("/health", self.health), web.get("/metrics", self.metrics),
-                        web.get("/v1/models", self.models), web.post("/tokenize", self.tokenize)])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.generate),
+                web.post("/v1/chat/completions", self.generate),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.get("/v1/models", self.models),
+                web.post("/tokenize", self.tokenize),
+            ]
+        )
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.runner = web.AppRunner(app, access_log=None)
         fakes.run(self._start())
 
@@ -97,12 +115,17 @@ class FakeInstance:
 
     async def metrics(self, request: web.Request) -> web.Response:
         running, waiting, kv = self.load
-        lines = ["# TYPE splitserve:num_requests_running gauge", "# TYPE splitserve:num_requests_waiting gauge",
-                 "# TYPE splitserve:kv_cache_usage_perc gauge"]
+        lines = [
+            "# TYPE splitserve:num_requests_running gauge",
+            "# TYPE splitserve:num_requests_waiting gauge",
+            "# TYPE splitserve:kv_cache_usage_perc gauge",
+        ]
         for model in ("a", "b"):
-            lines += [f'splitserve:num_requests_running{{model_name="{model}"}} {running}',
-                      f'splitserve:num_requests_waiting{{model_name="{model}"}} {waiting}',
-                      f'splitserve:kv_cache_usage_perc{{model_name="{model}"}} {kv}']
+            lines += [
+                f'splitserve:num_requests_running{{model_name="{model}"}} {running}',
+                f'splitserve:num_requests_waiting{{model_name="{model}"}} {waiting}',
+                f'splitserve:kv_cache_usage_perc{{model_name="{model}"}} {kv}',
+            ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
@@ -118,29 +141,45 @@ class FakeInstance:
         self.auth.append(request.headers.get("Authorization"))
         self.log.append((self.role, self.name))
         if self.mode == "500":
-            return web.json_response({"error": {"message": "engine exploded", "type": "internal_error",
-                                                "param": None, "code": 500}}, status=500)
+            return web.json_response(
+                {"error": {"message": "engine exploded", "type": "internal_error", "param": None, "code": 500}},
+                status=500,
+            )
         if self.mode == "400":
             return self._json(BAD_REQUEST, 400)
         if self.mode == "429":
-            return self._json({"error": {"message": "busy", "type": "rate_limit_exceeded", "param": None,
-                                         "code": 429}}, 429)
+            return self._json(
+                {"error": {"message": "busy", "type": "rate_limit_exceeded", "param": None, "code": 429}}, 429
+            )
         if self.role == PREFILL:
-            answer = {"id": f"cmpl-{self.name}", "object": "text_completion",
-                      "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+            answer = {
+                "id": f"cmpl-{self.name}",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            }
             if self.mode != "no_kv":
-                answer["kv_transfer_params"] = {"remote_host": "10.0.0.7", "remote_port": 5557,
-                                                "remote_request_id": f"{self.name}-{self.count}",
-                                                "remote_num_pulls": 1, "prompt_token_ids": [5, 6, 7]}
+                answer["kv_transfer_params"] = {
+                    "remote_host": "10.0.0.7",
+                    "remote_port": 5557,
+                    "remote_request_id": f"{self.name}-{self.count}",
+                    "remote_num_pulls": 1,
+                    "prompt_token_ids": [5, 6, 7],
+                }
             return self._json(answer)
         held = HOLD in json.dumps(body.get("prompt", body.get("messages")))
         if body.get("stream"):
             return await self._stream(request, held)
         if held:
             return await self._hold(request)
-        return self._json({"id": "cmpl-d", "object": "text_completion", "model": "fake",
-                           "choices": [{"index": 0, "text": f" served by {self.name}", "finish_reason": "length"}],
-                           "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
+        return self._json(
+            {
+                "id": "cmpl-d",
+                "object": "text_completion",
+                "model": "fake",
+                "choices": [{"index": 0, "text": f" served by {self.name}", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+            }
+        )
 
     def _json(self, obj: dict, status: int = 200) -> web.Response:
         data = json.dumps(obj).encode()
@@ -190,7 +229,7 @@ class RouterServer:
         self.app = build_router_app(config)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -227,11 +266,11 @@ def dead_url() -> str:
     """A loopback URL where nothing listens (connection refused)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return "http://127.0.0.1:%d" % s.getsockname()[1]
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def sse_events(data: bytes) -> list[str]:
-    return [e[len("data: "):] for e in data.decode().split("\n\n") if e]
+    return [e[len("data: ") :] for e in data.decode().split("\n\n") if e]
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +291,9 @@ def cluster(fake_loop):
         decodes = [FakeInstance(fake_loop, DECODE, f"d{i}", log) for i in range(n_decode)]
         made.extend(prefills + decodes)
         config.setdefault("health_interval", 60.0)  # no periodic check unless a test asks for one
-        server = RouterServer(RouterConfig(prefill_urls or [p.url for p in prefills],
-                                           decode_urls or [d.url for d in decodes], **config))
+        server = RouterServer(
+            RouterConfig(prefill_urls or [p.url for p in prefills], decode_urls or [d.url for d in decodes], **config)
+        )
         made.append(server)
         return server, prefills, decodes, log
 
@@ -272,8 +312,14 @@ def cluster(fake_loop):
                 pass
 
 
-COMPLETION = {"model": "fake", "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0.0,
-              "min_tokens": 2, "n": 2}
+COMPLETION = {
+    "model": "fake",
+    "prompt": "The capital of France is",
+    "max_tokens": 20,
+    "temperature": 0.0,
+    "min_tokens": 2,
+    "n": 2,
+}
 
 
 # --- the request flow ----------------------------------------------------------------------------------
@@ -285,9 +331,15 @@ def test_non_streamed_completion_goes_prefill_then_decode(cluster):
     assert log == [(PREFILL, "p0"), (DECODE, "d0")]
     path, prefill_body = p.bodies[0]
     assert path == "/v1/completions"
-    assert prefill_body == {"model": "fake", "prompt": "The capital of France is", "max_tokens": 1,
-                            "temperature": 0.0, "n": 2, "stream": False,
-                            "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill_body == {
+        "model": "fake",
+        "prompt": "The capital of France is",
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "n": 2,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     kv = json.loads(p.sent[0])["kv_transfer_params"]
     assert d.bodies[0] == ("/v1/completions", {**COMPLETION, "kv_transfer_params": {**kv, "do_remote_prefill": True}})
 
@@ -310,15 +362,27 @@ def test_streamed_completion_is_passed_through_unchanged(cluster):
 
 def test_chat_completion_flow(cluster):
     server, [p], [d], _ = cluster(1, 1)
-    body = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 30,
-            "stream": True, "stream_options": {"include_usage": True}, "metadata": {"min_tokens": 3, "k": "v"}}
+    body = {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_completion_tokens": 30,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "metadata": {"min_tokens": 3, "k": "v"},
+    }
     with server.client.stream("POST", "/v1/chat/completions", json=body) as r:
         received = b"".join(r.iter_raw())
     assert received == b"".join(CHUNKS)
     path, prefill_body = p.bodies[0]
     assert path == "/v1/chat/completions"
-    assert prefill_body == {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-                            "stream": False, "metadata": {"k": "v"}, "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill_body == {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "stream": False,
+        "metadata": {"k": "v"},
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     kv = json.loads(p.sent[0])["kv_transfer_params"]
     assert d.bodies[0] == ("/v1/chat/completions", {**body, "kv_transfer_params": {**kv, "do_remote_prefill": True}})
 
@@ -439,8 +503,11 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=5)
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -507,8 +574,10 @@ def test_prefix_aware_takes_the_least_loaded_when_skewed(cluster):
     home = next(d for d in decodes if d.count == 1)
     other = next(d for d in decodes if d is not home)
     clients = [httpx.Client(base_url=server.url, timeout=10) for _ in range(3)]
-    streams = [c.stream("POST", "/v1/completions", json={**COMPLETION, "prompt": prefix + HOLD, "stream": True})
-               for c in clients]
+    streams = [
+        c.stream("POST", "/v1/completions", json={**COMPLETION, "prompt": prefix + HOLD, "stream": True})
+        for c in clients
+    ]
     try:
         for s in streams:  # 1, 2, then 3 in flight on home: not more than twice max(0, 1) until the third
             s.__enter__()
@@ -653,20 +722,36 @@ def test_prompt_prefix_kinds():
 
 
 def test_request_bodies():
-    body = {"prompt": "p", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
-            "min_tokens": 2, "max_completion_tokens": 9, "n": 3}
-    assert prefill_request_body(body) == {"prompt": "p", "max_tokens": 1, "stream": False, "n": 3,
-                                          "kv_transfer_params": {"do_remote_decode": True}}
+    body = {
+        "prompt": "p",
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 2,
+        "max_completion_tokens": 9,
+        "n": 3,
+    }
+    assert prefill_request_body(body) == {
+        "prompt": "p",
+        "max_tokens": 1,
+        "stream": False,
+        "n": 3,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert body["stream"] is True  # the client's body is not changed
     assert decode_request_body(body, {"remote_request_id": "r"}) == {
-        **body, "kv_transfer_params": {"remote_request_id": "r", "do_remote_prefill": True}}
+        **body,
+        "kv_transfer_params": {"remote_request_id": "r", "do_remote_prefill": True},
+    }
 
 
 def test_parse_instance_load():
-    text = ('splitserve:num_requests_running{model_name="m"} 3.0\n'
-            'splitserve:num_requests_waiting{model_name="m"} 4.0\n'
-            'splitserve:kv_cache_usage_perc{model_name="m"} 0.5\n'
-            'splitserve:kv_cache_usage_perc{model_name="n"} 0.25\n')
+    text = (
+        'splitserve:num_requests_running{model_name="m"} 3.0\n'
+        'splitserve:num_requests_waiting{model_name="m"} 4.0\n'
+        'splitserve:kv_cache_usage_perc{model_name="m"} 0.5\n'
+        'splitserve:kv_cache_usage_perc{model_name="n"} 0.25\n'
+    )
     assert parse_instance_load(text) == InstanceLoad(7.0, 0.75)
     assert parse_instance_load("other_metric 1.0\n") is None
     assert parse_instance_load("not { prometheus") is None
@@ -679,9 +764,23 @@ def test_config_checks_and_cli():
         RouterConfig(["a:1"], ["http://b:2"])
     with pytest.raises(ValueError, match="policy"):
         RouterConfig(["http://a:1"], ["http://b:2"], policy="random")
-    ns = build_parser().parse_args(["router", "--prefill", "http://p:1/", "--prefill", "http://p:2", "--decode",
-                                    "http://d:1", "--policy", "prefix_aware", "--max-retries", "1",
-                                    "--instance-api-key", "k"])
+    ns = build_parser().parse_args(
+        [
+            "router",
+            "--prefill",
+            "http://p:1/",
+            "--prefill",
+            "http://p:2",
+            "--decode",
+            "http://d:1",
+            "--policy",
+            "prefix_aware",
+            "--max-retries",
+            "1",
+            "--instance-api-key",
+            "k",
+        ]
+    )
     config = config_from_args(ns)
     assert config.prefill_urls == ["http://p:1", "http://p:2"] and config.decode_urls == ["http://d:1"]
     assert (config.policy, config.max_retries, config.instance_api_key) == ("prefix_aware", 1, "k")

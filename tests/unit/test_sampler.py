@@ -1,5 +1,6 @@
 """The batched sampler on synthetic logits: exact processor arithmetic, and sampling statistics
 checked against the target distributions with generous (but failing-when-broken) tolerances."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,14 @@ import math
 import pytest
 import torch
 
-from splitserve.executor.sampler import (Sampler, SamplingMetadata, apply_logit_processors, apply_min_p,
-                                         apply_top_k_top_p, gather_logprobs)
+from splitserve.executor.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_logit_processors,
+    apply_min_p,
+    apply_top_k_top_p,
+    gather_logprobs,
+)
 
 V = 8
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
@@ -96,9 +103,15 @@ def test_penalties_and_bias_arithmetic():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     counts = torch.tensor([[0.0, 0.0, 3.0, 0.0]])
     prompt = torch.tensor([[True, True, False, False]])
-    meta = _meta(1, repetition_penalty=torch.tensor([2.0]), frequency_penalty=torch.tensor([0.1]),
-                 presence_penalty=torch.tensor([0.5]), prompt_mask=prompt, output_counts=counts,
-                 logit_bias=torch.tensor([[0.0, 0.0, 0.0, 10.0]]))
+    meta = _meta(
+        1,
+        repetition_penalty=torch.tensor([2.0]),
+        frequency_penalty=torch.tensor([0.1]),
+        presence_penalty=torch.tensor([0.5]),
+        prompt_mask=prompt,
+        output_counts=counts,
+        logit_bias=torch.tensor([[0.0, 0.0, 0.0, 10.0]]),
+    )
     out = apply_logit_processors(logits, meta)
     # token 0: seen in prompt, positive -> /2; token 1: seen, negative -> *2;
     # token 2: seen 3x in output -> /2, -0.1*3, -0.5; token 3: unseen, +10 bias.
@@ -107,8 +120,13 @@ def test_penalties_and_bias_arithmetic():
 
 def test_logprobs_are_raw_and_ranked():
     logits = torch.stack([LOGITS, LOGITS])
-    meta = _meta(2, temperature=torch.tensor([0.0, 0.0]), all_greedy=True, max_num_logprobs=3,
-                 logit_bias=torch.tensor([[0.0] * V, [0.0] * (V - 1) + [100.0]]))
+    meta = _meta(
+        2,
+        temperature=torch.tensor([0.0, 0.0]),
+        all_greedy=True,
+        max_num_logprobs=3,
+        logit_bias=torch.tensor([[0.0] * V, [0.0] * (V - 1) + [100.0]]),
+    )
     out = Sampler()(logits, meta)
     raw = torch.log_softmax(LOGITS, -1)
     assert out.token_ids.tolist() == [0, V - 1]

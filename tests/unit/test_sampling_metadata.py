@@ -1,5 +1,6 @@
 """build_sampling_metadata against a plain per-row reference (the per-request logic it replaces), the
 None-ness of its optional fields, and a number of host->device copies that does not grow with the batch."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,9 @@ def make(rid: str, prompt, output=(), bad_words=(), **params) -> Request:
 def reference(requests: list[Request], vocab: int) -> SamplingMetadata:
     params = [r.sampling_params for r in requests]
     temps = [p.temperature for p in params]
-    meta = SamplingMetadata(temperature=torch.tensor(temps, dtype=torch.float32),
-                            all_greedy=all(t < 1e-5 for t in temps))
+    meta = SamplingMetadata(
+        temperature=torch.tensor(temps, dtype=torch.float32), all_greedy=all(t < 1e-5 for t in temps)
+    )
     if any(p.top_k for p in params):
         meta.top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.long)
     if any(p.top_p < 1.0 for p in params):
@@ -80,7 +82,7 @@ def reference_logit_bias(requests: list[Request], vocab: int) -> torch.Tensor | 
                 additive[token] = -INF
         for words in p.bad_words_token_ids:
             prefix = words[:-1]
-            if not prefix or output[-len(prefix):] == prefix:
+            if not prefix or output[-len(prefix) :] == prefix:
                 additive[words[-1]] = -INF
         if p.allowed_token_ids is None and not additive:
             continue
@@ -111,28 +113,64 @@ def assert_same(got: SamplingMetadata, want: SamplingMetadata) -> None:
 def mixed_batch(copies: int = 1) -> list[Request]:
     specs = [
         {"prompt": [1, 2, 3], "temperature": 0.0},  # greedy, nothing else
-        {"prompt": [4, 4, 5], "output": [3, 3, 7, 3], "temperature": 0.7, "top_k": 5, "seed": 11,
-         "repetition_penalty": 1.3},
-        {"prompt": [6], "output": [1, 2, 1, 1], "top_p": 0.9, "frequency_penalty": 0.5,
-         "presence_penalty": -0.4, "logit_bias": {4: 2.5, 9: -3.0}, "logprobs": 2},
-        {"prompt": [2, 8], "output": [9, 7, 8], "min_p": 0.1, "allowed_token_ids": [2, 5, 9, 11],
-         "logit_bias": {5: 1.5, 6: 4.0, 9: -1.25}, "bad_words": [[5], [7, 8, 11]], "logprobs": 0},
+        {
+            "prompt": [4, 4, 5],
+            "output": [3, 3, 7, 3],
+            "temperature": 0.7,
+            "top_k": 5,
+            "seed": 11,
+            "repetition_penalty": 1.3,
+        },
+        {
+            "prompt": [6],
+            "output": [1, 2, 1, 1],
+            "top_p": 0.9,
+            "frequency_penalty": 0.5,
+            "presence_penalty": -0.4,
+            "logit_bias": {4: 2.5, 9: -3.0},
+            "logprobs": 2,
+        },
+        {
+            "prompt": [2, 8],
+            "output": [9, 7, 8],
+            "min_p": 0.1,
+            "allowed_token_ids": [2, 5, 9, 11],
+            "logit_bias": {5: 1.5, 6: 4.0, 9: -1.25},
+            "bad_words": [[5], [7, 8, 11]],
+            "logprobs": 0,
+        },
         # min_tokens not reached: the stop ids and eos are banned, over a logit_bias on one of them
-        {"prompt": [3], "output": [4, 13], "temperature": 1.2, "seed": 5, "min_tokens": 5,
-         "stop_token_ids": [12], "logit_bias": {12: 3.0, 10: 0.5}, "bad_words": [[1, 2, 14]]},
+        {
+            "prompt": [3],
+            "output": [4, 13],
+            "temperature": 1.2,
+            "seed": 5,
+            "min_tokens": 5,
+            "stop_token_ids": [12],
+            "logit_bias": {12: 3.0, 10: 0.5},
+            "bad_words": [[1, 2, 14]],
+        },
         # min_tokens reached: nothing banned
         {"prompt": [5, 6, 7], "output": [12, 4, 13], "min_tokens": 2, "stop_token_ids": [12], "top_k": 3},
         # a stop token that is also allowed stays banned
-        {"prompt": [9, 9], "output": [], "repetition_penalty": 0.8, "min_tokens": 1, "ignore_eos": True,
-         "stop_token_ids": [15], "allowed_token_ids": [15, 14, 14]},
+        {
+            "prompt": [9, 9],
+            "output": [],
+            "repetition_penalty": 0.8,
+            "min_tokens": 1,
+            "ignore_eos": True,
+            "stop_token_ids": [15],
+            "allowed_token_ids": [15, 14, 14],
+        },
         {"prompt": [10], "output": [2], "temperature": 0.0, "bad_words": [[3, 2, 6], [2, 7]], "logprobs": 5},
     ]
     requests = []
     for c in range(copies):
         for j, spec in enumerate(specs):
             spec = dict(spec)
-            requests.append(make(f"r{c}-{j}", spec.pop("prompt"), spec.pop("output", ()),
-                                 spec.pop("bad_words", ()), **spec))
+            requests.append(
+                make(f"r{c}-{j}", spec.pop("prompt"), spec.pop("output", ()), spec.pop("bad_words", ()), **spec)
+            )
     return requests
 
 
@@ -144,8 +182,17 @@ def check(requests: list[Request], vocab: int = V) -> SamplingMetadata:
 
 def test_mixed_batch_matches_the_per_row_reference():
     meta = check(mixed_batch())
-    for name in ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                 "prompt_mask", "output_counts", "logit_bias"):
+    for name in (
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "prompt_mask",
+        "output_counts",
+        "logit_bias",
+    ):
         assert getattr(meta, name) is not None, name
     assert set(meta.generators) == {1, 4} and meta.max_num_logprobs == 5 and not meta.all_greedy
 
@@ -156,12 +203,12 @@ def test_mixed_batch_values_spelled_out():
     assert meta.output_counts[1, 3] == 3 and meta.output_counts[1, 7] == 1 and meta.output_counts[2, 1] == 3
     assert meta.prompt_mask[1].nonzero().flatten().tolist() == [4, 5]
     bias = meta.logit_bias
-    assert bias[0].eq(0).all() and bias[5].eq(0).all()                      # nothing asked / min_tokens reached
+    assert bias[0].eq(0).all() and bias[5].eq(0).all()  # nothing asked / min_tokens reached
     assert bias[2, 4] == 2.5 and bias[2, 9] == -3.0
     assert bias[3, 2] == 0 and bias[3, 9] == -1.25 and bias[3, 11] == -INF  # 11: bad word 7 8 -> 11
-    assert bias[3, 5] == -INF and bias[3, 6] == -INF                        # banned allowed; bias outside allowed
+    assert bias[3, 5] == -INF and bias[3, 6] == -INF  # banned allowed; bias outside allowed
     assert bias[4, 12] == -INF and bias[4, EOS] == -INF and bias[4, 10] == 0.5  # ban overrides logit_bias
-    assert bias[4, 14] == 0                                                  # bad-word prefix 1 2 not matched
+    assert bias[4, 14] == 0  # bad-word prefix 1 2 not matched
     assert bias[6, 15] == -INF and bias[6, 14] == 0 and bias[6, EOS] == -INF and bias[6, 1] == -INF
     assert bias[7, 7] == -INF and bias[7, 6] == 0
 
@@ -173,15 +220,23 @@ def test_random_batches_match_the_per_row_reference():
 
 
 def random_request(rng: random.Random, rid: str) -> Request:
-    tokens = lambda n: [rng.randrange(V) for _ in range(n)]
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(V) for _ in range(n)]
+
     params = {"temperature": rng.choice([0.0, 0.5, 1.0])}
     maybe = {
-        "top_k": lambda: rng.randint(1, V), "top_p": lambda: rng.uniform(0.1, 1.0), "min_p": lambda: rng.random(),
-        "seed": lambda: rng.randrange(1000), "repetition_penalty": lambda: rng.uniform(0.5, 2.0),
-        "frequency_penalty": lambda: rng.uniform(-2, 2), "presence_penalty": lambda: rng.uniform(-2, 2),
+        "top_k": lambda: rng.randint(1, V),
+        "top_p": lambda: rng.uniform(0.1, 1.0),
+        "min_p": lambda: rng.random(),
+        "seed": lambda: rng.randrange(1000),
+        "repetition_penalty": lambda: rng.uniform(0.5, 2.0),
+        "frequency_penalty": lambda: rng.uniform(-2, 2),
+        "presence_penalty": lambda: rng.uniform(-2, 2),
         "logit_bias": lambda: {t: rng.uniform(-100, 100) for t in tokens(rng.randint(1, 4))},
-        "allowed_token_ids": lambda: tokens(rng.randint(1, 5)), "logprobs": lambda: rng.randint(0, 5),
-        "min_tokens": lambda: rng.randint(0, 6), "stop_token_ids": lambda: tokens(rng.randint(0, 2)),
+        "allowed_token_ids": lambda: tokens(rng.randint(1, 5)),
+        "logprobs": lambda: rng.randint(0, 5),
+        "min_tokens": lambda: rng.randint(0, 6),
+        "stop_token_ids": lambda: tokens(rng.randint(0, 2)),
     }
     for name, value in maybe.items():
         if rng.random() < 0.3:

@@ -1,5 +1,6 @@
 """The scheduler driven by a fake model loop: every request that completes its tokens in a step
 gets one sampled token. `check_invariants()` runs after every step."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,18 +15,24 @@ BS = 4
 EOS = 2
 
 
-def make_sched(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=64, chunked=True,
-               threshold=0, caching=True) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                             long_prefill_token_threshold=threshold)
+def make_sched(
+    num_blocks=64, max_num_seqs=8, budget=64, max_model_len=64, chunked=True, threshold=0, caching=True
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=threshold,
+    )
     config.verify()
     return Scheduler(config, KVCacheManager(num_blocks, BS, caching))
 
 
 def req(rid: str, prompt, max_tokens: int = 4, **params) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **params),
-                   eos_token_id=EOS, max_tokens=max_tokens)
+    return Request(
+        rid, list(prompt), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS, max_tokens=max_tokens
+    )
 
 
 def add(sched: Scheduler, *requests: Request) -> None:
@@ -85,8 +92,10 @@ def test_chunked_prefill_splits_a_prompt_by_the_budget_then_decodes_one_token_at
 
 def test_budget_is_never_exceeded_and_every_request_gets_its_tokens():
     sched = make_sched(budget=6, max_num_seqs=4)
-    requests = [req(f"r{i}", range(100 * i, 100 * i + n), max_tokens=m)
-                for i, (n, m) in enumerate([(1, 3), (3, 1), (5, 4), (7, 2), (9, 5), (11, 1), (13, 3)])]
+    requests = [
+        req(f"r{i}", range(100 * i, 100 * i + n), max_tokens=m)
+        for i, (n, m) in enumerate([(1, 3), (3, 1), (5, 4), (7, 2), (9, 5), (11, 1), (13, 3)])
+    ]
     add(sched, *requests)
     plans = run_all(sched)
     totals = [sum(n for _, n in p) for p in plans]
@@ -132,7 +141,7 @@ def test_max_num_seqs_caps_running_requests():
     add(sched, a, b, c)
     assert plan(step(sched)) == [("a", 2), ("b", 2)]
     assert sched.num_running == 2 and list(sched.waiting) == [c]
-    assert plan(step(sched)) == [("a", 1), ("b", 1)]   # both finish here; c admitted next step
+    assert plan(step(sched)) == [("a", 1), ("b", 1)]  # both finish here; c admitted next step
     assert plan(step(sched)) == [("c", 2)]
     assert plan(step(sched)) == [("c", 1)]
     assert not sched.has_unfinished_requests()
@@ -177,19 +186,19 @@ def test_preemption_evicts_the_last_running_request_and_it_resumes_later():
     add(sched, a, b)
     assert plan(step(sched)) == [("a", 7), ("b", 7)]
     assert sched.kv.get_block_ids("a") == [0, 1] and sched.kv.get_block_ids("b") == [2, 3]
-    assert plan(step(sched)) == [("a", 1), ("b", 1)]     # tokens 8 still fit in 2 blocks
+    assert plan(step(sched)) == [("a", 1), ("b", 1)]  # tokens 8 still fit in 2 blocks
     c = req("c", [40], max_tokens=1)
     add(sched, c)
 
-    out = step(sched)                                    # a needs a third block: none free
+    out = step(sched)  # a needs a third block: none free
     assert plan(out) == [("a", 1)]
     assert out.preempted == [b]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.num_preemptions == 1
     assert sched.kv.get_block_ids("b") == []
-    assert list(sched.waiting) == [b, c]                 # at the front, before c
-    assert b.output_token_ids == [7, 7]                  # its outputs are kept
-    assert sched.kv.get_block_ids("a") == [] and a.output_token_ids == [7, 7, 7]   # a got block 3, then finished
+    assert list(sched.waiting) == [b, c]  # at the front, before c
+    assert b.output_token_ids == [7, 7]  # its outputs are kept
+    assert sched.kv.get_block_ids("a") == [] and a.output_token_ids == [7, 7, 7]  # a got block 3, then finished
 
     # b resumes: its first block is still cached (block 2), the rest is recomputed.
     out = sched.schedule()
@@ -200,7 +209,7 @@ def test_preemption_evicts_the_last_running_request_and_it_resumes_later():
     sched.check_invariants()
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert b.output_token_ids == [7, 7, 7]
-    assert b.num_cached_tokens == 0                      # set at first admission only
+    assert b.num_cached_tokens == 0  # set at first admission only
     assert c.output_token_ids == [7]
     assert not sched.has_unfinished_requests()
     assert_all_blocks_free(sched)
@@ -222,8 +231,8 @@ def test_preemption_skips_admitting_new_requests_that_step():
 
 def test_the_last_running_request_is_the_victim_not_the_one_needing_a_block():
     sched = make_sched(num_blocks=4)
-    a = req("a", range(10, 17), max_tokens=3)            # 2 blocks, needs a 3rd at step 3
-    b = req("b", [20, 21], max_tokens=5)                 # 1 block, fits to the end of step 3
+    a = req("a", range(10, 17), max_tokens=3)  # 2 blocks, needs a 3rd at step 3
+    b = req("b", [20, 21], max_tokens=5)  # 1 block, fits to the end of step 3
     c = req("c", [30, 31], max_tokens=5)
     add(sched, a, b, c)
     assert plan(step(sched)) == [("a", 7), ("b", 2), ("c", 2)]
@@ -232,7 +241,7 @@ def test_the_last_running_request_is_the_victim_not_the_one_needing_a_block():
     out = step(sched)
     assert plan(out) == [("a", 1), ("b", 1)]
     assert out.preempted == [c] and c.status == RequestStatus.PREEMPTED
-    assert b.status == RequestStatus.RUNNING and sched.running == [b]   # a finished
+    assert b.status == RequestStatus.RUNNING and sched.running == [b]  # a finished
     assert run_all(sched) == [[("b", 1), ("c", 4)], [("b", 1), ("c", 1)], [("c", 1)]]
     assert b.output_token_ids == [7] * 5 and c.output_token_ids == [7] * 5
     assert sched.num_preemptions == 1
@@ -241,7 +250,7 @@ def test_the_last_running_request_is_the_victim_not_the_one_needing_a_block():
 def test_a_request_that_is_last_in_line_preempts_itself():
     sched = make_sched(num_blocks=4)
     a, c = req("a", [10, 11], max_tokens=3), req("c", [30, 31], max_tokens=3)
-    b = req("b", range(20, 27), max_tokens=3)            # needs a 3rd block at step 3
+    b = req("b", range(20, 27), max_tokens=3)  # needs a 3rd block at step 3
     add(sched, a, c, b)
     assert plan(step(sched)) == [("a", 2), ("c", 2), ("b", 7)]
     assert plan(step(sched)) == [("a", 1), ("c", 1), ("b", 1)]
@@ -334,7 +343,7 @@ def test_finish_requests_aborts_waiting_and_running_requests():
     assert sched.kv.get_block_ids("a") == [] and sched.kv.pool.num_free_blocks == 4
 
     assert plan(step(sched)) == [("c", 6)]
-    assert sched.kv.get_block_ids("c") == [3, 2]    # a's blocks went back tail first
+    assert sched.kv.get_block_ids("c") == [3, 2]  # a's blocks went back tail first
     sched.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
     sched.check_invariants()
     assert not sched.has_unfinished_requests()
@@ -358,7 +367,7 @@ def test_finish_requests_aborts_a_preempted_request():
 # --- prefix caching at admission ------------------------------------------------------------
 def test_prefix_cache_hit_at_admission_sets_cached_and_computed_tokens():
     sched = make_sched()
-    prompt = list(range(10, 19))                  # 9 tokens: 2 full blocks
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
     a, b = req("a", prompt), req("b", prompt)
     add(sched, a)
     assert plan(step(sched)) == [("a", 9)]
@@ -402,9 +411,9 @@ def test_eos_on_the_last_allowed_token_is_a_length_finish():
 
 def test_prefix_cache_stats_count_each_admission_once():
     sched = make_sched(num_blocks=4)
-    a = req("a", list(range(10, 19)), max_tokens=3)   # 9 tokens: 3 of the 4 blocks
-    b = req("b", list(range(30, 39)), max_tokens=3)   # does not fit beside a
-    c = req("c", list(range(10, 19)), max_tokens=3)   # a's prompt again, once a is done
+    a = req("a", list(range(10, 19)), max_tokens=3)  # 9 tokens: 3 of the 4 blocks
+    b = req("b", list(range(30, 39)), max_tokens=3)  # does not fit beside a
+    c = req("c", list(range(10, 19)), max_tokens=3)  # a's prompt again, once a is done
     add(sched, a, b)
     step(sched)
     for _ in range(2):
@@ -421,8 +430,10 @@ def test_prefix_cache_stats_count_each_admission_once():
 
 
 def test_kv_cache_ratio_keeps_blocks_for_running_requests():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                                      kv_cache_ratio=0.5), KVCacheManager(8, 4, True))
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, kv_cache_ratio=0.5),
+        KVCacheManager(8, 4, True),
+    )
     a, b = req("a", list(range(10, 19)), max_tokens=2), req("b", list(range(30, 39)), max_tokens=2)
     add(sched, a, b)
     # a takes 3 of 8 blocks; b would leave 2 free, under the 4 kept for running requests.

@@ -1,6 +1,7 @@
 """The Triton attention backend against the torch reference on the same caches and batches, and
 the backend selection rules. Without CUDA the kernels run in Triton's CPU interpreter (slow:
 shapes are small and cases few); bfloat16 runs only on CUDA (the interpreter mangles it)."""
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from splitserve.executor.attention.cpu_backend import CPUAttentionBackend  # noqa: E402
 from splitserve.executor.attention.backend import BACKEND_ENV  # noqa: E402
+from splitserve.executor.attention.cpu_backend import CPUAttentionBackend  # noqa: E402
 from splitserve.executor.attention.torch_ref import (  # noqa: E402
-    TorchAttentionBackend, write_kv, write_quantized_kv)
+    TorchAttentionBackend,
+    write_kv,
+    write_quantized_kv,
+)
 from splitserve.executor.attention.triton_attn import TritonAttentionBackend  # noqa: E402
 from splitserve.executor.attention.triton_decode import num_decode_splits  # noqa: E402
 from splitserve.layers.attention import Attention  # noqa: E402
@@ -30,16 +34,17 @@ KV_HEADS = 2
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # (seq_len, query_len) per request, decodes first.
-DECODES = [(1, 1), (17, 1), (40, 1), (800, 1)]     # 800: several splits (see test_decode_only)
+DECODES = [(1, 1), (17, 1), (40, 1), (800, 1)]  # 800: several splits (see test_decode_only)
 FRESH, PREFIX_HIT, MIDDLE_CHUNK = (37, 37), (52, 20), (63, 40)  # context 0, 32 (whole blocks), 23
-LONG_PROMPT, LONG_CHUNK = (150, 150), (230, 130)   # several query tiles; context 0 and 100
+LONG_PROMPT, LONG_CHUNK = (150, 150), (230, 130)  # several query tiles; context 0 and 100
 PREFILLS = [FRESH, PREFIX_HIT, MIDDLE_CHUNK, LONG_PROMPT, LONG_CHUNK]
 MIXED = DECODES[1:3] + [LONG_PROMPT, PREFIX_HIT, MIDDLE_CHUNK, LONG_CHUNK]
 
 
-def _layer(group: int, head_dim: int, dtype: torch.dtype, window: int | None, cache_dtype: str,
-           block_size: int) -> Attention:
-    layer = Attention(KV_HEADS * group, KV_HEADS, head_dim, head_dim ** -0.5, window)
+def _layer(
+    group: int, head_dim: int, dtype: torch.dtype, window: int | None, cache_dtype: str, block_size: int
+) -> Attention:
+    layer = Attention(KV_HEADS * group, KV_HEADS, head_dim, head_dim**-0.5, window)
     spec = kv_cache_spec(cache_dtype, dtype)
     shape = (2, KV_HEADS, NUM_BLOCKS, block_size, head_dim)
     layer.kv_cache = torch.zeros(shape, dtype=spec.storage_dtype, device=DEVICE)
@@ -65,8 +70,11 @@ def _step(layer: Attention, requests: list[tuple[int, int]], dtype: torch.dtype,
 
     for table, (seq_len, query_len) in zip(tables, requests):
         context = seq_len - query_len
-        k, v, slot_mapping = randn(context, KV_HEADS, layer.head_dim), randn(context, KV_HEADS, layer.head_dim), \
-            slots(table, range(context))
+        k, v, slot_mapping = (
+            randn(context, KV_HEADS, layer.head_dim),
+            randn(context, KV_HEADS, layer.head_dim),
+            slots(table, range(context)),
+        )
         if layer.kv_scales is None:
             write_kv(layer.kv_cache[0], layer.kv_cache[1], k, v, slot_mapping)
         else:
@@ -80,11 +88,15 @@ def _step(layer: Attention, requests: list[tuple[int, int]], dtype: torch.dtype,
     seq_lens = [s for s, _ in requests]
     width = max(map(len, tables))
     meta = AttentionMetadata(
-        backend=None, num_decodes=sum(1 for _, n in requests if n == 1), query_start_loc=query_start_loc,
-        seq_lens=seq_lens, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        backend=None,
+        num_decodes=sum(1 for _, n in requests if n == 1),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
         slot_mapping=torch.cat([slots(t, range(s - n, s)) for t, (s, n) in zip(tables, requests)]),
-        block_size=bs)
+        block_size=bs,
+    )
     return q, k, v, meta
 
 
@@ -105,42 +117,54 @@ def _check(requests, dtype=torch.float32, group=2, head_dim=32, window=None, cac
 
 
 # --- kernels against the reference -------------------------------------------------------------
-@pytest.mark.parametrize("dtype,group,head_dim,window,block_size", [
-    (torch.float32, 1, 16, None, 16),
-    (torch.float16, 4, 64, None, 16),
-    (torch.float32, 2, 32, 100, 16),
-    (torch.float32, 8, 128, None, 128),  # blocks longer than a tile of keys
-])
+@pytest.mark.parametrize(
+    "dtype,group,head_dim,window,block_size",
+    [
+        (torch.float32, 1, 16, None, 16),
+        (torch.float16, 4, 64, None, 16),
+        (torch.float32, 2, 32, 100, 16),
+        (torch.float32, 8, 128, None, 128),  # blocks longer than a tile of keys
+    ],
+)
 def test_decode_only(dtype, group, head_dim, window, block_size):
     if window is None:  # the 800-token request really splits, and the others get empty splits
         assert num_decode_splits(800, len(DECODES) * KV_HEADS, 132) == 3
     _check(DECODES, dtype, group, head_dim, window, block_size=block_size)
 
 
-@pytest.mark.parametrize("dtype,group,head_dim,window,block_size", [
-    (torch.float32, 2, 16, None, 16),
-    (torch.float16, 1, 32, None, 32),
-    (torch.float32, 4, 64, 48, 16),
-])
+@pytest.mark.parametrize(
+    "dtype,group,head_dim,window,block_size",
+    [
+        (torch.float32, 2, 16, None, 16),
+        (torch.float16, 1, 32, None, 32),
+        (torch.float32, 4, 64, 48, 16),
+    ],
+)
 def test_prefill_only(dtype, group, head_dim, window, block_size):
     _check(PREFILLS, dtype, group, head_dim, window, block_size=block_size)
 
 
-@pytest.mark.parametrize("dtype,group,head_dim,window", [
-    (torch.float32, 4, 32, None),
-    (torch.float16, 2, 64, 24),
-    (torch.float32, 1, 48, 20),    # head_dim padded to 64 with masks
-    (torch.float16, 2, 256, None),
-])
+@pytest.mark.parametrize(
+    "dtype,group,head_dim,window",
+    [
+        (torch.float32, 4, 32, None),
+        (torch.float16, 2, 64, 24),
+        (torch.float32, 1, 48, 20),  # head_dim padded to 64 with masks
+        (torch.float16, 2, 256, None),
+    ],
+)
 def test_mixed_batch(dtype, group, head_dim, window):
     _check(MIXED, dtype, group, head_dim, window)
 
 
-@pytest.mark.parametrize("cache_dtype,dtype,window", [
-    ("int8", torch.float16, None),
-    ("fp8_e4m3", torch.float32, None),
-    ("fp8_e5m2", torch.float32, 24),
-])
+@pytest.mark.parametrize(
+    "cache_dtype,dtype,window",
+    [
+        ("int8", torch.float16, None),
+        ("fp8_e4m3", torch.float32, None),
+        ("fp8_e5m2", torch.float32, 24),
+    ],
+)
 def test_quantized_cache(cache_dtype, dtype, window):
     if cache_dtype == "fp8_e4m3" and DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton has float8 e4m3 only from compute capability 8.9")
@@ -168,18 +192,25 @@ def test_step_tensors_are_built_once():
 def test_int4_cache_is_refused():
     layer = _layer(2, 16, torch.float32, None, "int4", 16)
     q, k, v = torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16)
-    meta = AttentionMetadata(None, 1, [0, 1], [1], torch.ones(1, dtype=torch.int32, device=DEVICE),
-                             torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
-                             torch.zeros(1, dtype=torch.long, device=DEVICE), 16)
+    meta = AttentionMetadata(
+        None,
+        1,
+        [0, 1],
+        [1],
+        torch.ones(1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(1, dtype=torch.long, device=DEVICE),
+        16,
+    )
     with pytest.raises(ValueError, match="int4"):
         TritonAttentionBackend().forward(layer, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta)
 
 
 def test_num_decode_splits():
-    assert num_decode_splits(100, 4, 132) == 1      # short: one split whatever the batch
+    assert num_decode_splits(100, 4, 132) == 1  # short: one split whatever the batch
     assert num_decode_splits(100_000, 2, 132) == 32  # capped
-    assert num_decode_splits(4096, 8, 132) == 16     # 8 * 16 programs fill 132 SMs
-    assert num_decode_splits(4096, 256, 132) == 1    # the batch fills them alone
+    assert num_decode_splits(4096, 8, 132) == 16  # 8 * 16 programs fill 132 SMs
+    assert num_decode_splits(4096, 256, 132) == 1  # the batch fills them alone
 
 
 # --- selection ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 SiLU-and-mul) against the torch code they replace, and the routing in splitserve.kernels (CUDA
 tensors only). Without CUDA the kernels run in Triton's CPU interpreter (slow: few tokens per
 case); bfloat16 runs only on CUDA (the interpreter computes it wrongly)."""
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,9 @@ from splitserve import kernels  # noqa: E402
 from splitserve.kernels import triton_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-_CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="bfloat16 is computed wrongly by Triton's CPU interpreter")
+_CUDA_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bfloat16 is computed wrongly by Triton's CPU interpreter"
+)
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=_CUDA_ONLY)]
 # Against the torch code: float32 to float32 rounding; 16-bit: a rounding step of the dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -88,7 +90,7 @@ def test_rms_norm(dtype, hidden):
 def test_rms_norm_with_residual_updates_it_in_place(dtype):
     hidden = 576
     wide = _randn(4, hidden + 40, dtype=dtype, scale=2, seed=3)
-    x = wide[:, 8:8 + hidden]  # strided rows
+    x = wide[:, 8 : 8 + hidden]  # strided rows
     weight = _randn(hidden, dtype=dtype, seed=4)
     residual = _randn(4, hidden, dtype=dtype, seed=5)
     ref_out, ref_res = _ref_rms_norm(x, weight, 1e-5, residual.clone())
@@ -195,7 +197,7 @@ def test_rotary_over_several_head_blocks(monkeypatch, dtype):
     monkeypatch.setattr(triton_ops, "ROTARY_ELEMENTS", 128)  # 2 heads of 64 per program
     T, hq, hk, d = 3, 5, 3, 64
     buf = _randn(T, 10, d + 16, dtype=dtype, seed=22)  # heads 16 apart beyond head_dim
-    q, k = buf[:, :hq, :d], buf[:, hq:hq + hk, :d]
+    q, k = buf[:, :hq, :d], buf[:, hq : hq + hk, :d]
     # random cos / sin, halves unequal: the kernel must use each half where rotate-half does
     cos, sin = _randn(T, 1, d, dtype=dtype, seed=23), _randn(T, 1, d, dtype=dtype, seed=24)
     exact_q, exact_k = _ref_rotary_fp32(q, cos, sin), _ref_rotary_fp32(k, cos, sin)
@@ -204,7 +206,7 @@ def test_rotary_over_several_head_blocks(monkeypatch, dtype):
     _close(q, exact_q, dtype)
     _close(k, exact_k, dtype)
     untouched = torch.ones_like(buf, dtype=torch.bool)
-    untouched[:, :hq + hk, :d] = False
+    untouched[:, : hq + hk, :d] = False
     assert torch.equal(buf[untouched], before[untouched])
 
 
@@ -215,7 +217,7 @@ def test_rotary_over_several_head_blocks(monkeypatch, dtype):
 def test_silu_and_mul(dtype, intermediate):
     wide = _randn(3, 2 * intermediate + 24, dtype=dtype, scale=4, seed=24)
     wide[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturating gates
-    x = wide[:, :2 * intermediate]  # strided rows
+    x = wide[:, : 2 * intermediate]  # strided rows
     out = triton_ops.silu_and_mul(x)
     assert out.shape == (3, intermediate) and out.dtype == dtype
     ref = _ref_silu_and_mul(x)
@@ -304,7 +306,7 @@ def test_routing_conditions_on_model_layouts(monkeypatch, dtype):
         q, k = q.view(T, hq, d), k.view(T, hk, d)
         q, k = kernels.rms_norm(q, w_head, 1e-6)[0], kernels.rms_norm(k, w_head, 1e-6)[0]
         q, k = kernels.apply_rotary(q, k, *cos_sin)
-        q2, k2 = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+        q2, k2 = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d : (hq + hk) * d].view(T, hk, d)
         q2, k2 = kernels.apply_rotary(q2, k2, *cos_sin)  # rotary straight on the strided views
         normed, residual = kernels.rms_norm(x, w_hidden, 1e-6, residual)
         return q, k, q2, k2, normed, residual.clone(), kernels.silu_and_mul(gate_up)

@@ -5,6 +5,7 @@
 It is `splitserve serve` under another name (entrypoints/serve.py): one instance, a local PD
 deployment with --pd, or the role a rank-table environment gives this process.
 """
+
 from __future__ import annotations
 
 from splitserve.entrypoints.serve import main

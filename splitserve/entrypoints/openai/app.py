@@ -1,4 +1,5 @@
 """The FastAPI application of one API server worker: routes, API-key check, body limit, errors."""
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,12 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         return Response(body, media_type=content_type)
 
     # /metrics is open to Prometheus unless it has a key of its own.
-    app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key, open_paths=(*_OPEN_PATHS, "/metrics"),
-                       path_keys={"/metrics": server_args.metrics_api_key})
+    app.add_middleware(
+        ApiKeyMiddleware,
+        api_key=server_args.api_key,
+        open_paths=(*_OPEN_PATHS, "/metrics"),
+        path_keys={"/metrics": server_args.metrics_api_key},
+    )
     return app
 
 

@@ -1,13 +1,13 @@
 """The flags of `splitserve serve` and `python -m splitserve.entrypoints.openai.api_server`: the
 engine's (EngineArgs, see engine/arg_utils.py) and the HTTP layer's (ServerArgs)."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 
-from splitserve.engine.arg_utils import EngineArgs
-from splitserve.engine.arg_utils import add_engine_args, engine_args_from
+from splitserve.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from
 
 
 @dataclasses.dataclass
@@ -37,31 +37,59 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="0.0.0.0")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here too (default: --port only)")
-    g.add_argument("--workers", "--api-server-count", dest="workers", type=int, default=1,
-                   help="API server processes sharing the port")
-    g.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
+    g.add_argument(
+        "--workers",
+        "--api-server-count",
+        dest="workers",
+        type=int,
+        default=1,
+        help="API server processes sharing the port",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route except /health and /metrics",
+    )
     g.add_argument("--metrics-api-key", default=None, help="require this key on /metrics too")
     g.add_argument("--chat-template", default=None, help="a jinja chat template: a file path or the template itself")
-    g.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 429 when this many requests are already waiting in the engine")
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 when this many requests are already waiting in the engine",
+    )
     g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning out: deepseek_r1 or qwen3")
     g.add_argument("--use-warmup", action="store_true", help="run one short request before accepting traffic")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
-    g.add_argument("--health-timeout", type=float, default=30.0,
-                   help="/health answers 503 when the engine does not answer within this many seconds")
-    g.add_argument("--engine-worker-queue-port", type=int, default=None,
-                   help="loopback TCP port between API workers and the engine (default: an IPC socket file)")
-    g.add_argument("--pd", default=None, metavar="XpYd",
-                   help="one-command PD deployment: X prefill and Y decode instances behind a router on --port")
-    g.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load", "prefix_aware"],
-                   help="how the PD router picks instances")
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        default=30.0,
+        help="/health answers 503 when the engine does not answer within this many seconds",
+    )
+    g.add_argument(
+        "--engine-worker-queue-port",
+        type=int,
+        default=None,
+        help="loopback TCP port between API workers and the engine (default: an IPC socket file)",
+    )
+    g.add_argument(
+        "--pd",
+        default=None,
+        metavar="XpYd",
+        help="one-command PD deployment: X prefill and Y decode instances behind a router on --port",
+    )
+    g.add_argument(
+        "--policy",
+        default="round_robin",
+        choices=["round_robin", "least_load", "prefix_aware"],
+        help="how the PD router picks instances",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="splitserve serve",
-                                               description="OpenAI-compatible server")
+    parser = parser or argparse.ArgumentParser(prog="splitserve serve", description="OpenAI-compatible server")
     parser.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     add_engine_args(parser)
     add_server_args(parser)
@@ -84,8 +112,9 @@ def _check_server_args(args: ServerArgs) -> None:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}.")
     if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, "
-                         f"got {args.reasoning_parser!r}.")
+        raise ValueError(
+            f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got {args.reasoning_parser!r}."
+        )
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
     if args.chat_template is not None:

@@ -9,13 +9,14 @@ Checks that span several fields raise `ParameterError`, which names the paramete
 `validation_error_message()` turns any `pydantic.ValidationError` into the message and parameter
 of a 400 body.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import Field, field_validator, model_validator
 
+from splitserve.entrypoints.openai.request_model import ParameterError, RequestModel, is_token_id
 from splitserve.entrypoints.openai.unsupported_params import refuse_unsupported
 from splitserve.sampling_params import MAX_N, SamplingParams
 
@@ -25,40 +26,6 @@ MAX_STOP_STRING_LEN = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-class ParameterError(ValueError):
-    """A request error that names its parameter: pydantic gives a check that spans several fields
-    no location, so the 400 body could not otherwise say which parameter was wrong."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _accepts_none(field: FieldInfo) -> bool:
-    annotation = field.annotation
-    return annotation is Any or type(None) in getattr(annotation, "__args__", ())
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-class RequestModel(BaseModel):
-    """Base of every request body: unknown fields, NaN and infinities are refused, and a null for a
-    field that has a non-null default is dropped so that the default applies (OpenAI reads null as
-    "not given"; clients other than OpenAI's SDK send such nulls)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or _accepts_none(fields[k])}
 
 
 class StreamOptions(RequestModel):
@@ -131,9 +98,18 @@ class _GenerationRequest(RequestModel):
     service_tier: Any = None
     store: Any = None
 
-    _refuse = field_validator("suffix", "use_beam_search", "guided_json", "guided_regex", "guided_choice",
-                              "guided_grammar", "structured_outputs", "response_format", "service_tier",
-                              "store")(refuse_unsupported)
+    _refuse = field_validator(
+        "suffix",
+        "use_beam_search",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "response_format",
+        "service_tier",
+        "store",
+    )(refuse_unsupported)
     _stop = field_validator("stop", mode="before")(_check_stop)
 
     @field_validator("logit_bias")
@@ -158,18 +134,24 @@ class _GenerationRequest(RequestModel):
         given = self.model_fields_set
         if self.max_completion_tokens is not None:
             if "max_tokens" in given and self.max_tokens not in (None, self.max_completion_tokens):
-                raise ParameterError("max_completion_tokens",
-                                     f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' "
-                                     f"({self.max_completion_tokens}) differ; give only one of them.")
+                raise ParameterError(
+                    "max_completion_tokens",
+                    f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' "
+                    f"({self.max_completion_tokens}) differ; give only one of them.",
+                )
             self.max_tokens = self.max_completion_tokens
         meta_min_tokens = (self.metadata or {}).get("min_tokens")
         if meta_min_tokens is not None:
-            if not _is_token_id(meta_min_tokens):
-                raise ParameterError("metadata.min_tokens", "'metadata.min_tokens' must be an integer >= 0, "
-                                     f"got {meta_min_tokens!r}.")
+            if not is_token_id(meta_min_tokens):
+                raise ParameterError(
+                    "metadata.min_tokens", f"'metadata.min_tokens' must be an integer >= 0, got {meta_min_tokens!r}."
+                )
             if "min_tokens" in given and self.min_tokens != meta_min_tokens:
-                raise ParameterError("min_tokens", f"'min_tokens' ({self.min_tokens}) and 'metadata.min_tokens' "
-                                     f"({meta_min_tokens}) differ; give only one of them.")
+                raise ParameterError(
+                    "min_tokens",
+                    f"'min_tokens' ({self.min_tokens}) and 'metadata.min_tokens' "
+                    f"({meta_min_tokens}) differ; give only one of them.",
+                )
             self.min_tokens = meta_min_tokens
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "'stream_options' is only allowed when 'stream' is true.")
@@ -178,22 +160,33 @@ class _GenerationRequest(RequestModel):
     def _sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         """The SamplingParams fields both endpoints fill the same way."""
         return dict(
-            n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            bad_words=self.bad_words,
+            ignore_eos=self.ignore_eos,
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
+            min_tokens=self.min_tokens,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids,
+        )
 
 
-_PROMPT_SHAPES = ("'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                  "lists of token ids, and not empty.")
+_PROMPT_SHAPES = (
+    "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids, and not empty."
+)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -212,9 +205,15 @@ class CompletionRequest(_GenerationRequest):
         than one error per member of the union."""
         if isinstance(value, str):
             return value
-        if isinstance(value, list) and value and (
-                all(isinstance(p, str) for p in value) or all(_is_token_id(t) for t in value)
-                or all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value)):
+        if (
+            isinstance(value, list)
+            and value
+            and (
+                all(isinstance(p, str) for p in value)
+                or all(is_token_id(t) for t in value)
+                or all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in value)
+            )
+        ):
             return value
         raise ValueError(_PROMPT_SHAPES)
 
@@ -222,22 +221,24 @@ class CompletionRequest(_GenerationRequest):
     def _check_best_of(self) -> CompletionRequest:
         """splitserve returns every sample it draws, so best_of can only repeat n."""
         if self.best_of is not None and self.best_of != self.n:
-            raise ParameterError("best_of", "best_of > n is not supported: splitserve returns every sample "
-                                 f"it draws; set n instead (got best_of={self.best_of}, n={self.n}).")
+            raise ParameterError(
+                "best_of",
+                "best_of > n is not supported: splitserve returns every sample "
+                f"it draws; set n instead (got best_of={self.best_of}, n={self.n}).",
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts, each a text or a list of token ids, whichever shape was sent."""
         prompt = self.prompt
-        if isinstance(prompt, str) or _is_token_id(prompt[0]):
+        if isinstance(prompt, str) or is_token_id(prompt[0]):
             return [prompt]
         return list(prompt)
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens. Raises
         ValueError for combinations SamplingParams refuses (e.g. min_tokens > max_tokens)."""
-        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs,
-                              best_of=self.best_of)
+        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs, best_of=self.best_of)
 
 
 class TextContentPart(RequestModel):
@@ -255,8 +256,10 @@ def _check_content(value: Any) -> Any:
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
-            raise ValueError(f"content part type {kind!r} is not supported: splitserve serves text only, "
-                             "so only {'type': 'text', 'text': ...} parts are accepted.")
+            raise ValueError(
+                f"content part type {kind!r} is not supported: splitserve serves text only, "
+                "so only {'type': 'text', 'text': ...} parts are accepted."
+            )
         if set(part) != {"type", "text"} or not isinstance(part["text"], str):
             raise ValueError("a 'text' content part must be exactly {'type': 'text', 'text': <string>}.")
     return value
@@ -303,8 +306,11 @@ class _ConversationRequest(RequestModel):
     def _check_template_flags(self) -> _ConversationRequest:
         """Continuing the last message and opening a new assistant turn exclude each other."""
         if self.add_generation_prompt and self.continue_final_message:
-            raise ParameterError("continue_final_message", "'continue_final_message' and "
-                                 "'add_generation_prompt' cannot both be true; set add_generation_prompt to false.")
+            raise ParameterError(
+                "continue_final_message",
+                "'continue_final_message' and "
+                "'add_generation_prompt' cannot both be true; set add_generation_prompt to false.",
+            )
         return self
 
     def template_messages(self) -> list[dict[str, str]]:
@@ -330,8 +336,16 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
     prediction: Any = None
     web_search_options: Any = None
 
-    _refuse_chat = field_validator("tools", "functions", "tool_choice", "reasoning_effort", "audio",
-                                   "modalities", "prediction", "web_search_options")(refuse_unsupported)
+    _refuse_chat = field_validator(
+        "tools",
+        "functions",
+        "tool_choice",
+        "reasoning_effort",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+    )(refuse_unsupported)
 
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> ChatCompletionRequest:
@@ -376,18 +390,3 @@ def parse_tokenize_request(data: Any) -> TokenizeCompletionRequest | TokenizeCha
 class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
-
-
-def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
-    """A readable message for a 400 and the offending parameter (the first error's location joined
-    by '.', e.g. "messages.0.content"; a ParameterError's own parameter for a cross-field check)."""
-    error = exc.errors()[0]
-    param = ".".join(str(part) for part in error["loc"]) or None
-    cause = error.get("ctx", {}).get("error")
-    if isinstance(cause, ParameterError):
-        return str(cause), cause.param
-    if error["type"] == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
-    if error["type"] == "value_error":  # our own checks: the message already names its subject
-        return str(cause) if cause is not None else error["msg"], param
-    return (f"{param}: {error['msg']}" if param else error["msg"]), param

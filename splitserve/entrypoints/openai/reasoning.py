@@ -14,6 +14,7 @@ the delta and returns the difference. While the text ends with what may be the s
 ("</thi"), those characters are held back, so no delta ever carries part of a tag; the delta with
 `final=True` (the stream's last) releases what was held when the tag never completed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class ReasoningParser:
         """(reasoning, content) of `text`. Unless `final`, a trailing possible tag start is held back,
         so that the sections of a prefix are always prefixes of the sections of the longer text."""
         if text.startswith(self.start_tag):
-            body = text[len(self.start_tag):]
+            body = text[len(self.start_tag) :]
         elif not final and self.start_tag.startswith(text):
             return "", ""  # may still become the opening tag
         elif self.starts_in_reasoning:
@@ -54,23 +55,22 @@ class ReasoningParser:
             return "", text
         end = body.find(self.end_tag)
         if end >= 0:
-            return body[:end], body[end + len(self.end_tag):]
+            return body[:end], body[end + len(self.end_tag) :]
         held = 0 if final else _partial_tag_len(body, self.end_tag)
-        return body[:len(body) - held], ""
+        return body[: len(body) - held], ""
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; an empty part is None."""
         reasoning, content = self._sections(text, final=True)
         return reasoning or None, content or None
 
-    def extract_delta(self, previous_text: str, delta_text: str,
-                      final: bool = False) -> tuple[str | None, str | None]:
+    def extract_delta(self, previous_text: str, delta_text: str, final: bool = False) -> tuple[str | None, str | None]:
         """(reasoning delta, content delta) that `delta_text` adds to `previous_text` (all the text
         streamed before it); an empty part is None. Pass final=True with the stream's last delta
         (even an empty one) to release characters held back as a possible tag start."""
         old_reasoning, old_content = self._sections(previous_text, final=False)
         reasoning, content = self._sections(previous_text + delta_text, final=final)
-        return reasoning[len(old_reasoning):] or None, content[len(old_content):] or None
+        return reasoning[len(old_reasoning) :] or None, content[len(old_content) :] or None
 
 
 _PARSERS = {

@@ -7,6 +7,7 @@ vLLM-style extensions the server did not fill (`token_ids`, `prompt_logprobs`, `
 ...) are left out of the JSON when None (`Field(exclude_if=...)`, pydantic >= 2.11), so a plain
 `model_dump_json()` gives OpenAI's shapes.
 """
+
 from __future__ import annotations
 
 import time

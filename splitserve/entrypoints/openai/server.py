@@ -4,6 +4,7 @@ The parent process starts the engine core process, binds the listening socket, a
 HTTP itself (one worker) or starts `--workers` API processes that share the socket and each talk
 to the engine over ZMQ. `--metrics-port`, when it differs from `--port`, serves /metrics alone.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,6 @@ import socket
 import tempfile
 
 from splitserve.config import EngineConfig
-
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs
 
@@ -79,8 +79,11 @@ def _start_workers(config, server_args, address, pid, sock) -> list[multiprocess
     ctx = multiprocessing.get_context("spawn")
     workers = []
     for index in range(server_args.workers):
-        p = ctx.Process(target=serve_worker, args=(config, server_args, address, pid, index, sock, None),
-                        name=f"splitserve-api-{index}")
+        p = ctx.Process(
+            target=serve_worker,
+            args=(config, server_args, address, pid, index, sock, None),
+            name=f"splitserve-api-{index}",
+        )
         p.start()
         workers.append(p)
     logger.info("Started %d API server processes", len(workers))
@@ -94,8 +97,9 @@ def _supervise(workers, engine, server_args: ServerArgs, metrics_sock) -> None:
 
         from splitserve.entrypoints.openai.app import build_metrics_app
 
-        uvicorn.Server(uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level)
-                       ).run(sockets=[metrics_sock])
+        uvicorn.Server(uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level)).run(
+            sockets=[metrics_sock]
+        )
         return
     stop = asyncio.Event()
 
@@ -112,8 +116,15 @@ def _supervise(workers, engine, server_args: ServerArgs, metrics_sock) -> None:
     asyncio.run(wait())
 
 
-def serve_worker(config: EngineConfig, server_args: ServerArgs, address: str, engine_pid: int, index: int,
-                 sock: socket.socket, metrics_sock: socket.socket | None) -> None:
+def serve_worker(
+    config: EngineConfig,
+    server_args: ServerArgs,
+    address: str,
+    engine_pid: int,
+    index: int,
+    sock: socket.socket,
+    metrics_sock: socket.socket | None,
+) -> None:
     """One API server process: an AsyncLLM client and uvicorn on the shared socket."""
     import uvicorn
 
@@ -131,11 +142,11 @@ def serve_worker(config: EngineConfig, server_args: ServerArgs, address: str, en
     servers = [uvicorn.Server(uvicorn.Config(app, log_level=server_args.uvicorn_log_level, timeout_keep_alive=30))]
     sockets = [[sock]]
     if metrics_sock is not None:
-        servers.append(uvicorn.Server(uvicorn.Config(build_metrics_app(server_args),
-                                                     log_level=server_args.uvicorn_log_level)))
+        servers.append(
+            uvicorn.Server(uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level))
+        )
         sockets.append([metrics_sock])
-    logger.info("Serving %s on http://%s:%d", config.model_config.served_model_name, server_args.host,
-                server_args.port)
+    logger.info("Serving %s on http://%s:%d", config.model_config.served_model_name, server_args.host, server_args.port)
 
     async def serve_all() -> None:
         await asyncio.gather(*(s.serve(sockets=socks) for s, socks in zip(servers, sockets)))

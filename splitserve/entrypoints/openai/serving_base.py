@@ -7,6 +7,7 @@ engine: the body's fields (protocol.py); the model name, the queue limit, a runn
 PD kv_transfer_params (this module); then the prompt and params, once, by the engine's Processor,
 whose InvalidRequestError is answered with a 400 naming its param (entrypoints/http.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,7 @@ from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
-from splitserve.entrypoints.openai.protocol import validation_error_message
+from splitserve.entrypoints.openai.request_model import validation_error_message
 from splitserve.entrypoints.openai.response_models import PromptTokenUsageInfo, UsageInfo
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -76,16 +77,21 @@ class OpenAIServing:
 
     def _check_model(self, name: str | None) -> None:
         if name not in _DEFAULT_MODEL_ALIASES and name != self.served_name:
-            raise APIError(f"The model {name!r} does not exist; this server serves {self.served_name!r}.",
-                           404, "not_found_error", "model")
+            raise APIError(
+                f"The model {name!r} does not exist; this server serves {self.served_name!r}.",
+                404,
+                "not_found_error",
+                "model",
+            )
 
     def _check_capacity(self) -> None:
         if self.engine.dead_reason is not None:
             raise APIError(f"The engine is not running: {self.engine.dead_reason}", 503, "service_unavailable")
         limit = self.server_args.max_queued_requests
         if limit is not None and not self.engine.try_reserve_queue_slot(limit):
-            raise APIError(f"Too many requests are waiting (the limit is {limit}); retry later.", 429,
-                           "rate_limit_exceeded")
+            raise APIError(
+                f"Too many requests are waiting (the limit is {limit}); retry later.", 429, "rate_limit_exceeded"
+            )
 
     def _accept(self, model: type[BaseModel], body: dict):
         """Parse a generation request, check its model and the queue, make its SamplingParams."""
@@ -98,15 +104,20 @@ class OpenAIServing:
             raise APIError(str(exc)) from None
 
     # --- prompts ------------------------------------------------------------------------------
-    async def _process(self, prompts: list[PromptType], params: SamplingParams, param: str,
-                       add_special_tokens: bool = True) -> list[ProcessedRequest]:
+    async def _process(
+        self, prompts: list[PromptType], params: SamplingParams, param: str, add_special_tokens: bool = True
+    ) -> list[ProcessedRequest]:
         """Each prompt tokenized and validated by the engine's Processor under the server's rule
         (prompt + max_tokens must fit the context), in a worker thread so that a long prompt does
         not stall the event loop. `params` come from Processor.process_params, once for them all."""
 
         def process() -> list[ProcessedRequest]:
-            return [self.processor.process_prompt(prompt, params, add_special_tokens=add_special_tokens, param=param,
-                                                  max_tokens_must_fit=True) for prompt in prompts]
+            return [
+                self.processor.process_prompt(
+                    prompt, params, add_special_tokens=add_special_tokens, param=param, max_tokens_must_fit=True
+                )
+                for prompt in prompts
+            ]
 
         return await asyncio.to_thread(process)
 
@@ -115,8 +126,14 @@ class OpenAIServing:
         template = req.chat_template or self.server_args.chat_template
         try:
             return await asyncio.to_thread(
-                apply_chat_template, self.tokenizer, req.template_messages(), template, req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                apply_chat_template,
+                self.tokenizer,
+                req.template_messages(),
+                template,
+                req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
         except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
             raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
 
@@ -128,8 +145,10 @@ class OpenAIServing:
         if raw is None:
             return None
         if self.pd_role == "mixed":
-            raise APIError("kv_transfer_params need a prefill or decode instance; this one runs with "
-                           "--pd-role mixed.", param="kv_transfer_params")
+            raise APIError(
+                "kv_transfer_params need a prefill or decode instance; this one runs with --pd-role mixed.",
+                param="kv_transfer_params",
+            )
         if num_prompts != 1:
             raise APIError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
         try:
@@ -141,8 +160,9 @@ class OpenAIServing:
                 raise APIError("A prefill request (do_remote_decode) cannot stream.", param="stream")
             kv.remote_num_pulls, params.n = params.n, 1
         if kv.do_remote_prefill and None in (kv.remote_host, kv.remote_port, kv.remote_request_id):
-            raise APIError("do_remote_prefill needs remote_host, remote_port and remote_request_id.",
-                           param="kv_transfer_params")
+            raise APIError(
+                "do_remote_prefill needs remote_host, remote_port and remote_request_id.", param="kv_transfer_params"
+            )
         return kv
 
     @staticmethod
@@ -153,8 +173,9 @@ class OpenAIServing:
         if ids is None:
             return None
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise APIError("kv_transfer_params.prompt_token_ids must be a list of token ids.",
-                           param="kv_transfer_params")
+            raise APIError(
+                "kv_transfer_params.prompt_token_ids must be a list of token ids.", param="kv_transfer_params"
+            )
         return {"prompt_token_ids": ids}
 
     @staticmethod
@@ -166,14 +187,27 @@ class OpenAIServing:
     # --- running requests ---------------------------------------------------------------------
     def _log(self, request_id: str, requests: list[ProcessedRequest], params: SamplingParams) -> None:
         if not self.server_args.disable_log_requests:
-            logger.info("Request %s: %d prompt(s) of %s tokens, max_tokens=%s, n=%d, temperature=%s, stream",
-                        request_id, len(requests), [len(r.prompt_token_ids) for r in requests], params.max_tokens,
-                        params.n, params.temperature)
+            logger.info(
+                "Request %s: %d prompt(s) of %s tokens, max_tokens=%s, n=%d, temperature=%s, stream",
+                request_id,
+                len(requests),
+                [len(r.prompt_token_ids) for r in requests],
+                params.max_tokens,
+                params.n,
+                params.temperature,
+            )
 
-    def _streams(self, request_id: str, requests: list[ProcessedRequest], arrival: float, kind: RequestOutputKind,
-                 kv: KVTransferParams | None = None) -> list[AsyncIterator[RequestOutput]]:
-        return [self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv)
-                for i, request in enumerate(requests)]
+    def _streams(
+        self,
+        request_id: str,
+        requests: list[ProcessedRequest],
+        arrival: float,
+        kind: RequestOutputKind,
+        kv: KVTransferParams | None = None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv) for i, request in enumerate(requests)
+        ]
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
         """The final output of each stream; if the client goes away first, abort them all."""
@@ -202,15 +236,21 @@ class OpenAIServing:
         return finals
 
     def _record_finished(self, output: RequestOutput) -> None:
-        self.metrics.record_finished(output, sum(len(c.token_ids) for c in output.outputs),
-                                     [c.finish_reason for c in output.outputs if c.finish_reason])
+        self.metrics.record_finished(
+            output,
+            sum(len(c.token_ids) for c in output.outputs),
+            [c.finish_reason for c in output.outputs if c.finish_reason],
+        )
 
     @staticmethod
     def _usage(requests: list[ProcessedRequest], completion_tokens: int, cached: int) -> UsageInfo:
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached),
+        )
 
     async def warmup(self) -> None:
         """One short request through the whole path, so the first user does not pay for cold caches."""

@@ -1,4 +1,5 @@
 """/v1/chat/completions: messages rendered by the chat template, reasoning split from the answer."""
+
 from __future__ import annotations
 
 import time
@@ -9,13 +10,27 @@ from fastapi import Request
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
-from splitserve.entrypoints.openai.response_models import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                                                           ChatCompletionLogProbsContent, ChatCompletionResponse,
-                                                           ChatCompletionResponseChoice, ChatCompletionStreamChoice,
-                                                           ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                                           random_id)
-from splitserve.entrypoints.openai.serving_base import (ChoiceState, OpenAIServing, json_response, merge_streams,
-                                                        ranked_logprobs, sse_event, sse_response)
+from splitserve.entrypoints.openai.response_models import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_id,
+)
+from splitserve.entrypoints.openai.serving_base import (
+    ChoiceState,
+    OpenAIServing,
+    json_response,
+    merge_streams,
+    ranked_logprobs,
+    sse_event,
+    sse_response,
+)
 from splitserve.outputs import Logprob, RequestOutput
 
 
@@ -62,24 +77,36 @@ class OpenAIServingChat(OpenAIServing):
             reasoning, content = self._split_reasoning(c.text)
             message = ChatMessage(content=echo + (content or ""), reasoning_content=reasoning)
             logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
-            choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None,
-                cum_log_probs=c.cumulative_logprob, sentence_length=len(c.token_ids)))
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if req.return_token_ids else None,
+                    cum_log_probs=c.cumulative_logprob,
+                    sentence_length=len(c.token_ids),
+                )
+            )
         return ChatCompletionResponse(
-            id=request_id, model=self.served_name, choices=choices,
+            id=request_id,
+            model=self.served_name,
+            choices=choices,
             usage=self._usage([request], completion_tokens, final.num_cached_tokens),
             system_fingerprint=self.fingerprint,
             prompt_logprobs=final.prompt_logprobs if req.prompt_logprobs is not None else None,
-            prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None)
+            prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None,
+        )
 
     @staticmethod
     def _chat_logprobs(token_ids: list[int], logprobs, top_n: int | None) -> ChatCompletionLogProbs:
         content = []
         for token_id, entry in zip(token_ids, logprobs or []):
             top = [_chat_logprob(lp) for lp in ranked_logprobs(entry, top_n or 0)]
-            content.append(ChatCompletionLogProbsContent(**_chat_logprob(entry[token_id]).model_dump(),
-                                                         top_logprobs=top))
+            content.append(
+                ChatCompletionLogProbsContent(**_chat_logprob(entry[token_id]).model_dump(), top_logprobs=top)
+            )
         return ChatCompletionLogProbs(content=content)
 
     async def _chat_stream(self, req, request_id, request, params, streams, arrival, echo) -> AsyncIterator[str]:
@@ -89,15 +116,28 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens, cached = 0, 0
 
         def chunk(choices, usage=None) -> str:
-            return sse_event(ChatCompletionStreamResponse(id=request_id, model=self.served_name, choices=choices,
-                                                          usage=usage, system_fingerprint=self.fingerprint))
+            return sse_event(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    model=self.served_name,
+                    choices=choices,
+                    usage=usage,
+                    system_fingerprint=self.fingerprint,
+                )
+            )
 
         def usage_now():
             return self._usage([request], completion_tokens, cached)
 
-        yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo),
-                                                arrival_time=time.monotonic() - arrival) for i in states],
-                    usage_now() if continuous else None)
+        yield chunk(
+            [
+                ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=echo), arrival_time=time.monotonic() - arrival
+                )
+                for i in states
+            ],
+            usage_now() if continuous else None,
+        )
         async for _, output in merge_streams(streams):
             cached = max(cached, output.num_cached_tokens)
             choices = []
@@ -109,10 +149,17 @@ class OpenAIServingChat(OpenAIServing):
                 state.finished = c.finish_reason is not None
                 delta = self._chat_delta(state, c.text)
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
-                choices.append(ChatCompletionStreamChoice(
-                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None,
-                    arrival_time=time.monotonic() - arrival))
+                choices.append(
+                    ChatCompletionStreamChoice(
+                        index=c.index,
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=c.token_ids if req.return_token_ids else None,
+                        arrival_time=time.monotonic() - arrival,
+                    )
+                )
             if output.finished:
                 self._record_finished(output)
             if choices:

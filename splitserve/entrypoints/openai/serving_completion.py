@@ -1,4 +1,5 @@
 """/v1/completions: one or more prompts (texts or token ids), echo, OpenAI's legacy logprobs."""
+
 from __future__ import annotations
 
 import time
@@ -9,11 +10,23 @@ from fastapi import Request
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.openai.protocol import CompletionRequest
-from splitserve.entrypoints.openai.response_models import (CompletionLogProbs, CompletionResponse,
-                                                           CompletionResponseChoice, CompletionStreamChoice,
-                                                           CompletionStreamResponse, random_id)
-from splitserve.entrypoints.openai.serving_base import (ChoiceState, OpenAIServing, json_response, merge_streams,
-                                                        ranked_logprobs, sse_event, sse_response)
+from splitserve.entrypoints.openai.response_models import (
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    random_id,
+)
+from splitserve.entrypoints.openai.serving_base import (
+    ChoiceState,
+    OpenAIServing,
+    json_response,
+    merge_streams,
+    ranked_logprobs,
+    sse_event,
+    sse_response,
+)
 from splitserve.outputs import Logprob, RequestOutput
 
 
@@ -50,17 +63,30 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.echo:
                     text = self._prompt_text(request) + text
                 if params.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs, params.logprobs, 0,
-                                                         self._echo_logprobs(req, request, output))
-                choices.append(CompletionResponseChoice(
-                    index=i * params.n + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, prompt_logprobs=output.prompt_logprobs if req.prompt_logprobs
-                    is not None else None, token_ids=c.token_ids if req.return_token_ids else None,
-                    prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None,
-                    cum_log_probs=c.cumulative_logprob, sentence_length=len(c.token_ids)))
-        return CompletionResponse(id=request_id, model=self.served_name, choices=choices,
-                                  usage=self._usage(requests, completion_tokens, cached),
-                                  system_fingerprint=self.fingerprint)
+                    logprobs = self._completion_logprobs(
+                        c.token_ids, c.logprobs, params.logprobs, 0, self._echo_logprobs(req, request, output)
+                    )
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * params.n + c.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=output.prompt_logprobs if req.prompt_logprobs is not None else None,
+                        token_ids=c.token_ids if req.return_token_ids else None,
+                        prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None,
+                        cum_log_probs=c.cumulative_logprob,
+                        sentence_length=len(c.token_ids),
+                    )
+                )
+        return CompletionResponse(
+            id=request_id,
+            model=self.served_name,
+            choices=choices,
+            usage=self._usage(requests, completion_tokens, cached),
+            system_fingerprint=self.fingerprint,
+        )
 
     def _prompt_text(self, request: ProcessedRequest) -> str:
         return request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)
@@ -72,8 +98,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return None
         return list(zip(request.prompt_token_ids, output.prompt_logprobs))
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs, top_n: int, offset: int,
-                             prefix=None) -> CompletionLogProbs:
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs, top_n: int, offset: int, prefix=None
+    ) -> CompletionLogProbs:
         result = CompletionLogProbs()
         entries = list(prefix or []) + list(zip(token_ids, logprobs or []))
         for token_id, entry in entries:
@@ -110,23 +137,43 @@ class OpenAIServingCompletion(OpenAIServing):
                 state.num_tokens += len(c.token_ids)
                 state.finished = c.finish_reason is not None
                 first = state.num_tokens == len(c.token_ids)  # the prompt's ids go with the first tokens
-                chunk_choices.append(CompletionStreamChoice(
-                    index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None,
-                    prompt_token_ids=requests[i].prompt_token_ids if req.return_token_ids and first else None,
-                    cum_log_probs=c.cumulative_logprob if state.finished else None,
-                    sentence_length=state.num_tokens if state.finished else None,
-                    arrival_time=time.monotonic() - arrival))
+                chunk_choices.append(
+                    CompletionStreamChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=c.token_ids if req.return_token_ids else None,
+                        prompt_token_ids=requests[i].prompt_token_ids if req.return_token_ids and first else None,
+                        cum_log_probs=c.cumulative_logprob if state.finished else None,
+                        sentence_length=state.num_tokens if state.finished else None,
+                        arrival_time=time.monotonic() - arrival,
+                    )
+                )
             if output.finished:
                 self._record_finished(output)
             if chunk_choices:
                 usage = self._usage(requests, completion_tokens, cached) if continuous else None
-                yield sse_event(CompletionStreamResponse(id=request_id, model=self.served_name, choices=chunk_choices,
-                                                         usage=usage, system_fingerprint=self.fingerprint))
+                yield sse_event(
+                    CompletionStreamResponse(
+                        id=request_id,
+                        model=self.served_name,
+                        choices=chunk_choices,
+                        usage=usage,
+                        system_fingerprint=self.fingerprint,
+                    )
+                )
         if include_usage:
-            yield sse_event(CompletionStreamResponse(id=request_id, model=self.served_name, choices=[],
-                                                     usage=self._usage(requests, completion_tokens, cached),
-                                                     system_fingerprint=self.fingerprint))
+            yield sse_event(
+                CompletionStreamResponse(
+                    id=request_id,
+                    model=self.served_name,
+                    choices=[],
+                    usage=self._usage(requests, completion_tokens, cached),
+                    system_fingerprint=self.fingerprint,
+                )
+            )
 
 
 def _engine_prompt(prompt: str | list[int]) -> PromptType:

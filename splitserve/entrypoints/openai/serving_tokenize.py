@@ -1,5 +1,6 @@
 """/tokenize, /detokenize and /v1/models: the routes about the model and its vocabulary rather than
 generation, so nothing here is checked against the context or the queue."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,9 @@ class OpenAIServingTokenization(OpenAIServing):
         text = await self._render_chat(req) if isinstance(req, TokenizeChatRequest) else req.prompt
         ids = await asyncio.to_thread(self.processor.tokenize, text, req.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return json_response(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
-                                              token_strs=strs))
+        return json_response(
+            TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+        )
 
     async def detokenize(self, body: dict) -> JSONResponse:
         req: DetokenizeRequest = self._parse(DetokenizeRequest.model_validate, body)

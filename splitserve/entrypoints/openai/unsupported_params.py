@@ -1,6 +1,7 @@
 """Known OpenAI/vLLM request parameters that splitserve does not implement. Request bodies declare
 them (protocol.py) so that they can be refused by name unless their value turns the feature off:
 a client that sends `tools` or `guided_json` must learn that they are not honoured."""
+
 from __future__ import annotations
 
 import json

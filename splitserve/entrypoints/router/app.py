@@ -1,4 +1,5 @@
 """The PD router's FastAPI application and its uvicorn runner (`splitserve router`)."""
+
 from __future__ import annotations
 
 import argparse

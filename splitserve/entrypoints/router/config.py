@@ -1,5 +1,6 @@
 """What the PD router is started with: RouterConfig, checked when it is made, and the `splitserve router`
 command-line flags that fill it."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,13 @@ class RouterConfig:
     prefill_urls: list[str]
     decode_urls: list[str]
     policy: str = "round_robin"
-    api_key: str | None = None            # what clients must send (Authorization: Bearer ...)
-    instance_api_key: str | None = None   # what the router sends to the instances
-    max_retries: int = 2                  # further instances tried after a failure, per role
-    health_interval: float = 2.0          # seconds between health checks
-    request_timeout: float = 3600.0       # seconds for a whole upstream request, stream included
-    health_timeout: float = 10.0          # seconds for one /health (and one /metrics) check: busy CPUs answer late
-    connect_timeout: float = 10.0         # seconds to open a connection, so a dead host fails fast
+    api_key: str | None = None  # what clients must send (Authorization: Bearer ...)
+    instance_api_key: str | None = None  # what the router sends to the instances
+    max_retries: int = 2  # further instances tried after a failure, per role
+    health_interval: float = 2.0  # seconds between health checks
+    request_timeout: float = 3600.0  # seconds for a whole upstream request, stream included
+    health_timeout: float = 10.0  # seconds for one /health (and one /metrics) check: busy CPUs answer late
+    connect_timeout: float = 10.0  # seconds to open a connection, so a dead host fails fast
 
     def __post_init__(self) -> None:
         self.prefill_urls = _check_urls(self.prefill_urls, "--prefill")
@@ -60,24 +61,46 @@ def _check_urls(urls: Sequence[str], flag: str) -> list[str]:
 
 # --- command line ------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="base URL of a prefill instance, e.g. http://10.0.0.1:8000 (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="base URL of a decode instance (repeatable)")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a prefill instance, e.g. http://10.0.0.1:8000 (repeatable)",
+    )
+    parser.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="base URL of a decode instance (repeatable)"
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
-                        help="how an instance is chosen within a role (default: round_robin)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round_robin",
+        help="how an instance is chosen within a role (default: round_robin)",
+    )
     parser.add_argument("--api-key", default=None, help="key clients must send as 'Authorization: Bearer KEY'")
     parser.add_argument("--instance-api-key", default=None, help="key sent to the instances (their --api-key)")
-    parser.add_argument("--max-retries", type=int, default=2,
-                        help="further instances tried after a failed one, per role (default: 2)")
+    parser.add_argument(
+        "--max-retries", type=int, default=2, help="further instances tried after a failed one, per role (default: 2)"
+    )
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
-    parser.add_argument("--request-timeout", type=float, default=3600.0,
-                        help="seconds an upstream request (stream included) may take (default: 3600)")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds an upstream request (stream included) may take (default: 3600)",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(prefill_urls=ns.prefill, decode_urls=ns.decode, policy=ns.policy, api_key=ns.api_key,
-                        instance_api_key=ns.instance_api_key, max_retries=ns.max_retries,
-                        health_interval=ns.health_interval, request_timeout=ns.request_timeout)
+    return RouterConfig(
+        prefill_urls=ns.prefill,
+        decode_urls=ns.decode,
+        policy=ns.policy,
+        api_key=ns.api_key,
+        instance_api_key=ns.instance_api_key,
+        max_retries=ns.max_retries,
+        health_interval=ns.health_interval,
+        request_timeout=ns.request_timeout,
+    )

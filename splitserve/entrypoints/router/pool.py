@@ -1,5 +1,6 @@
 """The PD router's instances: both roles' Upstreams, their health checks, the policy that picks one for a
 request, and one HTTP exchange with an instance over the router's shared session."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,13 @@ from fastapi import Request
 from splitserve.disagg.policies import InstanceLoad, Policy, Upstream, make_policy, parse_instance_load
 from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES, RouterConfig
 from splitserve.entrypoints.router.metrics import RouterMetrics
-from splitserve.entrypoints.router.relay import (UPSTREAM_ERRORS, OpenRequest, describe_error, status_reason,
-                                                 until_disconnected)
+from splitserve.entrypoints.router.relay import (
+    UPSTREAM_ERRORS,
+    OpenRequest,
+    describe_error,
+    status_reason,
+    until_disconnected,
+)
 
 logger = logging.getLogger("splitserve.router")
 
@@ -25,7 +31,8 @@ class UpstreamPool:
         self.config = config
         self.instances: dict[str, list[Upstream]] = {
             PREFILL: [Upstream(u, PREFILL) for u in config.prefill_urls],
-            DECODE: [Upstream(u, DECODE) for u in config.decode_urls]}
+            DECODE: [Upstream(u, DECODE) for u in config.decode_urls],
+        }
         self.policies: dict[str, Policy] = {role: make_policy(config.policy) for role in ROLES}
         self.metrics = RouterMetrics()
         for inst in self.all_instances():
@@ -54,12 +61,18 @@ class UpstreamPool:
         each open stream holds one), a first health check so that the router starts with the real
         state, then the periodic checks."""
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-                                             timeout=timeout)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), timeout=timeout
+        )
         await self.check_all()
         for role in ROLES:
-            logger.info("Router: %d of %d %s instance(s) up: %s", len(self.healthy(role)), len(self.instances[role]),
-                        role, ", ".join(i.url for i in self.healthy(role)) or "none")
+            logger.info(
+                "Router: %d of %d %s instance(s) up: %s",
+                len(self.healthy(role)),
+                len(self.instances[role]),
+                role,
+                ", ".join(i.url for i in self.healthy(role)) or "none",
+            )
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
@@ -139,22 +152,33 @@ class UpstreamPool:
                 logger.exception("Health check round failed")
 
     # --- one upstream exchange ---------------------------------------------------------------
-    async def _open(self, request: Request, open_request: OpenRequest, method: str, path: str, *, json_body=None,
-                    data: bytes | None = None, request_id: str | None = None,
-                    content_type: str | None = None) -> aiohttp.ClientResponse:
+    async def _open(
+        self,
+        request: Request,
+        open_request: OpenRequest,
+        method: str,
+        path: str,
+        *,
+        json_body=None,
+        data: bytes | None = None,
+        request_id: str | None = None,
+        content_type: str | None = None,
+    ) -> aiohttp.ClientResponse:
         """Send the request and wait for the answer's headers (the client may leave meanwhile)."""
         inst = open_request.instance
         self.metrics.requests.labels(instance=inst.url, role=inst.role).inc()
 
         async def send() -> aiohttp.ClientResponse:
-            return await self.session.request(method, inst.url + path, json=json_body, data=data,
-                                              headers=self._headers(request_id, content_type))
+            return await self.session.request(
+                method, inst.url + path, json=json_body, data=data, headers=self._headers(request_id, content_type)
+            )
 
         open_request.resp = await until_disconnected(request, send())
         return open_request.resp
 
-    async def _exchange(self, request: Request, inst: Upstream, method: str, path: str,
-                        **kwargs) -> tuple[int, bytes, str | None]:
+    async def _exchange(
+        self, request: Request, inst: Upstream, method: str, path: str, **kwargs
+    ) -> tuple[int, bytes, str | None]:
         """A whole non-streamed request: (status, body, content type)."""
         open_request = OpenRequest(inst)
         try:

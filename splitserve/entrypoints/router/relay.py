@@ -1,6 +1,7 @@
 """The PD router's upstream side: the bodies it sends to prefill and decode instances, one request open
 on an instance (counted, and released exactly once), the response that relays a decode stream, waiting
 on an instance while watching for the client to leave, and upstream failures in words."""
+
 from __future__ import annotations
 
 import asyncio
@@ -96,7 +97,7 @@ def status_reason(status: int, data: bytes) -> str:
 # --- one open request --------------------------------------------------------------------------
 async def until_disconnected(request: Request, awaitable: Awaitable):
     """Await `awaitable` while checking every half second whether the client went away (as
-    serving.py's _collect does); if it did, cancel the wait (closing the upstream request) and raise
+    serving_base.py's _collect does); if it did, cancel the wait (closing the upstream request) and raise
     ClientGone. Without this, a non-streamed request whose client gave up would keep an instance
     busy, and its KV blocks taken, until the answer was complete."""
     task = asyncio.ensure_future(awaitable)

@@ -20,6 +20,7 @@ as is. A decode failure before the first byte reached the client is retried on a
 instance; after that, the stream ends with an error event and `[DONE]`. A client that goes away
 closes the upstream connection at once, so that the instance aborts the request and frees its KV.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,22 @@ from splitserve.disagg.policies import Upstream
 from splitserve.entrypoints.http import error_response, read_body, read_json_body
 from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES
 from splitserve.entrypoints.router.pool import UpstreamPool
-from splitserve.entrypoints.router.relay import (UPSTREAM_ERRORS, ClientGone, OpenRequest, RelayResponse,
-                                                 decode_request_body, describe_error, fallback_request_body,
-                                                 first_chunk, is_batch, kv_params, prefill_request_body,
-                                                 sse_error_event, status_reason, until_disconnected)
+from splitserve.entrypoints.router.relay import (
+    UPSTREAM_ERRORS,
+    ClientGone,
+    OpenRequest,
+    RelayResponse,
+    decode_request_body,
+    describe_error,
+    fallback_request_body,
+    first_chunk,
+    is_batch,
+    kv_params,
+    prefill_request_body,
+    sse_error_event,
+    status_reason,
+    until_disconnected,
+)
 
 logger = logging.getLogger("splitserve.router")
 
@@ -62,8 +75,9 @@ class _Trace:
     def line(self, status: int) -> str:
         parts = [f"{self.path} {self.request_id}: HTTP {status} in {time.monotonic() - self.started:.3f} s"]
         if self.prefill:
-            parts.append(f"prefill {self.prefill}" + (f" ({self.prefill_s:.3f} s)" if self.prefill_s is not None
-                                                      else ""))
+            parts.append(
+                f"prefill {self.prefill}" + (f" ({self.prefill_s:.3f} s)" if self.prefill_s is not None else "")
+            )
         if self.fallback:
             parts.append(f"FALLBACK to decode-only ({self.fallback})")
         if self.decode:
@@ -129,8 +143,9 @@ class Router(UpstreamPool):
         for inst in self._attempts(PREFILL, body, trace):
             started = time.monotonic()
             try:
-                status, data, content_type = await self._exchange(request, inst, "POST", path, json_body=prefill_body,
-                                                                  request_id=trace.request_id)
+                status, data, content_type = await self._exchange(
+                    request, inst, "POST", path, json_body=prefill_body, request_id=trace.request_id
+                )
             except UPSTREAM_ERRORS as exc:
                 reason = describe_error(exc, self.config.request_timeout)
             else:
@@ -164,20 +179,23 @@ class Router(UpstreamPool):
             open_request = OpenRequest(inst)
             handed_over = False
             try:
-                resp = await self._open(request, open_request, "POST", path, json_body=body,
-                                        request_id=trace.request_id)
+                resp = await self._open(
+                    request, open_request, "POST", path, json_body=body, request_id=trace.request_id
+                )
                 if resp.status >= 500:
                     reason = status_reason(resp.status, await until_disconnected(request, resp.read()))
                 elif resp.status == 200 and resp.content_type == "text/event-stream":
                     first = await until_disconnected(request, first_chunk(resp))
                     open_request.on_release = lambda: self._log_request(trace, 200)
                     handed_over = True
-                    return RelayResponse(self._relay(open_request, first, trace), open_request,
-                                         media_type="text/event-stream")
+                    return RelayResponse(
+                        self._relay(open_request, first, trace), open_request, media_type="text/event-stream"
+                    )
                 else:
                     data = await until_disconnected(request, resp.read())
-                    return self._finish(trace, Response(data, status_code=resp.status,
-                                                        media_type=resp.headers.get("Content-Type")))
+                    return self._finish(
+                        trace, Response(data, status_code=resp.status, media_type=resp.headers.get("Content-Type"))
+                    )
             except UPSTREAM_ERRORS as exc:
                 reason = describe_error(exc, self.config.request_timeout)
             finally:
@@ -225,8 +243,9 @@ class Router(UpstreamPool):
         reasons: list[str] = []
         for inst in self._attempts(DECODE, {}):
             try:
-                status, body, ctype = await self._exchange(request, inst, method, path, data=data,
-                                                           content_type=content_type)
+                status, body, ctype = await self._exchange(
+                    request, inst, method, path, data=data, content_type=content_type
+                )
             except ClientGone:
                 return Response(status_code=499)
             except UPSTREAM_ERRORS as exc:
@@ -245,7 +264,5 @@ class Router(UpstreamPool):
         missing = [role for role in ROLES if not self.healthy(role)]
         if missing:
             why = "; ".join(f"{i.url}: {i.down_reason or 'down'}" for role in missing for i in self.instances[role])
-            return error_response(f"No {' and no '.join(missing)} instance is up ({why}).", 503,
-                                  "service_unavailable")
+            return error_response(f"No {' and no '.join(missing)} instance is up ({why}).", 503, "service_unavailable")
         return JSONResponse({"status": "ok", **{role: len(self.healthy(role)) for role in ROLES}})
-

@@ -1,11 +1,11 @@
 """The attention backend interface and the per-step batch description it reads."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
-
 
 BACKEND_ENV = "SPLITSERVE_ATTENTION_BACKEND"
 BACKENDS = ("torch", "cpu", "triton")
@@ -20,13 +20,13 @@ class AttentionMetadata:
     Host-side lists are kept next to the tensors so that backends need no device->host syncs.
     """
 
-    backend: "AttentionBackend"
-    num_decodes: int                 # requests 0..num_decodes-1 have exactly one query token
-    query_start_loc: list[int]       # len R + 1
-    seq_lens: list[int]              # len R
-    seq_lens_tensor: torch.Tensor    # [R] int32 on device
-    block_tables: torch.Tensor       # [R, max_blocks] int32 on device (rows padded with 0)
-    slot_mapping: torch.Tensor       # [T] int64 on device: where each token's K/V is written
+    backend: AttentionBackend
+    num_decodes: int  # requests 0..num_decodes-1 have exactly one query token
+    query_start_loc: list[int]  # len R + 1
+    seq_lens: list[int]  # len R
+    seq_lens_tensor: torch.Tensor  # [R] int32 on device
+    block_tables: torch.Tensor  # [R, max_blocks] int32 on device (rows padded with 0)
+    slot_mapping: torch.Tensor  # [T] int64 on device: where each token's K/V is written
     block_size: int
     # CUDA graphs: the steps replayed from one capture may have any length up to this bound, so a
     # backend must not size its work from seq_lens (the host list is the capture's, not the step's).
@@ -50,6 +50,7 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
 
     @abstractmethod
-    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Write k/v into layer.kv_cache at meta.slot_mapping, return attention output [T, Hq, D]."""

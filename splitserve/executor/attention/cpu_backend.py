@@ -2,6 +2,7 @@
 kernels: KV writes in one call per layer, and decode attention that walks each request's blocks in
 place (the reference first gathers them into a padded copy). Quantized KV caches keep the
 reference's write and decode (they quantize and apply scales)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,5 +23,13 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         if not kernels.paged_kv_supported(q, layer.kv_cache, layer.kv_scales):
             return super().decode(layer, q, meta, out)
-        kernels.decode_attention(out, q, layer.kv_cache, meta.block_tables, meta.seq_lens_tensor, meta.num_decodes,
-                                 layer.scale, layer.sliding_window)
+        kernels.decode_attention(
+            out,
+            q,
+            layer.kv_cache,
+            meta.block_tables,
+            meta.seq_lens_tensor,
+            meta.num_decodes,
+            layer.scale,
+            layer.sliding_window,
+        )

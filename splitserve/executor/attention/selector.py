@@ -1,5 +1,6 @@
 """Choosing the attention backend for a device and KV-cache dtype (the implementations import the
 interface in backend.py, so the choice lives apart from it)."""
+
 from __future__ import annotations
 
 import logging
@@ -46,12 +47,17 @@ def get_attention_backend(device: torch.device, kv_cache_dtype: str = "auto") ->
 def _why_not_triton(device: torch.device, kv_cache_dtype: str) -> str | None:
     """Why the Triton backend cannot serve this device and cache, or None if it can."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"its kernels need a CUDA device, not {device.type} "
-                "(TRITON_INTERPRET=1 runs them on CPU, slowly, for testing)")
+        return (
+            f"its kernels need a CUDA device, not {device.type} "
+            "(TRITON_INTERPRET=1 runs them on CPU, slowly, for testing)"
+        )
     if kv_cache_dtype == "int4":
         return "it has no kernel for an int4 KV cache (the torch backend has)"
-    if (kv_cache_dtype in ("fp8", "fp8_e4m3") and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) < (8, 9)):
+    if (
+        kv_cache_dtype in ("fp8", "fp8_e4m3")
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
         return "Triton has float8 e4m3 only on GPUs of compute capability 8.9 or later"
     try:
         import triton  # noqa: F401

@@ -11,6 +11,7 @@ Prefill over cached context dequantizes the blocks it gathers to the model's dty
 the scales to its scores and probabilities instead (see _decode). A fresh prompt's attention uses
 its unquantized k/v, as vLLM's does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,36 +49,42 @@ class TorchAttentionBackend(AttentionBackend):
         out[:nd] = _decode(layer, q[:nd], meta)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k, v: [T, num_kv_heads, head_dim] into the slots (block * block_size + offset) of each token."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def write_quantized_kv(cache: torch.Tensor, scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+def write_quantized_kv(
+    cache: torch.Tensor, scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Quantize k, v [T, num_kv_heads, head_dim] per token and head, and write data and scales into
     the tokens' slots; K and V go through one quantize call and one copy each for data and scales."""
     data, scale = quantize_kv(torch.stack((k, v)), cache.dtype)  # [2, T, H, packed], [2, T, H, fields]
     heads = cache.shape[1]
     # Through uint8 views: CPU index_copy_ has no float8 kernel, and a copy only moves bytes anyway.
     cache.view(torch.uint8).view(2, heads, -1, cache.shape[-1]).index_copy_(
-        2, slot_mapping, data.view(torch.uint8).transpose(1, 2))
+        2, slot_mapping, data.view(torch.uint8).transpose(1, 2)
+    )
     scales.view(2, heads, -1, scales.shape[-1]).index_copy_(2, slot_mapping, scale.transpose(1, 2))
 
 
-def read_kv(layer, block_tables: torch.Tensor, num_blocks: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def read_kv(
+    layer, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [num_kv_heads, R, num_blocks * block_size, head_dim] of the requests' blocks,
     dequantized to `dtype` when the cache is quantized."""
     cache, scales = layer.kv_cache, layer.kv_scales
     keys, values = gather_kv(cache[0], block_tables, num_blocks), gather_kv(cache[1], block_tables, num_blocks)
     if scales is None:
         return keys, values
-    return (dequantize_kv(keys, gather_kv(scales[0], block_tables, num_blocks), dtype),
-            dequantize_kv(values, gather_kv(scales[1], block_tables, num_blocks), dtype))
+    return (
+        dequantize_kv(keys, gather_kv(scales[0], block_tables, num_blocks), dtype),
+        dequantize_kv(values, gather_kv(scales[1], block_tables, num_blocks), dtype),
+    )
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -103,14 +110,14 @@ def _decode(layer, q, meta: AttentionMetadata) -> torch.Tensor:
     tables = meta.block_tables[:nd]
     group = layer.num_heads // layer.num_kv_heads
     fields = layer.kv_scales
-    keys = gather_kv(layer.kv_cache[0], tables, num_blocks)                            # [Hkv, B, L, D]
+    keys = gather_kv(layer.kv_cache[0], tables, num_blocks)  # [Hkv, B, L, D]
     values = gather_kv(layer.kv_cache[1], tables, num_blocks)
-    queries = q.view(nd, layer.num_kv_heads, group, layer.head_dim).transpose(0, 1)    # [Hkv, B, G, D]
+    queries = q.view(nd, layer.num_kv_heads, group, layer.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
     if fields is None:
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scale  # [Hkv, B, G, L]
     else:
         keys, values = stored_values(keys, q.dtype), stored_values(values, q.dtype)
-        k_fields = gather_kv(fields[0], tables, num_blocks).transpose(-1, -2)         # [Hkv, B, F, L]
+        k_fields = gather_kv(fields[0], tables, num_blocks).transpose(-1, -2)  # [Hkv, B, F, L]
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * k_fields[:, :, :1]
         if k_fields.shape[2] == 2:  # int4's min
             scores += queries.float().sum(-1, keepdim=True) * k_fields[:, :, 1:]
@@ -123,13 +130,13 @@ def _decode(layer, q, meta: AttentionMetadata) -> torch.Tensor:
     scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
     if fields is None:
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)                                              # [Hkv, B, G, D]
+        out = torch.matmul(probs, values)  # [Hkv, B, G, D]
     else:
         probs = torch.softmax(scores, dim=-1)
-        v_fields = gather_kv(fields[1], tables, num_blocks).transpose(-1, -2)         # [Hkv, B, F, L]
+        v_fields = gather_kv(fields[1], tables, num_blocks).transpose(-1, -2)  # [Hkv, B, F, L]
         out = torch.matmul((probs * v_fields[:, :, :1]).to(values.dtype), values)
         if v_fields.shape[2] == 2:
-            out += torch.matmul(probs, v_fields[:, :, 1:].transpose(-1, -2))          # [Hkv, B, G, 1]
+            out += torch.matmul(probs, v_fields[:, :, 1:].transpose(-1, -2))  # [Hkv, B, G, 1]
     return out.transpose(0, 1).reshape(nd, layer.num_heads, layer.head_dim)
 
 
@@ -140,19 +147,25 @@ def _prefill(layer, q, k, v, meta: AttentionMetadata, i: int) -> torch.Tensor:
     gqa = layer.num_heads != layer.num_kv_heads
     if context_len == 0 and not layer.sliding_window:
         # A 4-D call takes SDPA's fused CPU kernel; 3-D inputs fall back to a slower path.
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True, scale=layer.scale,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=layer.scale,
+            enable_gqa=gqa,
+        )
         return out[0].transpose(0, 1)
     num_blocks = -(-seq_len // meta.block_size)
-    table = meta.block_tables[i:i + 1]
+    table = meta.block_tables[i : i + 1]
     keys, values = read_kv(layer, table, num_blocks, q.dtype)
-    keys, values = keys[:, 0, :seq_len], values[:, 0, :seq_len]                        # [Hkv, L, D]
+    keys, values = keys[:, 0, :seq_len], values[:, 0, :seq_len]  # [Hkv, L, D]
     q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
     key_pos = torch.arange(seq_len, device=q.device)[None, :]
     mask = key_pos <= q_pos
     if layer.sliding_window:
         mask &= key_pos > q_pos - layer.sliding_window
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                         scale=layer.scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
+    )
     return out.transpose(0, 1)

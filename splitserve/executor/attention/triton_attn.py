@@ -20,6 +20,7 @@ attends to its own unquantized k/v; every other request reads all its keys from 
 Softmax runs in base 2 (scores times scale * log2(e), exp2) with float32 statistics and
 accumulators; inputs may be float16, bfloat16 or float32 (float32 dots in full precision).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,18 @@ import triton.language as tl
 
 from splitserve.executor.attention.backend import AttentionBackend, AttentionMetadata
 from splitserve.executor.attention.torch_ref import write_kv, write_quantized_kv
-from splitserve.executor.attention.triton_common import (_NO_MAX, _PREFILL_TILES, LOG2E, MAX_HEAD_DIM,
-                                                         _attend_paged, _cache_args, _dot_precision, _head_block,
-                                                         _softmax_step, _tiles)
+from splitserve.executor.attention.triton_common import (
+    _NO_MAX,
+    _PREFILL_TILES,
+    LOG2E,
+    MAX_HEAD_DIM,
+    _attend_paged,
+    _cache_args,
+    _dot_precision,
+    _head_block,
+    _softmax_step,
+    _tiles,
+)
 from splitserve.executor.attention.triton_decode import decode_attention
 from splitserve.executor.host import to_device
 
@@ -41,14 +51,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         if layer.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"The Triton attention backend supports head_dim up to {MAX_HEAD_DIM}, not "
-                             f"{layer.head_dim}; use SPLITSERVE_ATTENTION_BACKEND=torch.")
+            raise ValueError(
+                f"The Triton attention backend supports head_dim up to {MAX_HEAD_DIM}, not "
+                f"{layer.head_dim}; use SPLITSERVE_ATTENTION_BACKEND=torch."
+            )
         if layer.kv_scales is None:
             write_kv(layer.kv_cache[0], layer.kv_cache[1], k, v, meta.slot_mapping)
         else:
             if layer.kv_scales.shape[-1] != 1:
-                raise ValueError("The Triton attention backend has no kernel for an int4 KV cache; "
-                                 "use SPLITSERVE_ATTENTION_BACKEND=torch.")
+                raise ValueError(
+                    "The Triton attention backend has no kernel for an int4 KV cache; "
+                    "use SPLITSERVE_ATTENTION_BACKEND=torch."
+                )
             write_quantized_kv(layer.kv_cache, layer.kv_scales, k, v, meta.slot_mapping)
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -65,15 +79,47 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, query_start_ptr, seq_lens_ptr, table_ptr,
-                    k_cache, v_cache, k_scales, v_scales,
-                    stride_ch, stride_cb, stride_ct, stride_sh, stride_sb, stride_st,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-                    qk_scale, window,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, FRESH_FROM_INPUT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tiles_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    table_ptr,
+    k_cache,
+    v_cache,
+    k_scales,
+    v_scales,
+    stride_ch,
+    stride_cb,
+    stride_ct,
+    stride_sh,
+    stride_sb,
+    stride_st,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FRESH_FROM_INPUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Program (tile, query head): tiles_ptr [num_tiles, 2] int32 gives the tile's request r and its
     index m among the request's tiles of BLOCK_M query tokens. Query token j of r sits at position
     context + j (context = seq_len - query_len) and sees keys up to it (and within the window).
@@ -107,24 +153,81 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, query_start_ptr, se
     if FRESH_FROM_INPUT:
         from_input = context == 0
     if from_input:
-        m_i, l_i, acc = _attend_new_tokens(q, m_i, l_i, acc, q_pos, end, qk_scale,
-                                           k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh,
-                                           v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh,
-                                           stride_kt, stride_vt, offs_d, d_mask, BLOCK_N, PRECISION)
+        m_i, l_i, acc = _attend_new_tokens(
+            q,
+            m_i,
+            l_i,
+            acc,
+            q_pos,
+            end,
+            qk_scale,
+            k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh,
+            v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh,
+            stride_kt,
+            stride_vt,
+            offs_d,
+            d_mask,
+            BLOCK_N,
+            PRECISION,
+        )
     else:
-        m_i, l_i, acc = _attend_paged(q, m_i, l_i, acc, q_pos, start, end, window, qk_scale,
-                                      table_ptr + req.to(tl.int64) * stride_bt,
-                                      k_cache, v_cache, k_scales, v_scales,
-                                      stride_ch, stride_cb, stride_ct, stride_sh, stride_sb, stride_st, kv_head,
-                                      offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, QUANTIZED, PRECISION)
+        m_i, l_i, acc = _attend_paged(
+            q,
+            m_i,
+            l_i,
+            acc,
+            q_pos,
+            start,
+            end,
+            window,
+            qk_scale,
+            table_ptr + req.to(tl.int64) * stride_bt,
+            k_cache,
+            v_cache,
+            k_scales,
+            v_scales,
+            stride_ch,
+            stride_cb,
+            stride_ct,
+            stride_sh,
+            stride_sb,
+            stride_st,
+            kv_head,
+            offs_d,
+            d_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            HAS_WINDOW,
+            QUANTIZED,
+            PRECISION,
+        )
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask,
+    )
 
 
 @triton.jit
-def _attend_new_tokens(q, m_i, l_i, acc, q_pos, end, qk_scale, k_ptr, v_ptr, stride_kt, stride_vt,
-                       offs_d, d_mask, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_new_tokens(
+    q,
+    m_i,
+    l_i,
+    acc,
+    q_pos,
+    end,
+    qk_scale,
+    k_ptr,
+    v_ptr,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    d_mask,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Causal attention of a fresh prompt's rows (positions q_pos) to its own keys [0, end), read
     from the step's k, v (k_ptr, v_ptr: the prompt's first token in the kernel's KV head)."""
     for tok in range(0, end, BLOCK_N):
@@ -144,8 +247,9 @@ def _prefill_tiles(meta: AttentionMetadata, block_m: int) -> torch.Tensor:
     the prefill requests; built by a step's first layer."""
     key = ("triton_prefill_tiles", block_m)
     if key not in meta.scratch:
-        tiles = [(i, m) for i in range(meta.num_decodes, meta.num_reqs)
-                 for m in range(-(-meta.query_len(i) // block_m))]
+        tiles = [
+            (i, m) for i in range(meta.num_decodes, meta.num_reqs) for m in range(-(-meta.query_len(i) // block_m))
+        ]
         meta.scratch[key] = to_device(tiles, torch.int32, meta.seq_lens_tensor.device)
     return meta.scratch[key]
 
@@ -153,13 +257,15 @@ def _prefill_tiles(meta: AttentionMetadata, block_m: int) -> torch.Tensor:
 def _query_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     """meta.query_start_loc [R + 1] as an int32 device tensor, built by a step's first layer."""
     if "triton_query_start_loc" not in meta.scratch:
-        meta.scratch["triton_query_start_loc"] = to_device(meta.query_start_loc, torch.int32,
-                                                           meta.seq_lens_tensor.device)
+        meta.scratch["triton_query_start_loc"] = to_device(
+            meta.query_start_loc, torch.int32, meta.seq_lens_tensor.device
+        )
     return meta.scratch["triton_query_start_loc"]
 
 
-def prefill_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      meta: AttentionMetadata) -> None:
+def prefill_attention(
+    layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata
+) -> None:
     """Requests [num_decodes, R): their query tokens of q [T, Hq, D] -> out, in one launch."""
     head_dim, window = layer.head_dim, layer.sliding_window or 0
     block_d = _head_block(head_dim)
@@ -167,10 +273,36 @@ def prefill_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     tiles = _prefill_tiles(meta, block_m)
     quantized = layer.kv_scales is not None
     _prefill_kernel[(tiles.shape[0], layer.num_heads)](
-        q, k, v, out, tiles, _query_start_loc(meta), meta.seq_lens_tensor, meta.block_tables, *_cache_args(layer),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0), layer.scale * LOG2E, window,
-        GROUP=layer.num_heads // layer.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=meta.block_size, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=bool(window),
-        QUANTIZED=quantized, FRESH_FROM_INPUT=quantized and not window,
-        PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=2)
+        q,
+        k,
+        v,
+        out,
+        tiles,
+        _query_start_loc(meta),
+        meta.seq_lens_tensor,
+        meta.block_tables,
+        *_cache_args(layer),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        layer.scale * LOG2E,
+        window,
+        GROUP=layer.num_heads // layer.num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=meta.block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=bool(window),
+        QUANTIZED=quantized,
+        FRESH_FROM_INPUT=quantized and not window,
+        PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=2,
+    )

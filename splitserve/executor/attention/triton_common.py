@@ -1,11 +1,11 @@
 """What the Triton attention kernels share: constants, tile sizes, the cache as kernel arguments,
 and the online-softmax steps over a paged block table (see triton_attn.py for the design)."""
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
 
 LOG2E = 1.4426950408889634
 # The running maximum starts here rather than at -inf, so that a row whose keys are all masked so
@@ -18,7 +18,6 @@ MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # an H100 SXM; used where the device cannot be asked (the CPU interpreter)
 
 
-
 # --- shared pieces ------------------------------------------------------------------------------
 def _cache_args(layer) -> tuple:
     """A layer's cache as kernel arguments: K and V data [num_kv_heads, num_blocks, block_size, D]
@@ -27,8 +26,18 @@ def _cache_args(layer) -> tuple:
     slots in each."""
     cache = layer.kv_cache
     scales = cache if layer.kv_scales is None else layer.kv_scales
-    return (cache[0], cache[1], scales[0], scales[1], cache.stride(1), cache.stride(2), cache.stride(3),
-            scales.stride(1), scales.stride(2), scales.stride(3))
+    return (
+        cache[0],
+        cache[1],
+        scales[0],
+        scales[1],
+        cache.stride(1),
+        cache.stride(2),
+        cache.stride(3),
+        scales.stride(1),
+        scales.stride(2),
+        scales.stride(3),
+    )
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -63,8 +72,9 @@ def _tiles(table: dict, block_d: int, dtype: torch.dtype) -> tuple[int, ...]:
 
 
 @triton.jit
-def _softmax_step(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale,
-                  QUANTIZED: tl.constexpr, PRECISION: tl.constexpr):
+def _softmax_step(
+    q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr
+):
     """Fold one tile of keys into the running softmax of a tile of query rows.
     q [M, BLOCK_D] and k, v [N, BLOCK_D] in the model's dtype (k, v: stored values when QUANTIZED,
     with k_scale, v_scale [N] float32); visible [M, N]; m_i, l_i [M] (base 2) and acc [M, BLOCK_D]
@@ -84,12 +94,37 @@ def _softmax_step(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
-def _attend_paged(q, m_i, l_i, acc, q_pos, start, end, window, qk_scale, table_ptr,
-                  k_cache, v_cache, k_scales, v_scales,
-                  stride_ch, stride_cb, stride_ct, stride_sh, stride_sb, stride_st, kv_head,
-                  offs_d, d_mask,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_paged(
+    q,
+    m_i,
+    l_i,
+    acc,
+    q_pos,
+    start,
+    end,
+    window,
+    qk_scale,
+    table_ptr,
+    k_cache,
+    v_cache,
+    k_scales,
+    v_scales,
+    stride_ch,
+    stride_cb,
+    stride_ct,
+    stride_sh,
+    stride_sb,
+    stride_st,
+    kv_head,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Keys [start, end) of one request from the paged cache, BLOCK_N at a time: each key's block
     comes from the request's block table (table_ptr), whatever block_size is. q_pos [M]: the rows'
     positions (CAUSAL: key kp is visible iff kp <= q_pos, and kp > q_pos - window with HAS_WINDOW)."""
@@ -119,8 +154,5 @@ def _attend_paged(q, m_i, l_i, acc, q_pos, start, end, window, qk_scale, table_p
             visible = visible & (pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale,
-                                      QUANTIZED, PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, QUANTIZED, PRECISION)
     return m_i, l_i, acc
-
-

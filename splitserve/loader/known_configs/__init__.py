@@ -4,6 +4,7 @@ them (random weights, for benchmarks) with no hub access and no download.
 Each `<org>--<name>.json` here is the model's published `config.json`, unchanged (the hub id with
 `/` replaced by `--`). Only the config is carried: no tokenizer, no weights.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ def _files() -> dict[str, str]:
     """Hub id -> JSON file, for every built-in config."""
     files = {}
     for path in sorted(glob.glob(os.path.join(_DIRECTORY, "*--*.json"))):
-        org, _, name = os.path.basename(path)[:-len(".json")].partition("--")
+        org, _, name = os.path.basename(path)[: -len(".json")].partition("--")
         files[f"{org}/{name}"] = path
     return files
 
@@ -49,5 +50,7 @@ def load_builtin_config(model_id: str):
 
     path = builtin_config_path(model_id)
     if path is None:
-        raise KeyError(f"splitserve has no built-in config for {model_id!r}; built in: {', '.join(builtin_model_ids())}.")
+        raise KeyError(
+            f"splitserve has no built-in config for {model_id!r}; built in: {', '.join(builtin_model_ids())}."
+        )
     return AutoConfig.from_pretrained(path)

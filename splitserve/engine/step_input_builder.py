@@ -1,5 +1,6 @@
 """Turning the scheduler's plan (live Request objects) into the data-only StepInput the model runners
 get, sending each runner only what it does not know yet."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -16,9 +17,9 @@ class StepInputBuilder:
 
     def __init__(self, kv_manager: KVCacheManager):
         self.kv = kv_manager
-        self.num_blocks_sent: dict[str, int] = {}   # request id -> block ids the runners have
-        self.resumed: set[str] = set()              # preempted since last scheduled: blocks start over
-        self.forgotten: list[str] = []              # finished since the last step: runners drop them
+        self.num_blocks_sent: dict[str, int] = {}  # request id -> block ids the runners have
+        self.resumed: set[str] = set()  # preempted since last scheduled: blocks start over
+        self.forgotten: list[str] = []  # finished since the last step: runners drop them
 
     def build(self, sched: SchedulerOutput) -> StepInput:
         for request in sched.preempted:
@@ -42,9 +43,14 @@ class StepInputBuilder:
         start = request.num_computed_tokens
         end = start + num_tokens
         return ScheduledRequest(
-            request_id=rid, num_computed_tokens=start, num_tokens=num_tokens,
-            token_ids=request.all_token_ids[start:end], new_block_ids=blocks[sent:],
-            samples=end == request.num_tokens_with_pending, resumed=_take(self.resumed, rid))
+            request_id=rid,
+            num_computed_tokens=start,
+            num_tokens=num_tokens,
+            token_ids=request.all_token_ids[start:end],
+            new_block_ids=blocks[sent:],
+            samples=end == request.num_tokens_with_pending,
+            resumed=_take(self.resumed, rid),
+        )
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """These requests are done (finished, aborted): the runners drop them before the next step."""
@@ -55,8 +61,9 @@ class StepInputBuilder:
 
 
 def _new_request_data(request: Request) -> NewRequestData:
-    return NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
-                          sorted(request.stop_token_set))
+    return NewRequestData(
+        request.request_id, request.prompt_token_ids, request.sampling_params, sorted(request.stop_token_set)
+    )
 
 
 def _take(items: set[str], item: str) -> bool:

@@ -1,0 +1,184 @@
+"""`splitserve quantize -i MODEL -o OUT --quant-type ...`: the command line of the offline quantizer
+(splitserve/quantization/tool.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import torch
+
+from splitserve.quantization.calibration import builtin_sequences, read_token_ids
+from splitserve.quantization.tool import check_shapes, quantization_config, quantize_model, write_checkpoint
+
+logger = logging.getLogger(__name__)
+
+QUANT_TYPES = ("weight_only_int8", "smooth_quant", "awq", "gptq")
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+DEFAULT_SMOOTHING = 0.8
+DEFAULT_GROUP_SIZE = 128
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input", required=True, help="Hugging Face model directory or .gguf file")
+    parser.add_argument("-o", "--output", required=True, help="directory to write the quantized model to")
+    parser.add_argument(
+        "--quant-type",
+        "--quant_type",
+        "-quant_type",
+        dest="quant_type",
+        required=True,
+        choices=QUANT_TYPES,
+        metavar="TYPE",
+        help=f"quantization method: {', '.join(QUANT_TYPES)}",
+    )
+    parser.add_argument(
+        "-t",
+        "--dtype",
+        default="bf16",
+        choices=list(DTYPES),
+        metavar="DTYPE",
+        help="bf16 (default), fp16 or fp32 (or bfloat16, float16, float32): storage dtype of "
+        "what stays unquantized (embeddings, norms, lm_head, biases)",
+    )
+    parser.add_argument(
+        "-tp",
+        "--tp-size",
+        "--tp_size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="check that the result can be served with this tensor-parallel size",
+    )
+    parser.add_argument(
+        "-sq",
+        "--smoothquant",
+        type=float,
+        default=None,
+        help=f"SmoothQuant smoothing strength alpha in [0, 1] (default {DEFAULT_SMOOTHING}; smooth_quant only)",
+    )
+    parser.add_argument(
+        "--tokenids-path",
+        "--tokenids_path",
+        "-token",
+        dest="tokenids_path",
+        help="calibration token ids, one sequence per line, separated by whitespace or commas "
+        "(lines longer than --seq-len are cut); default: a built-in text",
+    )
+    parser.add_argument(
+        "--multi-query-mode",
+        action="store_true",
+        help="accepted for TensorRT-LLM compatibility; the KV heads come from the config",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help=f"input channels per scale for awq / gptq (default {DEFAULT_GROUP_SIZE})",
+    )
+    parser.add_argument(
+        "--sym",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gptq: symmetric levels (zero point fixed at 8; default) or asymmetric",
+    )
+    parser.add_argument(
+        "--desc-act",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gptq: quantize columns in order of decreasing activation energy (act-order)",
+    )
+    parser.add_argument("--num-samples", type=int, default=128, help="most calibration sequences")
+    parser.add_argument("--seq-len", type=int, default=512, help="most tokens per calibration sequence")
+
+
+def main(ns: argparse.Namespace) -> str:
+    """Quantize as `ns` says; returns the output directory."""
+    from splitserve.loader.hf_model import load_hf_model
+    from splitserve.loader.resolve import load_hf_config, split_gguf
+    from splitserve.tokenizer import get_tokenizer
+
+    start = time.perf_counter()
+    source, output = _check_paths(ns.input, ns.output)
+    _check_options(ns)
+    config = load_hf_config(source)
+    group_size = ns.group_size or DEFAULT_GROUP_SIZE
+    check_shapes(config, ns.quant_type, group_size, ns.tp_size)
+    if ns.multi_query_mode:
+        logger.info(
+            "--multi-query-mode: the model's %d KV heads are read from its config.",
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        )
+
+    tokenizer = get_tokenizer(source)
+    sequences = None
+    if ns.quant_type != "weight_only_int8":
+        if ns.tokenids_path:
+            sequences = read_token_ids(ns.tokenids_path, config.vocab_size, ns.seq_len, ns.num_samples)
+        else:
+            sequences = builtin_sequences(tokenizer, config.vocab_size, ns.seq_len, ns.num_samples)
+    model = load_hf_model(*split_gguf(source), torch.float32)
+    logger.info(
+        "Loaded %s (%d decoder layers) in %.1f s", source, config.num_hidden_layers, time.perf_counter() - start
+    )
+
+    began = time.perf_counter()
+    alpha = DEFAULT_SMOOTHING if ns.smoothquant is None else ns.smoothquant
+    sym = True if ns.sym is None else ns.sym
+    linears = quantize_model(
+        model, ns.quant_type, sequences, alpha=alpha, group_size=group_size, sym=sym, desc_act=bool(ns.desc_act)
+    )
+    logger.info(
+        "Quantized %d linear layers with %s in %.1f s", len(linears), ns.quant_type, time.perf_counter() - began
+    )
+
+    qc = quantization_config(
+        ns.quant_type, alpha=alpha, group_size=group_size, sym=sym, desc_act=bool(ns.desc_act), tp_size=ns.tp_size
+    )
+    size = write_checkpoint(model, tokenizer, output, DTYPES[ns.dtype], linears, qc)
+    logger.info("Wrote %s (%.1f MB) in %.1f s in all", output, size / 1e6, time.perf_counter() - start)
+    return output
+
+
+def _check_paths(source: str, output: str) -> tuple[str, str]:
+    source = os.path.abspath(os.path.expanduser(source))
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"Input {source} does not exist: give a Hugging Face model directory or a .gguf file.")
+    if os.path.isfile(source) and not source.endswith(".gguf"):
+        raise ValueError(f"Input {source} is a file but not a .gguf file.")
+    output = os.path.abspath(os.path.expanduser(output))
+    if output == (source if os.path.isdir(source) else os.path.dirname(source)):
+        raise ValueError(f"The output directory {output} is the input's directory; choose another one.")
+    return source, output
+
+
+def _check_options(ns: argparse.Namespace) -> None:
+    """Refuse impossible values; warn about options the chosen method ignores."""
+    if ns.num_samples < 1 or ns.seq_len < 1:
+        raise ValueError("--num-samples and --seq-len must be at least 1.")
+    if ns.smoothquant is not None and not 0.0 <= ns.smoothquant <= 1.0:
+        raise ValueError(f"-sq {ns.smoothquant}: the smoothing strength must be within [0, 1].")
+    if ns.group_size is not None and (ns.group_size < 8 or ns.group_size % 8):
+        raise ValueError(f"--group-size {ns.group_size}: must be a positive multiple of 8 (usually 32, 64 or 128).")
+    ignored = []
+    if ns.smoothquant is not None and ns.quant_type != "smooth_quant":
+        ignored.append("-sq (smooth_quant only; AWQ searches its own scales)")
+    if ns.group_size is not None and ns.quant_type not in ("awq", "gptq"):
+        ignored.append("--group-size (awq and gptq only)")
+    if ns.sym is not None and ns.quant_type != "gptq":
+        ignored.append("--sym/--no-sym (gptq only; awq is always asymmetric)")
+    if ns.desc_act is not None and ns.quant_type != "gptq":
+        ignored.append("--desc-act (gptq only)")
+    if ns.tokenids_path and ns.quant_type == "weight_only_int8":
+        ignored.append("--tokenids-path (weight_only_int8 needs no calibration)")
+    for option in ignored:
+        logger.warning("Ignoring %s.", option)
