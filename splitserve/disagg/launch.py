@@ -35,16 +35,20 @@ def parse_pd_spec(spec: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def split_devices(count: int) -> list[dict[str, str]]:
-    """Environment for each of `count` instances: one CUDA device each when there are enough, else
-    disjoint shares of this process's CPU cores (shared round-robin when there are too few)."""
+def split_devices(count: int, devices_per_instance: int = 1) -> list[dict[str, str]]:
+    """Environment for each of `count` instances: `devices_per_instance` CUDA devices each (one per
+    rank) when there are enough, else disjoint shares of this process's CPU cores (shared
+    round-robin when there are too few), which the instance splits among its own ranks."""
     import torch
 
     if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        if n < count:
-            raise ValueError(f"{count} instances need {count} CUDA devices; {n} are visible.")
-        return [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(count)]
+        n, need = torch.cuda.device_count(), count * devices_per_instance
+        if n < need:
+            raise ValueError(
+                f"{count} instances of {devices_per_instance} ranks need {need} CUDA devices; {n} are visible."
+            )
+        per = devices_per_instance
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(str(i * per + d) for d in range(per))} for i in range(count)]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < count:
         logger.warning("%d instances share %d CPU cores: they will slow each other down", count, len(cores))
@@ -57,12 +61,7 @@ def device_env(device_ids: list[int]) -> dict[str, str]:
     import torch
 
     if torch.cuda.is_available():
-        if len(device_ids) > 1:
-            raise ValueError(
-                f"This instance has devices {device_ids}: more than one needs tensor parallelism, "
-                "which is not supported yet; give each instance one device."
-            )
-        return {"CUDA_VISIBLE_DEVICES": str(device_ids[0])}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, device_ids))}
     cores = os.sched_getaffinity(0)
     missing = sorted(set(device_ids) - cores)
     if missing:

@@ -182,9 +182,10 @@ class EngineProcess:
         self.address = address or new_ipc_address()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=run_engine_core, args=(config, self.address, child), name="splitserve-engine", daemon=True
-        )
+        # Not a daemon: daemonic processes may not start children, and the engine starts one worker
+        # process per rank with tensor/pipeline parallelism. It still never outlives this process
+        # (a parent-death signal, and shutdown() below).
+        self.process = ctx.Process(target=run_engine_core, args=(config, self.address, child), name="splitserve-engine")
         self.process.start()
         child.close()
         try:

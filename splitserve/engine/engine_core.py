@@ -54,16 +54,13 @@ class EngineCore:
         self._warm_up()
 
     def _make_connector(self):
-        """PD instances move KV blocks between engines. The connector lives in disagg/ and is
-        handed the KV tensors; the engine only calls its narrow interface (leases, pulls)."""
+        """PD instances move KV blocks between engines. Each rank's connector holds its own share
+        of the KV tensors; the engine only calls the group's narrow interface (leases, pulls)."""
         if not self.config.kv_transfer_config.is_disaggregated:
             return None
-        from splitserve.disagg.connector import KVConnector
+        from splitserve.disagg.connector import KVConnectorGroup
 
-        runner = getattr(self.executor, "runner", None)
-        if runner is None:
-            raise ValueError("Prefill/decode disaggregation with several ranks per instance is not supported yet.")
-        return KVConnector(self.config.kv_transfer_config, runner.kv_caches, runner.kv_scales, runner.kv_spec.name)
+        return KVConnectorGroup(self.executor.call_kv_connector)
 
     def _warm_up(self) -> None:
         """Run one tiny request through the model: the first forward pays for thread pools and
@@ -178,9 +175,10 @@ class EngineCore:
         loop calls it once per iteration, busy or idle (leases expire while nothing runs)."""
         if self.connector is None:
             return
-        for request_id in self.connector.poll_released():
+        released, pulled = self.connector.poll()
+        for request_id in released:
             self.scheduler.release_lease(request_id)
-        for result in self.connector.poll_pulled():
+        for result in pulled:
             self.scheduler.finish_remote_prefill(result.request_id, result.ok)
 
     def _start_pulls(self, pulls) -> None:
@@ -190,12 +188,13 @@ class EngineCore:
     def _lease(self, request: Request) -> KVTransferParams:
         num_pulls = request.kv_transfer.remote_num_pulls
         self.connector.add_lease(request.request_id, self.kv_manager.get_block_ids(request.request_id), num_pulls)
-        cfg = self.config.kv_transfer_config
+        host, port = self.connector.endpoints[0]
         return KVTransferParams(
-            remote_host=cfg.kv_host,
-            remote_port=self.connector.port,
+            remote_host=host,
+            remote_port=port,
             remote_request_id=request.request_id,
             remote_num_pulls=num_pulls,
+            remote_endpoints=self.connector.endpoints if self.connector.num_ranks > 1 else None,
         )
 
     @staticmethod
@@ -213,9 +212,13 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        if self.connector is not None:
-            self.connector.shutdown()
-        self.executor.shutdown()
+        try:
+            if self.connector is not None:
+                self.connector.shutdown()
+        except Exception as exc:  # a dead rank cannot stop its connector; stop the ranks regardless
+            logger.warning("KV connector shutdown failed: %s", exc)
+        finally:
+            self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler

@@ -49,3 +49,7 @@ class LLMEngine(FrontEnd):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
+
+    def shutdown(self) -> None:
+        """Stop the engine's ranks (worker processes or Ray actors) and its KV connector."""
+        self.engine_core.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from splitserve.distributed.kv_transfer import KVTransferStats
 from splitserve.executor.step_input import TokenLogprobs
 from splitserve.sampling_params import SamplingParams
 
@@ -24,6 +25,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
     remote_port: int | None = None
     remote_request_id: str | None = None
     remote_num_pulls: int = 1
+    # With several ranks per instance, where each rank's blocks wait (host, port), in rank order:
+    # decode rank r pulls its own KV heads (or layers) from prefill rank r.
+    remote_endpoints: list[tuple[str, int]] | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
@@ -61,20 +65,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-class KVTransferStats(msgspec.Struct, array_like=True):
-    """A PD instance's KV connector counters, cumulative since start."""
-
-    blocks_sent: int = 0
-    bytes_sent: int = 0
-    blocks_received: int = 0
-    bytes_received: int = 0
-    transfer_seconds: float = 0.0  # time spent pulling (decode side)
-    pull_failures: int = 0  # pulls that failed or were refused (decode side)
-    pulls_refused: int = 0  # pulls this prefill instance refused (unknown or expired lease)
-    lease_expiries: int = 0
-    leases_active: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

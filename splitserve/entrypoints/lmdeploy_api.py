@@ -144,6 +144,7 @@ class Pipeline:
             self._queues.clear()
             self._abandoned.clear()
             device = self.engine.config.device
+            self.engine.shutdown()
             self.engine = None
         gc.collect()
         if device.type == "cuda":

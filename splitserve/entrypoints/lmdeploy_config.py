@@ -174,7 +174,6 @@ def _kv_cache_dtype(config) -> str:
     return _QUANT_POLICY_KV_CACHE_DTYPES[config.quant_policy]
 
 
-_TP_WHY = "tensor parallelism is not implemented yet."
 _DOWNLOAD_WHY = "models are cached where huggingface_hub puts them (set HF_HUB_CACHE to move it)."
 
 
@@ -219,7 +218,6 @@ class PytorchEngineConfig:
         _refuse_unsupported(
             self,
             {
-                "tp": (1, _TP_WHY),
                 "num_cpu_blocks": (
                     0,
                     "KV blocks are never swapped to host memory (preempted requests are recomputed).",
@@ -280,7 +278,6 @@ class TurbomindEngineConfig:
         _refuse_unsupported(
             self,
             {
-                "tp": (1, _TP_WHY),
                 "rope_scaling_factor": (0.0, "RoPE scaling comes from the model's config.json only."),
                 "use_logn_attn": (False, "log-n attention scaling is not implemented."),
                 "download_dir": (None, _DOWNLOAD_WHY),

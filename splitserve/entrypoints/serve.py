@@ -45,6 +45,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         pd_env.server_ip,
         pd_env.device_ids,
     )
+    _ranks_from_devices(engine_args, pd_env.device_ids)
     os.environ.update(launch.device_env(pd_env.device_ids))
     engine_args.pd_role, engine_args.kv_host = pd_env.role, pd_env.server_ip
     return run_server(engine_args, server_args)
@@ -57,7 +58,8 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     instances: list[launch.LocalInstance] = []
     try:
-        for role, env in zip(roles, launch.split_devices(len(roles))):
+        world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+        for role, env in zip(roles, launch.split_devices(len(roles), world)):
             instances.append(launch.start_instance(role, instance_flags(engine_args, server_args, role), env))
         launch.wait_healthy(instances)
         config = _router_config(
@@ -69,6 +71,22 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
         run_router(config, server_args.host, server_args.port)
     finally:
         launch.stop_all(instances)
+
+
+def _ranks_from_devices(engine_args: EngineArgs, device_ids: list[int]) -> None:
+    """An instance's rank-table entry lists its devices, one per rank: without parallelism flags,
+    as many tensor-parallel ranks as devices; with them, their product must be the device count."""
+    world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+    if world == 1 and len(device_ids) > 1:
+        logger.info(
+            "Rank table: %d devices for this instance, so --tensor-parallel-size %d", len(device_ids), len(device_ids)
+        )
+        engine_args.tensor_parallel_size = len(device_ids)
+    elif world != len(device_ids):
+        raise ValueError(
+            f"The rank table gives this instance {len(device_ids)} devices {device_ids}, but "
+            f"--tensor-parallel-size x --pipeline-parallel-size is {world}: they must match."
+        )
 
 
 def instance_flags(engine_args: EngineArgs, server_args: ServerArgs, role: str) -> list[str]:

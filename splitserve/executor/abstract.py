@@ -43,6 +43,10 @@ class Executor(ABC):
     def collect(self, handle: object) -> ModelRunnerOutput:
         """The sampled tokens (and logprobs) of a launched step, once they are known."""
 
+    def call_kv_connector(self, method: str, *args) -> list:
+        """Run a KV connector method on every rank (prefill/decode disaggregation); answers in rank order."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector")
+
     def check_health(self) -> None:
         """Raise (naming the rank) if a rank has died; between steps, while the engine is idle."""
 

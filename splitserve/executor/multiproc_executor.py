@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import weakref
 from multiprocessing.connection import Connection, wait
 
 from splitserve.config import EngineConfig
@@ -72,6 +73,8 @@ class MultiprocExecutor(Executor):
         self.output_rank = next(r.rank for r in self.ranks if r.is_output_rank)
         self.processes: list[multiprocessing.Process] = []
         self.conns: list[Connection] = []
+        # Workers stop when this executor is collected (an LLM dropped without shutdown) or at exit.
+        weakref.finalize(self, _stop_workers, self.processes, self.conns)
         try:
             self._start_workers(config)
             self._expect_all(_START_TIMEOUT_S)
@@ -182,19 +185,26 @@ class MultiprocExecutor(Executor):
         self._send_all(Collect())
         return self._expect_all()[self.output_rank].output
 
+    def call_kv_connector(self, method: str, *args) -> list:
+        return self._call("kv_connector", method, list(args))
+
     def check_health(self) -> None:
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 raise self._died(rank)
 
     def shutdown(self) -> None:
-        for conn in self.conns:
-            conn.close()
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in self.processes:
+        _stop_workers(self.processes, self.conns)
+
+
+def _stop_workers(processes: list[multiprocessing.Process], conns: list[Connection]) -> None:
+    for conn in conns:
+        conn.close()
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
             process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)

@@ -49,11 +49,12 @@ class RayWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, config: EngineConfig, rank: ParallelRank, init_method: str) -> int:
+    def start(self, config: EngineConfig, rank: ParallelRank, init_method: str, kv_host: str | None) -> int:
         from splitserve.executor.worker import Worker
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank-{rank.rank}: %(message)s")
-        self.worker = Worker(config, rank, init_method, local_rank=0)  # Ray gives each actor its own GPU
+        # Ray gives each actor its own GPU, so it is device 0 here.
+        self.worker = Worker(config, rank, init_method, local_rank=0, kv_host=kv_host)
         return rank.rank
 
     def handle(self, payload: bytes) -> bytes | None:
@@ -118,7 +119,14 @@ class RayDistributedExecutor(Executor):
         self.node_ips, self.node_ids = zip(*self._get([a.node.remote() for a in self.actors]))
         port = self._get([self.actors[0].free_port.remote()])[0]
         init_method = f"tcp://{self.node_ips[0]}:{port}"
-        self._get([a.start.remote(config, rank, init_method) for a, rank in zip(self.actors, self.ranks)])
+        # Across machines, each rank's KV connector listens on its own machine's address.
+        spread = len(set(self.node_ids)) > 1
+        self._get(
+            [
+                a.start.remote(config, rank, init_method, self.node_ips[r] if spread else None)
+                for r, (a, rank) in enumerate(zip(self.actors, self.ranks))
+            ]
+        )
 
     # --- messages ---------------------------------------------------------------------------
     def _get(self, refs: list, timeout: float | None = _CALL_TIMEOUT_S) -> list:
@@ -167,6 +175,9 @@ class RayDistributedExecutor(Executor):
 
     def collect(self, handle: None) -> ModelRunnerOutput:
         return self._expect_all(self._send_all(Collect()))[self.output_rank].output
+
+    def call_kv_connector(self, method: str, *args) -> list:
+        return self._call("kv_connector", method, list(args))
 
     def check_health(self) -> None:
         self._call("ready")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from splitserve.config import EngineConfig
+from splitserve.distributed import ParallelRank
 from splitserve.executor.abstract import Executor
+from splitserve.executor.kv_transfer_handler import KVTransferHandler
 from splitserve.executor.model_runner import InFlightStep, ModelRunner
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 
@@ -13,6 +15,7 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.runner = ModelRunner(config)
         self._last: InFlightStep | None = None  # the step a pending input token comes from
+        self.kv_transfer = KVTransferHandler(config.kv_transfer_config, ParallelRank())
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -29,3 +32,6 @@ class UniProcExecutor(Executor):
 
     def collect(self, handle: InFlightStep) -> ModelRunnerOutput:
         return self.runner.collect(handle)
+
+    def call_kv_connector(self, method: str, *args) -> list:
+        return [self.kv_transfer.handle(self.runner, method, list(args))]

@@ -20,6 +20,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank, init_distributed
+from splitserve.executor.kv_transfer_handler import KVTransferHandler
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 
 logger = logging.getLogger(__name__)
@@ -51,11 +52,20 @@ ENCODER = msgspec.msgpack.Encoder()
 MESSAGE_DECODER = msgspec.msgpack.Decoder(WorkerMessage)
 REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
 # What a Call may run on a worker: nothing else is reachable through the message channel.
-_CALLS = ("determine_num_blocks", "initialize_kv_cache", "capture_cuda_graphs", "ready")
+_CALLS = ("determine_num_blocks", "initialize_kv_cache", "capture_cuda_graphs", "ready", "kv_connector")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: ParallelRank, init_method: str, local_rank: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: ParallelRank,
+        init_method: str,
+        local_rank: int = 0,
+        kv_host: str | None = None,
+    ):
+        """`kv_host`: the address other instances reach this rank's KV connector at, when it is not
+        the instance's (a rank on another machine of a Ray cluster)."""
         self.rank = rank
         if config.device.type == "cuda":
             config.device = torch.device("cuda", local_rank)
@@ -66,6 +76,7 @@ class Worker:
         self.runner = ModelRunner(config)
         self.in_flight: deque = deque()  # launched steps, oldest first
         self.failure: str | None = None
+        self.kv_transfer = KVTransferHandler(config.kv_transfer_config, rank, kv_host)
 
     # --- the message channel ----------------------------------------------------------------
     def handle(self, payload: bytes) -> bytes | None:
@@ -114,3 +125,6 @@ class Worker:
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()
+
+    def kv_connector(self, method: str, args: list):
+        return self.kv_transfer.handle(self.runner, method, args)

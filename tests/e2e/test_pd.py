@@ -99,6 +99,15 @@ def test_one_command_2p2d_matches_a_mixed_instance(tiny_chat_model, offline):
         _check_parity(router.url, offline)
 
 
+def test_one_command_1p1d_with_two_ranks_per_instance(tiny_chat_model, offline):
+    """Prefill and decode instances of tensor-parallel size 2: each decode rank pulls its own KV
+    heads from the prefill rank of the same index, and the tokens are a mixed instance's."""
+    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d", "--tensor-parallel-size", "2") as router:
+        _check_parity(router.url, offline)
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert "splitserve_router:fallbacks_total 0.0" in metrics
+
+
 # --- instances started by hand, with a separate router ----------------------------------------
 @pytest.fixture
 def pd_cluster(tiny_chat_model):

@@ -309,7 +309,6 @@ def test_logprobs(pipe):
         (PytorchEngineConfig(num_cpu_blocks=8), "num_cpu_blocks"),
         (PytorchEngineConfig(quant_policy=2), "quant_policy"),
         (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
-        (PytorchEngineConfig(tp=2), "tp"),
         (PytorchEngineConfig(adapters={"a": "/x"}), "adapters"),
         (PytorchEngineConfig(download_dir="/tmp/x"), "download_dir"),
         (PytorchEngineConfig(device_type="ascend"), "device_type"),
@@ -318,7 +317,6 @@ def test_logprobs(pipe):
         (PytorchEngineConfig(max_prefill_token_num=0), "max_prefill_token_num"),
         (PytorchEngineConfig(max_batch_size=0), "max_batch_size"),
         (TurbomindEngineConfig(model_format="int3"), "model_format"),
-        (TurbomindEngineConfig(tp=2), "tp"),
         (TurbomindEngineConfig(quant_policy=3), "quant_policy"),
         (TurbomindEngineConfig(rope_scaling_factor=2.0), "rope_scaling_factor"),
         (TurbomindEngineConfig(use_logn_attn=True), "use_logn_attn"),
@@ -329,6 +327,18 @@ def test_logprobs(pipe):
 def test_unsupported_backend_fields_raise(model_dir, config, field):
     with pytest.raises(ValueError, match=rf"EngineConfig\.{field}\b"):
         pipeline(model_dir, backend_config=config)
+
+
+def test_turbomind_tp_runs_two_ranks(model_dir, pipe):
+    """TurbomindEngineConfig(tp=2), as the LMDeploy documents' examples set it: two worker processes,
+    the same tokens as one."""
+    assert TurbomindEngineConfig(tp=2).to_engine_args("m").tensor_parallel_size == 2
+    config = TurbomindEngineConfig(tp=2, session_len=256, cache_max_entry_count=0.05)
+    with pipeline(model_dir, backend_config=config) as split:
+        assert split.engine.engine_core.executor.world_size == 2
+        got = split(PROMPTS, gen_config=_greedy())
+    expected = pipe(PROMPTS, gen_config=_greedy())
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
 
 
 def test_pytorch_engine_config_mapping():

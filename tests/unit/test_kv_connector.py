@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.config import KVTransferConfig
-from splitserve.disagg import connector as C
+from splitserve.distributed import kv_transfer as C
 from splitserve.engine.messages import KVTransferParams
 
 LAYERS, HEADS, BLOCKS, BS, DIM = 2, 2, 8, 4, 8

@@ -1,0 +1,379 @@
+"""The KV connector of one rank: moves a request's KV-cache blocks from a prefill instance to a
+decode instance (with several ranks per instance, each rank moves its own share, see
+disagg/connector.py for the instance-wide view the engine sees).
+
+Transport: ZMQ over TCP (works across hosts). It runs in the process that holds the rank's KV
+cache, beside its work, in one thread per side, so that serving or pulling blocks never stalls a
+model step:
+
+- prefill side (KV server): a ROUTER socket answering pulls of leased blocks. A lease holds a
+  finished prefill request's blocks until its `remote_num_pulls` pulls have been served or it
+  expires; once it has expired a late pull is refused (the blocks may already hold other data).
+- decode side (KV client): pulls blocks into blocks the scheduler allocated, one job at a time,
+  and reports each job's result to the engine loop, which then lets the request run (or, on any
+  failure, computes the prompt itself).
+
+Messages are typed msgspec structs (never pickle). A KV frame carries the request id, the block
+ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match is refused.
+With a quantized KV cache (--kv-cache-dtype) the blocks' scales travel in a third frame, and both
+instances must store the same kv_cache_dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from splitserve.config import KVTransferConfig
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_BLOCK_DIM = 2  # of a layer's cache [2, num_kv_heads, num_blocks, block_size, head_dim]
+PULL_TIMEOUT_S = 30.0
+
+
+class KVTransferStats(msgspec.Struct, array_like=True):
+    """A PD instance's KV connector counters, cumulative since start."""
+
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    transfer_seconds: float = 0.0  # time spent pulling (decode side)
+    pull_failures: int = 0  # pulls that failed or were refused (decode side)
+    pulls_refused: int = 0  # pulls this prefill instance refused (unknown or expired lease)
+    lease_expiries: int = 0
+    leases_active: int = 0
+
+
+class PullRequest(msgspec.Struct, tag="pull", array_like=True):
+    request_id: str
+    first_block: int
+    num_blocks: int
+
+
+class Release(msgspec.Struct, tag="release", array_like=True):
+    request_id: str
+
+
+ConnectorMessage = PullRequest | Release
+
+
+class KVFrameHeader(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    first_block: int = 0
+    block_ids: list[int] = []
+    shape: list[int] = []
+    dtype: str = ""
+    checksum: int = 0  # CRC-32 of the data frame, continued over the scales frame if any
+    error: str | None = None
+    kv_cache_dtype: str = "auto"
+    scale_shape: list[int] = []  # a quantized cache's scales (float32); [] when none travel
+
+
+@dataclass
+class Lease:
+    block_ids: list[int]
+    expires_at: float
+    pulls_left: int
+
+
+@dataclass
+class PullJob:
+    request_id: str  # the local (decode) request
+    host: str
+    port: int
+    remote_request_id: str
+    first_block: int  # index into the remote request's blocks
+    dest_block_ids: list[int]
+
+
+@dataclass
+class PullResult:
+    request_id: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _gather(tensors: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Blocks `index` of every layer's tensor: one CPU tensor [layers, 2, heads, len(index), block_size, last]."""
+    return torch.stack([t.index_select(_BLOCK_DIM, index) for t in tensors]).cpu().contiguous()
+
+
+def _scatter(tensors: list[torch.Tensor], index: torch.Tensor, data: torch.Tensor) -> None:
+    """The inverse of _gather: data's blocks into blocks `index` of every layer's tensor."""
+    for tensor, blocks in zip(tensors, data):
+        if tensor.element_size() == 1:  # int8, fp8, packed int4: CPU index_copy_ has no float8 kernel
+            tensor, blocks = tensor.view(torch.uint8), blocks.view(torch.uint8)
+        tensor.index_copy_(_BLOCK_DIM, index, blocks.to(tensor.device))
+
+
+def _frame_shape(tensors: list[torch.Tensor], num_blocks: int) -> list[int]:
+    shape = [len(tensors), *tensors[0].shape]
+    shape[1 + _BLOCK_DIM] = num_blocks
+    return shape
+
+
+def _crc32(buffers) -> int:
+    checksum = 0
+    for buffer in buffers:
+        checksum = zlib.crc32(buffer, checksum)
+    return checksum
+
+
+class KVConnector:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_caches: list[torch.Tensor],
+        kv_scales: list[torch.Tensor] | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
+        self.config = config
+        self.kv_caches = kv_caches  # per layer [2, num_kv_heads, num_blocks, block_size, head_dim (int4: / 2)]
+        self.kv_scales = kv_scales  # per layer [2, num_kv_heads, num_blocks, block_size, fields], or None
+        self.kv_cache_dtype = kv_cache_dtype  # the canonical name (KVCacheSpec.name): both sides must agree
+        self.stats = KVTransferStats()
+        self._running = True
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[PullJob] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
+        self.port = config.kv_port
+        self._threads = []
+        if config.pd_role == "prefill":
+            server = zmq.Context.instance().socket(zmq.ROUTER)
+            server.setsockopt(zmq.LINGER, 0)
+            if config.kv_port:
+                server.bind(f"tcp://{config.kv_host}:{config.kv_port}")
+            else:
+                self.port = server.bind_to_random_port(f"tcp://{config.kv_host}")
+            self._start(self._serve, server)
+            logger.info(
+                "KV server listening on %s:%d (leases expire after %.0f s)",
+                config.kv_host,
+                self.port,
+                config.lease_seconds,
+            )
+        if config.pd_role == "decode":
+            self._start(self._pull_loop)
+
+    def _start(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"kv-{target.__name__.strip('_')}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def shutdown(self) -> None:
+        self._running = False
+
+    def snapshot_stats(self) -> KVTransferStats:
+        with self._lock:
+            self.stats.leases_active = len(self._leases)
+        return msgspec.structs.replace(self.stats)
+
+    # --- prefill side -----------------------------------------------------------------------
+    def add_lease(self, request_id: str, block_ids: list[int], num_pulls: int) -> None:
+        with self._lock:
+            self._leases[request_id] = Lease(
+                list(block_ids), time.monotonic() + self.config.lease_seconds, max(num_pulls, 1)
+            )
+
+    def poll_released(self) -> list[str]:
+        """Leases that were fully pulled, released or expired: their blocks can be freed now."""
+        return _drain(self._released)
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        decoder, encoder = msgspec.msgpack.Decoder(ConnectorMessage), msgspec.msgpack.Encoder()
+        while self._running:
+            if sock.poll(_POLL_MS):
+                identity, payload = sock.recv_multipart()
+                try:
+                    msg = decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    logger.warning("Refused a malformed KV connector message: %s", exc)
+                    continue
+                if isinstance(msg, Release):
+                    self._end_lease(msg.request_id)
+                else:
+                    header, payloads = self._read_blocks(msg)
+                    sock.send_multipart([identity, encoder.encode(header), *payloads], copy=False)
+            self._expire()
+        sock.close()
+
+    def _read_blocks(self, msg: PullRequest) -> tuple[KVFrameHeader, list[memoryview | bytes]]:
+        """The header and the payload frames: the blocks' data, then their scales if the cache has any."""
+        with self._lock:
+            lease = self._leases.get(msg.request_id)
+            if lease is None or lease.expires_at < time.monotonic():
+                self.stats.pulls_refused += 1
+                return KVFrameHeader(msg.request_id, error="unknown or expired lease"), [b""]
+            ids = lease.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
+            if msg.first_block < 0 or len(ids) != msg.num_blocks:
+                self.stats.pulls_refused += 1
+                return KVFrameHeader(
+                    msg.request_id,
+                    error=f"the lease holds {len(lease.block_ids)} blocks, "
+                    f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked",
+                ), [b""]
+            index = torch.tensor(ids, device=self.kv_caches[0].device)
+            data = _gather(self.kv_caches, index)
+            scales = None if self.kv_scales is None else _gather(self.kv_scales, index)
+            lease.pulls_left -= 1
+            if lease.pulls_left == 0:
+                self._end_lease_locked(msg.request_id)
+        raws = [t.view(torch.uint8).numpy().data for t in (data, scales) if t is not None]
+        self.stats.blocks_sent += len(ids)
+        self.stats.bytes_sent += sum(raw.nbytes for raw in raws)
+        header = KVFrameHeader(
+            msg.request_id,
+            msg.first_block,
+            ids,
+            list(data.shape),
+            _dtype_name(data.dtype),
+            _crc32(raws),
+            kv_cache_dtype=self.kv_cache_dtype,
+            scale_shape=[] if scales is None else list(scales.shape),
+        )
+        return header, raws
+
+    def _end_lease(self, request_id: str) -> None:
+        with self._lock:
+            self._end_lease_locked(request_id)
+
+    def _end_lease_locked(self, request_id: str) -> None:
+        if self._leases.pop(request_id, None) is not None:
+            self._released.put(request_id)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, lease in self._leases.items() if lease.expires_at < now]
+            for rid in expired:
+                self._end_lease_locked(rid)
+        for rid in expired:
+            self.stats.lease_expiries += 1
+            logger.warning("KV lease of request %s expired before decode pulled it; its blocks are freed", rid)
+
+    # --- decode side ------------------------------------------------------------------------
+    def submit_pull(self, request_id: str, params, first_block: int, dest_block_ids: list[int]) -> None:
+        """Pull blocks first_block.. of the remote request named in `params` (KVTransferParams)
+        into our blocks `dest_block_ids`; the result comes back through poll_pulled()."""
+        self._jobs.put(
+            PullJob(
+                request_id,
+                params.remote_host,
+                params.remote_port,
+                params.remote_request_id,
+                first_block,
+                list(dest_block_ids),
+            )
+        )
+
+    def poll_pulled(self) -> list[PullResult]:
+        return _drain(self._results)
+
+    def _pull_loop(self) -> None:
+        sockets: dict[tuple[str, int], zmq.Socket] = {}
+        while self._running:
+            try:
+                job = self._jobs.get(timeout=_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            start = time.perf_counter()
+            error = self._pull(job, sockets)
+            if error is None:
+                self.stats.transfer_seconds += time.perf_counter() - start
+            else:
+                self.stats.pull_failures += 1
+                logger.warning(
+                    "KV pull for request %s from %s:%d failed (%s); it will compute its prompt itself",
+                    job.request_id,
+                    job.host,
+                    job.port,
+                    error,
+                )
+            self._results.put(PullResult(job.request_id, error))
+        for sock in sockets.values():
+            sock.close()
+
+    def _pull(self, job: PullJob, sockets: dict) -> str | None:
+        key = (job.host, job.port)
+        sock = sockets.get(key)
+        if sock is None:
+            sock = sockets[key] = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{job.host}:{job.port}")
+        sock.send(msgspec.msgpack.encode(PullRequest(job.remote_request_id, job.first_block, len(job.dest_block_ids))))
+        if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
+            sock.close()  # a late answer must not be taken for the next job's
+            del sockets[key]
+            return f"no answer within {PULL_TIMEOUT_S:.0f} s"
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) < 2:
+            return f"expected a header and payload frames, got {len(frames)} frames"
+        try:
+            header = msgspec.msgpack.decode(frames[0].buffer, type=KVFrameHeader)
+        except msgspec.DecodeError as exc:
+            return f"malformed frame header: {exc}"
+        return self._write(job, header, [frame.buffer for frame in frames[1:]])
+
+    def _write(self, job: PullJob, header: KVFrameHeader, payloads: list[memoryview]) -> str | None:
+        if header.error is not None:
+            return f"the prefill instance refused: {header.error}"
+        if header.kv_cache_dtype != self.kv_cache_dtype:
+            return (
+                f"refused a KV frame: the prefill instance's KV cache is {header.kv_cache_dtype}, this "
+                f"instance's is {self.kv_cache_dtype}: start both with the same --kv-cache-dtype"
+            )
+        targets = [self.kv_caches] if self.kv_scales is None else [self.kv_caches, self.kv_scales]
+        if len(payloads) != len(targets):
+            return f"refused a KV frame: {len(payloads)} payload frames, expected {len(targets)}"
+        shapes = [_frame_shape(tensors, len(job.dest_block_ids)) for tensors in targets]
+        scale_shape = shapes[1] if self.kv_scales is not None else []
+        cache = self.kv_caches[0]
+        problems = [
+            (header.request_id != job.remote_request_id, f"frame for {header.request_id}"),
+            (header.first_block != job.first_block, f"frame starts at block {header.first_block}"),
+            (len(header.block_ids) != len(job.dest_block_ids), f"{len(header.block_ids)} blocks"),
+            (header.shape != shapes[0], f"shape {header.shape}, expected {shapes[0]}"),
+            (header.scale_shape != scale_shape, f"scale shape {header.scale_shape}, expected {scale_shape}"),
+            (header.dtype != _dtype_name(cache.dtype), f"dtype {header.dtype}, expected {_dtype_name(cache.dtype)}"),
+            (_crc32(payloads) != header.checksum, "checksum mismatch"),
+        ]
+        for bad, what in problems:
+            if bad:
+                return f"refused a KV frame: {what}"
+        index = torch.tensor(job.dest_block_ids, device=cache.device)
+        for tensors, shape, payload in zip(targets, shapes, payloads):
+            dtype = tensors[0].dtype
+            _scatter(tensors, index, torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape))
+        self.stats.blocks_received += len(job.dest_block_ids)
+        self.stats.bytes_received += sum(payload.nbytes for payload in payloads)
+        return None
+
+
+def _drain(items: queue.Queue) -> list:
+    """Everything in the queue now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out

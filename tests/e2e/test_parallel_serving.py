@@ -1,0 +1,103 @@
+"""A server whose engine runs two tensor-parallel ranks (a worker process each): the official client
+gets a single-rank engine's tokens; a rank killed mid-generation fails the request with a clear
+error and turns /health to 503; and no process of the deployment outlives the server, whether it is
+stopped with SIGTERM or killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.e2e.server import RemoteServer
+
+COMMON = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--disable-log-requests"]
+PROMPT = [11, 22, 33, 44, 55, 66, 77]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _rank_pids(server: RemoteServer) -> list[int]:
+    """The ranks: the server's processes whose parent is another of its children (the engine)."""
+    children = set(server.child_pids())
+    return sorted(p for p in children if _parent(p) in children and "spawn_main" in _cmdline(p))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def test_two_ranks_serve_a_single_ranks_tokens(tiny_models):
+    path = tiny_models["qwen3"]
+    expected = (
+        LLM(path, dtype="float32", max_model_len=256, use_tqdm_on_load=False)
+        .generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    with RemoteServer(path, *COMMON, "--tensor-parallel-size", "2") as s:
+        assert len(_rank_pids(s)) == 2
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(
+            model="default",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert out.choices[0].model_extra["token_ids"] == expected
+
+
+def test_a_rank_killed_mid_generation_fails_the_request_clearly(tiny_models):
+    with RemoteServer(tiny_models["llama"], *COMMON, "--tensor-parallel-size", "2") as s:
+        ranks = _rank_pids(s)
+        body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        os.kill(ranks[1], signal.SIGKILL)
+        assert events[-1] == "[DONE]" and "rank 1" in events[-2] and '"code":503' in events[-2].replace(" ", "")
+        assert len(events) < 240
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_rank_outlives_the_server(tiny_models, sig):
+    with RemoteServer(tiny_models["llama"], *COMMON, "--tensor-parallel-size", "2") as s:
+        everything = s.child_pids()
+        assert len(_rank_pids(s)) == 2
+        os.kill(s.proc.pid, sig)
+        s.proc.wait(timeout=30)
+        assert not _wait_gone(everything)
