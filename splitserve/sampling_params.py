@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 MAX_N = 128
+GUIDED_BACKENDS = ("xgrammar", "auto")  # the backends a request may name (auto: splitserve's, xgrammar)
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Structured output, as vLLM's GuidedDecodingParams (also importable as StructuredOutputsParams,
+    vLLM's newer name): exactly one of `json` (a JSON schema, as a string or a dict), `regex`,
+    `choice` (one of these strings), `grammar` (EBNF) or `json_object` (any JSON object). Every
+    generated output then parses as that; the token mask comes from xgrammar (docs/structured_output.md)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _GUIDE_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "Structured output takes exactly one of json, regex, choice, grammar or json_object; "
+                f"got {given or 'none'}."
+            )
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json, sort_keys=True)  # one string per schema: the grammar cache's key
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings.")
+        if self.backend is not None and self.backend.split(":")[0] not in GUIDED_BACKENDS:
+            raise ValueError(
+                f"guided decoding backend {self.backend!r} is not available: splitserve uses xgrammar "
+                f"(accepted: {', '.join(GUIDED_BACKENDS)})."
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _GUIDE_KINDS if getattr(self, name) not in (None, False))
+
+
+_GUIDE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+StructuredOutputsParams = GuidedDecodingParams
 
 
 @dataclass
@@ -40,6 +83,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
+    structured_outputs: GuidedDecodingParams | None = None  # vLLM's newer name for guided_decoding
     # Filled in by the engine from the tokenizer, not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -53,7 +98,17 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._merge_structured_outputs()
         self._verify()
+
+    def _merge_structured_outputs(self) -> None:
+        """One field holds the guide: `structured_outputs` is the same thing as `guided_decoding`."""
+        if self.structured_outputs is not None:
+            if self.guided_decoding is not None and self.guided_decoding != self.structured_outputs:
+                raise ValueError("guided_decoding and structured_outputs are the same setting: give only one.")
+            self.guided_decoding, self.structured_outputs = self.structured_outputs, None
+        if isinstance(self.guided_decoding, dict):  # msgspec and plain callers may pass the fields
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
 
     def _verify(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -95,14 +150,15 @@ class SamplingParams:
 
     @property
     def reads_output_history(self) -> bool:
-        """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens): the
-        engine must know a request's last token before it prepares the request's next step."""
+        """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens, a
+        grammar): the engine must know a request's last token before it prepares its next step."""
         return bool(
             self.repetition_penalty != 1.0
             or self.frequency_penalty
             or self.presence_penalty
             or self.bad_words_token_ids
             or self.min_tokens
+            or self.guided_decoding is not None
         )
 
     @property

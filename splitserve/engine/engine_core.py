@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
+from concurrent.futures import Future
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
@@ -20,6 +22,7 @@ from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, KVTr
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.step_input_builder import StepInputBuilder
+from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
 from splitserve.executor.factory import create_executor
 from splitserve.executor.step_input import ModelRunnerOutput
@@ -29,8 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, tokenizer=None):
+        """`tokenizer`: the front-end's, for an engine in the same process (structured output needs
+        one; an engine process loads its own on the first guided request)."""
         self.config = config
+        self._tokenizer = tokenizer
         self.executor = executor if executor is not None else create_executor(config)
         try:
             self._initialize(config)
@@ -48,6 +54,9 @@ class EngineCore:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
         self.step_inputs = StepInputBuilder(self.kv_manager)
+        self.structured_output = StructuredOutputManager(config.model_config, self._tokenizer)
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # guided requests whose grammar compiles
+        self._pending_outputs: list[EngineCoreOutput] = []  # outputs of requests that never ran
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
@@ -86,32 +95,61 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.kv_transfer is not None and self.connector is None:
             raise ValueError("kv_transfer_params need a prefill or decode instance (--pd-role); this one is mixed.")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        guide = core_request.sampling_params.guided_decoding
+        if guide is None:
+            self.scheduler.add_request(core_request)
+        else:  # the scheduler sees it once its grammar is compiled, off the engine loop
+            self._compiling[core_request.request_id] = (core_request, self.structured_output.submit(guide))
 
     def abort_requests(self, request_ids) -> None:
+        request_ids = [rid for rid in request_ids if self._compiling.pop(rid, None) is None]
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.step_inputs.forget(r.request_id for r in finished)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._compiling or self._pending_outputs)
+        )
+
+    def _admit_compiled(self) -> None:
+        """Guided requests whose grammar is ready join the scheduler with a matcher of their own."""
+        for rid, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                compiled = future.result()
+            except Exception as exc:  # the front-end compiled it too, so this is not the client's error
+                logger.error("Request %s: its grammar did not compile in the engine: %s", rid, exc)
+                self._pending_outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+                continue
+            request.grammar = self.structured_output.matcher(compiled, sorted(request.stop_token_set))
+            self.scheduler.add_request(request)
 
     # --- the loop bodies --------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update: one whole step."""
+        outputs = self._take_pending_outputs()
         sched = self._schedule()
         if sched is None:
-            return []
-        return self._update(sched, self.executor.collect(self._launch(sched)))
+            self._wait_for_grammars()
+            return outputs
+        return outputs + self._update(sched, self.executor.collect(self._launch(sched)))
 
     def step_with_overlap(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N+1, then finish step N while the device computes N+1. A step
         that needs step N's tokens on the host (see _can_overlap) waits for them first."""
-        outputs = []
+        outputs = self._take_pending_outputs()
         sched = self._schedule()
         if sched is not None and self._in_flight is not None and not self._can_overlap(sched):
             outputs += self._finish_in_flight()
             sched = self._drop_finished(sched)
         launched = (sched, self._launch(sched)) if sched is not None else None
+        if launched is None and self._in_flight is None:
+            self._wait_for_grammars()
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
@@ -124,7 +162,19 @@ class EngineCore:
         its tokens, so finish it now rather than leave the engine looking busy."""
         return all(r.is_finished() for r, _ in self._in_flight[0].scheduled)
 
+    def _wait_for_grammars(self) -> None:
+        """Nothing can run until a grammar is compiled: wait for one (briefly, so that new requests
+        and aborts are still read) instead of spinning, which would starve the compiling thread."""
+        if self._compiling and self._in_flight is None:
+            futures.wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=futures.FIRST_COMPLETED)
+
+    def _take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
     def _schedule(self) -> SchedulerOutput | None:
+        if self._compiling:
+            self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return None
         sched = self.scheduler.schedule()
@@ -148,9 +198,17 @@ class EngineCore:
         for request, _ in sched.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        handle = self.executor.launch(self.step_inputs.build(sched))
+        step_input = self.step_inputs.build(sched)
+        step_input.grammar_bitmasks = self._grammar_bitmasks(sched, step_input)
+        handle = self.executor.launch(step_input)
         self.scheduler.advance(sched)
         return handle
+
+    def _grammar_bitmasks(self, sched: SchedulerOutput, step_input) -> dict[str, bytes]:
+        """The next-token bitmask of every guided request that samples in this step."""
+        sampling = {row.request_id for row in step_input.scheduled if row.samples}
+        guided = [r for r, _ in sched.scheduled if r.grammar is not None and r.request_id in sampling]
+        return self.structured_output.fill_bitmasks(guided)
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         sched, handle = self._in_flight
@@ -160,6 +218,7 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record a finished step's tokens in its requests and turn them into outputs."""
         updated = self.scheduler.record_samples(sched, result.sampled)
+        self._advance_grammars(updated)
         outputs = {r.request_id: self._output(r, result) for r in updated}
         for rid, entries in result.prompt_logprobs.items():
             outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries
@@ -168,6 +227,24 @@ class EngineCore:
                 outputs[request.request_id].kv_transfer = self._lease(request)
         self.step_inputs.forget(r.request_id for r in updated if r.is_finished())
         return list(outputs.values())
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Each guided request's matcher takes its new token; a grammar that has ended (its stop
+        token accepted) ends the request, even one that ignores end-of-sequence tokens."""
+        ended = []
+        for request in updated:
+            if request.grammar is None or request.grammar.is_terminated():
+                continue
+            token = request.output_token_ids[-1]
+            if not request.grammar.accept_token(token):
+                logger.error(
+                    "Request %s: token %d is outside its grammar; the request is stopped", request.request_id, token
+                )
+                ended.append(request.request_id)
+            elif request.grammar.is_terminated() and not request.is_finished():
+                ended.append(request.request_id)
+        if ended:
+            self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
 
     # --- prefill/decode disaggregation ---------------------------------------------------------
     def poll_connector(self) -> None:
@@ -212,6 +289,7 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         try:
             if self.connector is not None:
                 self.connector.shutdown()

@@ -16,7 +16,7 @@ class LLMEngine(FrontEnd):
     def __init__(self, config: EngineConfig):
         super().__init__(config.model_config)
         self.config = config
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

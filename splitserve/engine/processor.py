@@ -40,6 +40,7 @@ class Processor:
         else:
             self.eos_token_id = tokenizer.eos_token_id
             self.extra_eos_ids = _generation_config_eos_ids(model_config) - {self.eos_token_id}
+        self._guides = None  # structured output's GuideCompiler, made on the first guided request
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
@@ -60,7 +61,21 @@ class Processor:
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        if params.guided_decoding is not None:
+            self._check_guide(params)
         return params
+
+    def _check_guide(self, params: SamplingParams) -> None:
+        """Compile the guide here (cached), so that one that cannot be compiled is the caller's error
+        now rather than the engine's later."""
+        if self._guides is None:
+            from splitserve.engine.structured_output import GuideCompiler
+
+            self._guides = GuideCompiler(self.tokenizer, self.vocab_size)
+        try:
+            self._guides.compile(params.guided_decoding)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "guided_decoding") from None
 
     def process_prompt(
         self,

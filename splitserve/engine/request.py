@@ -54,6 +54,7 @@ class Request:
     first_scheduled_time: float | None = None
     stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
     kv_transfer: object = None  # KVTransferParams, for PD disaggregation
+    grammar: object = None  # structured output: the xgrammar GrammarMatcher of the tokens so far
     # Overlap scheduling: tokens sampled by launched steps whose values the host has not read yet
     # (at most 1 between engine steps, 2 while one is launched and the one before it is being
     # finished). The scheduler counts them as tokens; the model runner takes them from the device.

@@ -24,7 +24,8 @@ from splitserve.entrypoints.router import RouterConfig, run_router
 logger = logging.getLogger("splitserve.serve")
 
 # Server flags that every instance of a local PD deployment gets from the launcher's own.
-_INSTANCE_SERVER_FLAGS = ("chat_template", "reasoning_parser", "max_queued_requests")
+_INSTANCE_SERVER_FLAGS = ("chat_template", "reasoning_parser", "max_queued_requests", "tool_call_parser")
+_INSTANCE_SERVER_SWITCHES = ("disable_log_requests", "enable_auto_tool_choice", "strict_request_fields")
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
@@ -96,8 +97,7 @@ def instance_flags(engine_args: EngineArgs, server_args: ServerArgs, role: str) 
         value = getattr(server_args, name)
         if value is not None:
             flags += ["--" + name.replace("_", "-"), str(value)]
-    if server_args.disable_log_requests:
-        flags.append("--disable-log-requests")
+    flags += ["--" + name.replace("_", "-") for name in _INSTANCE_SERVER_SWITCHES if getattr(server_args, name)]
     return flags
 
 

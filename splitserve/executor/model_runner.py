@@ -14,9 +14,9 @@ from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
-from splitserve.executor.host import StepReady, start_host_copy, to_device
+from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
-from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.loader.weights import load_model
@@ -232,6 +232,8 @@ class ModelRunner:
         step = InFlightStep([r.request_id for r in sampling], [r.sampling_params.logprobs for r in sampling])
         if sampling:
             logits = self.model.compute_logits(self._sampled_rows(hidden, batch))
+            if step_input.grammar_bitmasks:
+                self._apply_grammars(logits, sampling, step_input.grammar_bitmasks)
             meta = build_sampling_metadata(sampling, logits.shape[-1], self.device)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in _sampler_tensors(step.sampled)]
@@ -251,6 +253,13 @@ class ModelRunner:
         for request_id, (ids, lps, ranks) in step.prompt_host.items():
             out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out
+
+    def _apply_grammars(self, logits: torch.Tensor, sampling: list[CachedRequestState], bitmasks: dict) -> None:
+        """Structured output: forbid, for each guided row, the tokens its grammar does not allow next."""
+        rows = [i for i, r in enumerate(sampling) if r.request_id in bitmasks]
+        words = b"".join(bitmasks[sampling[i].request_id] for i in rows)
+        bitmask = torch.frombuffer(bytearray(words), dtype=torch.int32).view(len(rows), -1)
+        apply_token_bitmask(logits, to_device(rows, torch.long, self.device), move(bitmask, self.device))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """This rank's part of the forward: the final hidden states on the last pipeline stage, None

@@ -150,3 +150,12 @@ def gather_logprobs(logprobs: torch.Tensor, k: int, tokens: torch.Tensor):
         top_lp, top_ids = logprobs.topk(k, dim=-1)
         return torch.cat([tokens[:, None], top_ids], dim=1), torch.cat([sampled_lp, top_lp], dim=1), ranks
     return tokens[:, None], sampled_lp, ranks
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of the tokens each row's bitmask forbids. `bitmask` is
+    int32 [len(rows), ceil(V / 32)]; bit b of word w allows token 32 w + b."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -47,6 +47,8 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequestData] = []
     scheduled: list[ScheduledRequest] = []
     finished_request_ids: list[str] = []  # forget these (finished, aborted) before this step
+    # Structured output: each guided request's next-token bitmask (int32 words, bit set = allowed).
+    grammar_bitmasks: dict[str, bytes] = {}
 
     @property
     def total_num_tokens(self) -> int:

@@ -25,6 +25,9 @@ class ServerArgs:
     reasoning_parser: str | None = None
     use_warmup: bool = False
     disable_log_requests: bool = False
+    strict_request_fields: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     health_timeout: float = 30.0
     engine_worker_queue_port: int | None = None
     pd: str | None = None
@@ -61,6 +64,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning out: deepseek_r1 or qwen3")
     g.add_argument("--use-warmup", action="store_true", help="run one short request before accepting traffic")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto", the default with tools); needs '
+        "--tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read from the model's text: hermes, llama3_json, mistral or pythonic",
+    )
+    g.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer 400 to request fields splitserve does not know (default: ignore them, with a warning, as vLLM)",
+    )
     g.add_argument(
         "--health-timeout",
         type=float,
@@ -108,6 +127,7 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
 
 def _check_server_args(args: ServerArgs) -> None:
     from splitserve.entrypoints.openai.reasoning import REASONING_PARSERS
+    from splitserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}.")
@@ -115,6 +135,10 @@ def _check_server_args(args: ServerArgs) -> None:
         raise ValueError(
             f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got {args.reasoning_parser!r}."
         )
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {args.tool_call_parser!r}.")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to read the calls.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
     if args.chat_template is not None:

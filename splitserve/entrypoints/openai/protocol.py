@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI-compatible server: OpenAI's field names plus vLLM's extensions, as
 pydantic v2 models (the response bodies are in response_models.py).
 
-Requests refuse what they cannot honour. An unknown field is an error (a misspelt parameter must
-not be silently ignored), and so is a known OpenAI/vLLM parameter that splitserve lacks (tools,
-guided decoding, ...: unsupported_params.py) unless it is null or its harmless default. An
-explicit null for a parameter with a non-null default means "use the default", as in OpenAI's API.
+An unknown field is ignored with a warning in the log, as vLLM and FastDeploy do, or refused with
+--strict-request-fields (request_model.py); a known OpenAI/vLLM parameter that splitserve lacks
+(unsupported_params.py) is refused unless it is null or its harmless default. An explicit null for
+a parameter with a non-null default means "use the default", as in OpenAI's API.
 Checks that span several fields raise `ParameterError`, which names the parameter at fault;
 `validation_error_message()` turns any `pydantic.ValidationError` into the message and parameter
 of a 400 body.
@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from splitserve.entrypoints.openai.chat_messages import ChatCompletionTool, ChatMessageParam, NamedToolChoice
+from splitserve.entrypoints.openai.guided import GuidedRequestFields
 from splitserve.entrypoints.openai.request_model import ParameterError, RequestModel, is_token_id
 from splitserve.entrypoints.openai.unsupported_params import refuse_unsupported
 from splitserve.sampling_params import MAX_N, SamplingParams
@@ -53,7 +55,7 @@ def _check_stop(value: Any) -> Any:
     return value
 
 
-class _GenerationRequest(RequestModel):
+class _GenerationRequest(GuidedRequestFields):
     """What /v1/completions and /v1/chat/completions share: sampling, stopping, streaming."""
 
     model: str | None = None
@@ -89,27 +91,10 @@ class _GenerationRequest(RequestModel):
     # Known but unsupported: accepted only as "off" (see unsupported_params.py).
     suffix: Any = None
     use_beam_search: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    response_format: Any = None
     service_tier: Any = None
     store: Any = None
 
-    _refuse = field_validator(
-        "suffix",
-        "use_beam_search",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-        "response_format",
-        "service_tier",
-        "store",
-    )(refuse_unsupported)
+    _refuse = field_validator("suffix", "use_beam_search", "service_tier", "store")(refuse_unsupported)
     _stop = field_validator("stop", mode="before")(_check_stop)
 
     @field_validator("logit_bias")
@@ -181,6 +166,7 @@ class _GenerationRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            guided_decoding=self.guided_decoding_params(),
         )
 
 
@@ -241,58 +227,6 @@ class CompletionRequest(_GenerationRequest):
         return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs, best_of=self.best_of)
 
 
-class TextContentPart(RequestModel):
-    type: Literal["text"]
-    text: str
-
-
-def _check_content(value: Any) -> Any:
-    """Message content: a string or text parts. Checked by hand so that an image or audio part gets
-    an error naming its type instead of a list of failed union members."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise ValueError("message 'content' must be a string or a list of content parts.")
-    for part in value:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(
-                f"content part type {kind!r} is not supported: splitserve serves text only, "
-                "so only {'type': 'text', 'text': ...} parts are accepted."
-            )
-        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-            raise ValueError("a 'text' content part must be exactly {'type': 'text', 'text': <string>}.")
-    return value
-
-
-class ChatMessageParam(RequestModel):
-    """One message of a conversation. `tool_call_id` is accepted (and passed to the template) so
-    that a conversation holding an earlier tool result stays valid."""
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextContentPart]
-    name: str | None = None
-    tool_call_id: str | None = None
-
-    _content = field_validator("content", mode="before")(_check_content)
-
-    def text(self) -> str:
-        """The content as one string: text parts joined with newlines."""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it. "developer" (OpenAI's newer name for the system
-        role) becomes "system": templates know only the older name and many raise on unknown roles."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
 class _ConversationRequest(RequestModel):
     """What /v1/chat/completions and /tokenize (chat form) share: the messages and the template."""
 
@@ -325,11 +259,11 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
 
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    parallel_tool_calls: bool | None = None  # meaningless without tools, so any value is harmless
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # Known but unsupported: accepted only as "off" (see unsupported_params.py).
-    tools: Any = None
     functions: Any = None
-    tool_choice: Any = None
     reasoning_effort: Any = None
     audio: Any = None
     modalities: Any = None
@@ -337,15 +271,19 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
     web_search_options: Any = None
 
     _refuse_chat = field_validator(
-        "tools",
-        "functions",
-        "tool_choice",
-        "reasoning_effort",
-        "audio",
-        "modalities",
-        "prediction",
-        "web_search_options",
+        "functions", "reasoning_effort", "audio", "modalities", "prediction", "web_search_options"
     )(refuse_unsupported)
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        """OpenAI's rules: a tool choice other than "none" needs tools, and a named one must be one of them."""
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParameterError("tool_choice", "'tool_choice' needs 'tools' to choose from.")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {tool.function.name for tool in self.tools}:
+                raise ParameterError("tool_choice", f"The tool {name!r} named by 'tool_choice' is not in 'tools'.")
+        return self
 
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> ChatCompletionRequest:
@@ -379,12 +317,12 @@ class TokenizeChatRequest(_ConversationRequest):
     return_token_strs: bool = False
 
 
-def parse_tokenize_request(data: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
+def parse_tokenize_request(data: Any, context: dict | None = None) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """/tokenize takes either form: the one with `messages` is the chat form. Raises
     pydantic.ValidationError like model_validate."""
     if isinstance(data, dict) and "messages" in data:
-        return TokenizeChatRequest.model_validate(data)
-    return TokenizeCompletionRequest.model_validate(data)
+        return TokenizeChatRequest.model_validate(data, context=context)
+    return TokenizeCompletionRequest.model_validate(data, context=context)
 
 
 class DetokenizeRequest(RequestModel):

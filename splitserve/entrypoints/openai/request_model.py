@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 from pydantic.fields import FieldInfo
 
 
@@ -27,20 +27,37 @@ def is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class RequestModel(BaseModel):
-    """Base of every request body: unknown fields, NaN and infinities are refused, and a null for a
-    field that has a non-null default is dropped so that the default applies (OpenAI reads null as
-    "not given"; clients other than OpenAI's SDK send such nulls)."""
+STRICT_FIELDS = "strict_fields"  # validation context: refuse unknown fields instead of ignoring them
+IGNORED_FIELDS = "ignored_fields"  # validation context: a list that collects the unknown fields ignored
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+class RequestModel(BaseModel):
+    """Base of every request body. Unknown fields are ignored, as vLLM and FastDeploy do (the
+    caller logs them), or refused when the validation context asks for strict fields (the
+    server's --strict-request-fields); NaN and infinities are refused; a null for a field that has
+    a non-null default is dropped so that the default applies (OpenAI reads null as "not given";
+    clients other than OpenAI's SDK send such nulls)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
+    def _known_fields(cls, data: Any, info: ValidationInfo) -> Any:
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or _accepts_none(fields[k])}
+        fields = {field.alias or name: field for name, field in cls.model_fields.items()}
+        fields.update(cls.model_fields)
+        unknown = [k for k in data if k not in fields]
+        if unknown:
+            _unknown_fields(unknown, info.context or {})
+        return {k: v for k, v in data.items() if k in fields and (v is not None or _accepts_none(fields[k]))}
+
+
+def _unknown_fields(names: list[str], context: dict) -> None:
+    if context.get(STRICT_FIELDS):
+        raise ParameterError(names[0], f"Unrecognized request argument supplied: {names[0]}")
+    if IGNORED_FIELDS in context:
+        context[IGNORED_FIELDS].extend(names)
 
 
 def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:

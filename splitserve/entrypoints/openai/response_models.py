@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from splitserve.entrypoints.openai.tool_parsers import DeltaToolCall, ToolCall
 from splitserve.outputs import Logprob
 
 
@@ -101,6 +102,7 @@ class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = _extension()
+    tool_calls: list[ToolCall] | None = _extension()
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -147,6 +149,7 @@ class DeltaMessage(BaseModel):
     role: str | None = _extension()
     content: str | None = _extension()
     reasoning_content: str | None = _extension()
+    tool_calls: list[DeltaToolCall] | None = _extension()
 
 
 class ChatCompletionStreamChoice(BaseModel):

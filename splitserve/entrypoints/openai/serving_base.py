@@ -24,11 +24,12 @@ from pydantic import BaseModel, ValidationError
 
 from splitserve import __version__
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
+from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
-from splitserve.entrypoints.openai.request_model import validation_error_message
+from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
 from splitserve.entrypoints.openai.response_models import PromptTokenUsageInfo, UsageInfo
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -48,6 +49,8 @@ class ChoiceState:
     num_tokens: int = 0
     finished: bool = False
     started: bool = False
+    content: str = ""  # chat: the answer's text so far (the text less its reasoning)
+    tool_parser: Any = None  # chat with tools: this choice's ToolParser
 
 
 class OpenAIServing:
@@ -67,13 +70,21 @@ class OpenAIServing:
         self.pd_role = config.kv_transfer_config.pd_role
 
     # --- shared checks ------------------------------------------------------------------------
-    @staticmethod
-    def _parse(parse: Callable[[dict], Any], body: dict):
+    def _parse(self, parse: Callable[..., Any], body: dict):
+        """Validate a body. Unknown fields are ignored with one warning line (vLLM's behaviour) or,
+        with --strict-request-fields, refused with a 400."""
+        context = {STRICT_FIELDS: self.server_args.strict_request_fields, IGNORED_FIELDS: []}
         try:
-            return parse(body)
+            req = parse(body, context=context)
         except ValidationError as exc:
             message, param = validation_error_message(exc)
             raise APIError(message, param=param) from None
+        if context[IGNORED_FIELDS]:
+            logger.warning(
+                "Ignored request fields splitserve does not know: %s (--strict-request-fields refuses them)",
+                ", ".join(sorted(set(context[IGNORED_FIELDS]))),
+            )
+        return req
 
     def _check_model(self, name: str | None) -> None:
         if name not in _DEFAULT_MODEL_ALIASES and name != self.served_name:
@@ -101,7 +112,19 @@ class OpenAIServing:
         try:
             return req, req.to_sampling_params(default_max_tokens=None)
         except ValueError as exc:
-            raise APIError(str(exc)) from None
+            raise APIError(str(exc), param=getattr(req, "guide_param", None)) from None
+
+    async def _process_params(self, req, params: SamplingParams) -> SamplingParams:
+        """The Processor's check of the params, once per request. A guide is compiled there (in a
+        worker thread: a large schema takes a while); its errors name the request field that held it."""
+        try:
+            if params.guided_decoding is None:
+                return self.processor.process_params(params)
+            return await asyncio.to_thread(self.processor.process_params, params)
+        except InvalidRequestError as exc:
+            if exc.param == "guided_decoding":
+                exc.param = req.guide_param or "tools"
+            raise
 
     # --- prompts ------------------------------------------------------------------------------
     async def _process(
@@ -132,7 +155,7 @@ class OpenAIServing:
                 template,
                 req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                **(req.chat_template_kwargs or {}),
+                **_template_kwargs(req),
             )
         except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
             raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
@@ -330,3 +353,12 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 def _error_json(message: str, code: int, err_type: str) -> str:
     return ErrorResponse.model_validate(error_body(message, err_type, None, code)).model_dump_json()
+
+
+def _template_kwargs(req) -> dict:
+    """The request's chat_template_kwargs, and its tools (chat requests only) as templates read them."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    tools = getattr(req, "tools", None)
+    if tools:
+        kwargs.setdefault("tools", [tool.model_dump(exclude_none=True) for tool in tools])
+    return kwargs

@@ -1,4 +1,5 @@
-"""/v1/chat/completions: messages rendered by the chat template, reasoning split from the answer."""
+"""/v1/chat/completions: messages rendered by the chat template, reasoning split from the answer,
+tool calls read from it (tool_calling.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
 from splitserve.entrypoints.openai.response_models import (
@@ -31,6 +33,7 @@ from splitserve.entrypoints.openai.serving_base import (
     sse_event,
     sse_response,
 )
+from splitserve.entrypoints.openai.tool_calling import ToolPlan, plan_tools, tool_guide
 from splitserve.outputs import Logprob, RequestOutput
 
 
@@ -42,7 +45,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: dict, raw: Request):
         arrival = time.monotonic()
         req, params = self._accept(ChatCompletionRequest, body)
-        params = self.processor.process_params(params)
+        plan = self._plan_tools(req, params)
+        params = await self._process_params(req, params)
         kv = self._kv_transfer(req, params, 1)
         prompt = self._remote_prompt(req, kv) or await self._render_chat(req)
         # The template has placed the special tokens.
@@ -53,11 +57,28 @@ class OpenAIServingChat(OpenAIServing):
         stream = self._streams(request_id, [request], arrival, kind, kv)
         echo = self._chat_echo(req)
         if req.stream:
-            return sse_response(self._chat_stream(req, request_id, request, params, stream, arrival, echo))
+            return sse_response(self._chat_stream(req, plan, request_id, request, params, stream, arrival, echo))
         (final,) = await self._collect(stream, raw)
-        response = self._chat_response(req, request_id, request, params, final, echo)
+        response = self._chat_response(req, plan, request_id, request, params, final, echo)
         response.kv_transfer_params = self._kv_answer(kv, request, final)
         return json_response(response)
+
+    def _plan_tools(self, req, params) -> ToolPlan:
+        """The request's tool choice; a required or named one becomes the request's guide."""
+        args = self.server_args
+        plan = plan_tools(req, args.enable_auto_tool_choice, args.tool_call_parser)
+        guide = tool_guide(req, plan)
+        if guide is not None:
+            if params.guided_decoding is not None:
+                raise APIError(
+                    f"tool_choice {plan.mode!r} forces the output's shape, so it cannot be combined with "
+                    f"{req.guide_param}.",
+                    param="tool_choice",
+                )
+            params.guided_decoding = guide
+        if plan.needs_special_tokens:
+            params.skip_special_tokens = False
+        return plan
 
     @staticmethod
     def _chat_echo(req) -> str:
@@ -69,20 +90,34 @@ class OpenAIServingChat(OpenAIServing):
             return None, text
         return self.reasoning.extract(text)
 
-    def _chat_response(self, req, request_id, request, params, final: RequestOutput, echo: str):
+    def _message(self, plan: ToolPlan, text: str, echo: str) -> tuple[ChatMessage, bool]:
+        """A choice's message: reasoning split off, then tool calls read from the answer (content
+        null when the answer is only calls, as OpenAI sends it); and whether tools were called."""
+        reasoning, content = self._split_reasoning(text)
+        tool_calls = None
+        if plan.calls_tools:
+            extracted = plan.new_parser(self.tokenizer).extract_tool_calls(content or "")
+            if extracted.tools_called:
+                tool_calls, content = extracted.tool_calls, extracted.content
+        if tool_calls and not content and not echo:
+            return ChatMessage(content=None, reasoning_content=reasoning, tool_calls=tool_calls), True
+        return ChatMessage(content=echo + (content or ""), reasoning_content=reasoning, tool_calls=tool_calls), bool(
+            tool_calls
+        )
+
+    def _chat_response(self, req, plan, request_id, request, params, final: RequestOutput, echo: str):
         self._record_finished(final)
         choices, completion_tokens = [], 0
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
-            reasoning, content = self._split_reasoning(c.text)
-            message = ChatMessage(content=echo + (content or ""), reasoning_content=reasoning)
+            message, called = self._message(plan, c.text, echo)
             logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
                     message=message,
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=plan.finish_reason(c.finish_reason, called),
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if req.return_token_ids else None,
                     cum_log_probs=c.cumulative_logprob,
@@ -109,10 +144,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionLogProbs(content=content)
 
-    async def _chat_stream(self, req, request_id, request, params, streams, arrival, echo) -> AsyncIterator[str]:
+    async def _chat_stream(self, req, plan, request_id, request, params, streams, arrival, echo) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-        states = {i: ChoiceState() for i in range(params.n)}
+        states = {i: ChoiceState(tool_parser=plan.new_parser(self.tokenizer)) for i in range(params.n)}
         completion_tokens, cached = 0, 0
 
         def chunk(choices, usage=None) -> str:
@@ -148,13 +183,16 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 state.finished = c.finish_reason is not None
                 delta = self._chat_delta(state, c.text)
+                if delta is None and not state.finished:
+                    continue  # held back: it may be the start of a tool call's marker
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
+                called = state.tool_parser is not None and state.tool_parser.tools_streamed
                 choices.append(
                     ChatCompletionStreamChoice(
                         index=c.index,
-                        delta=delta,
+                        delta=delta or DeltaMessage(),
                         logprobs=logprobs,
-                        finish_reason=c.finish_reason,
+                        finish_reason=plan.finish_reason(c.finish_reason, called),
                         stop_reason=c.stop_reason,
                         token_ids=c.token_ids if req.return_token_ids else None,
                         arrival_time=time.monotonic() - arrival,
@@ -167,13 +205,26 @@ class OpenAIServingChat(OpenAIServing):
         if include_usage:
             yield chunk([], usage_now())
 
-    def _chat_delta(self, state: ChoiceState, new_text: str) -> DeltaMessage:
+    def _chat_delta(self, state: ChoiceState, new_text: str) -> DeltaMessage | None:
+        """What new text adds to a streamed choice: reasoning, then content or tool-call deltas;
+        None when a tool parser holds it all back for now."""
         previous = state.text
         state.text += new_text
-        if self.reasoning is None:
-            return DeltaMessage(content=new_text)
-        reasoning, content = self.reasoning.extract_delta(previous, new_text, final=state.finished)
-        return DeltaMessage(reasoning_content=reasoning, content=content)
+        reasoning, content = None, new_text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract_delta(previous, new_text, final=state.finished)
+        if state.tool_parser is None:
+            return DeltaMessage(reasoning_content=reasoning, content=content)
+        before = state.content
+        state.content += content or ""
+        result = state.tool_parser.extract_streaming(before, state.content, content or "", final=state.finished)
+        if result is None and reasoning is None:
+            return None
+        return DeltaMessage(
+            reasoning_content=reasoning,
+            content=result.content if result else None,
+            tool_calls=(result.tool_calls or None) if result else None,
+        )
 
 
 def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:

@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
         req, params = self._accept(CompletionRequest, body)
         if req.echo and params.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
-        params = self.processor.process_params(params)
+        params = await self._process_params(req, params)
         kv = self._kv_transfer(req, params, len(req.prompts()))
         remote = self._remote_prompt(req, kv)
         prompts = [remote] if remote else [_engine_prompt(p) for p in req.prompts()]

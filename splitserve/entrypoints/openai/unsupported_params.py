@@ -1,6 +1,6 @@
 """Known OpenAI/vLLM request parameters that splitserve does not implement. Request bodies declare
 them (protocol.py) so that they can be refused by name unless their value turns the feature off:
-a client that sends `tools` or `guided_json` must learn that they are not honoured."""
+a client that sends `audio` or `prediction` must learn that they are not honoured."""
 
 from __future__ import annotations
 
@@ -14,18 +14,10 @@ from pydantic import ValidationInfo
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None,),
     "use_beam_search": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "response_format": (None, {"type": "text"}),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     # chat only
-    "tools": (None,),
     "functions": (None,),
-    "tool_choice": (None, "none"),
     "reasoning_effort": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),

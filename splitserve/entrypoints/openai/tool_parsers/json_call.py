@@ -190,3 +190,23 @@ class JsonToolParser(ToolParser):
         if start not in self._scanners:
             self._scanners[start] = CallScanner(start)
         return self._scanners[start]
+
+    def _array(self, text: str, pos: int, final: bool) -> list[PartialCall]:
+        """The calls of the array whose '[' ends before `pos`."""
+        calls = []
+        while (pos := skip_space(text, pos)) < len(text):
+            scanner = self._scanner(pos)
+            calls.append(scanner.advance(text, final))
+            if scanner.end is None:
+                return calls
+            pos = skip_space(text, scanner.end)
+            if pos == len(text):
+                break
+            if text[pos] == "]":
+                return calls
+            if text[pos] != ",":
+                raise MalformedToolCall(f"expected ',' or ']' after a tool call, got {text[pos]!r}")
+            pos += 1
+        if final:
+            raise MalformedToolCall("unfinished array of tool calls")
+        return calls

@@ -18,7 +18,6 @@ import string
 
 from splitserve.entrypoints.openai.tool_parsers.base import (
     MalformedToolCall,
-    PartialCall,
     Snapshot,
     partial_tag_len,
     skip_space,
@@ -49,23 +48,3 @@ class MistralToolParser(JsonToolParser):
             raise MalformedToolCall(f"{TOOL_CALLS} is followed by a JSON array, not {text[pos]!r}")
         calls = self._array(text, pos + 1, final) if pos < len(text) else []
         return Snapshot(content=text[:marker], calls=calls)
-
-    def _array(self, text: str, pos: int, final: bool) -> list[PartialCall]:
-        """The calls of the array whose '[' ends before `pos`."""
-        calls = []
-        while (pos := skip_space(text, pos)) < len(text):
-            scanner = self._scanner(pos)
-            calls.append(scanner.advance(text, final))
-            if scanner.end is None:
-                return calls
-            pos = skip_space(text, scanner.end)
-            if pos == len(text):
-                break
-            if text[pos] == "]":
-                return calls
-            if text[pos] != ",":
-                raise MalformedToolCall(f"expected ',' or ']' after a tool call, got {text[pos]!r}")
-            pos += 1
-        if final:
-            raise MalformedToolCall("unfinished array of tool calls")
-        return calls

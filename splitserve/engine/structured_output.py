@@ -1,0 +1,123 @@
+"""Structured output (guided decoding) with xgrammar, the library vLLM, SGLang and TensorRT-LLM use.
+
+- `GuideCompiler` turns a request's GuidedDecodingParams into an xgrammar CompiledGrammar, cached
+  per guide (xgrammar caches compiled grammars by their source). The front-end compiles every
+  guide once to refuse a bad one with a 400 naming the problem; the engine compiles its own copy.
+- `StructuredOutputManager` is the engine's side: grammars are compiled on a worker thread, never
+  on the engine loop, while the request waits outside the scheduler; then each request gets its
+  own GrammarMatcher, which accepts every sampled token and gives the token bitmask of the next
+  step (one int32 word per 32 tokens, a set bit allows the token). The bitmask travels with the
+  step to the model runner, which masks the logits of the whole batch before sampling
+  (executor/sampler.py's apply_token_bitmask).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from splitserve.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GuideCompiler:
+    """Compiles guides for one tokenizer and model vocabulary (the logits' width)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import xgrammar as xgr
+
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True)
+        self._lock = threading.Lock()  # one compiler, used from the event loop's worker threads
+
+    def compile(self, guide: GuidedDecodingParams):
+        """The guide's CompiledGrammar; ValueError (naming the guide's kind) when it does not compile."""
+        try:
+            with self._lock:
+                return self._compile(guide)
+        except Exception as exc:  # xgrammar raises RuntimeError, ValueError and its own errors
+            raise ValueError(f"The {_describe(guide)} cannot be used for structured output: {exc}") from None
+
+    def _compile(self, guide: GuidedDecodingParams):
+        kind = guide.kind
+        if kind == "json":
+            json.loads(guide.json)  # a clearer message than xgrammar's for text that is not JSON
+            return self.compiler.compile_json_schema(guide.json, any_whitespace=_any_whitespace(guide))
+        if kind == "json_object":
+            return self.compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return self.compiler.compile_regex(guide.regex)
+        if kind == "choice":
+            return self.compiler.compile_grammar(choice_grammar(guide.choice))
+        return self.compiler.compile_grammar(guide.grammar)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose only sentences are the choices (string literals, escaped as JSON escapes them)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _any_whitespace(guide: GuidedDecodingParams) -> bool:
+    """vLLM's guided_whitespace_pattern, as xgrammar can honour it: a pattern that admits no
+    whitespace at all gives compact JSON; any other lets the model place whitespace freely."""
+    pattern = guide.whitespace_pattern
+    return pattern is None or re.fullmatch(pattern, " ") is not None or re.fullmatch(pattern, "\n") is not None
+
+
+def _describe(guide: GuidedDecodingParams) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object grammar",
+        "regex": "regular expression",
+        "choice": "choice list",
+        "grammar": "grammar",
+    }[guide.kind]
+
+
+class StructuredOutputManager:
+    """The engine's grammars: compiled on a worker thread, one matcher per request."""
+
+    def __init__(self, model_config, tokenizer=None):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiler: GuideCompiler | None = None  # made on first use: the engine needs no tokenizer otherwise
+
+    def submit(self, guide: GuidedDecodingParams) -> Future:
+        """Compile off the engine loop; the future's result is the CompiledGrammar."""
+        return self._pool.submit(self._compile, guide)
+
+    def _compile(self, guide: GuidedDecodingParams):
+        if self._compiler is None:
+            from splitserve.tokenizer import get_tokenizer
+
+            mc = self.model_config
+            tokenizer = self.tokenizer or get_tokenizer(mc.tokenizer, mc.trust_remote_code)
+            self._compiler = GuideCompiler(tokenizer, mc.vocab_size)
+            logger.info("Structured output: xgrammar ready for a vocabulary of %d tokens", mc.vocab_size)
+        return self._compiler.compile(guide)
+
+    @staticmethod
+    def matcher(compiled, stop_token_ids: list[int]):
+        """A request's matcher; it ends the output only with the request's own stop tokens."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+
+    def fill_bitmasks(self, requests: list) -> dict[str, bytes]:
+        """The next-token bitmask of each request (that has a matcher), as bytes for the step."""
+        import xgrammar as xgr
+
+        if not requests:
+            return {}
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.model_config.vocab_size)
+        for i, request in enumerate(requests):
+            request.grammar.fill_next_token_bitmask(bitmask, i)
+        return {r.request_id: bitmask[i].numpy().tobytes() for i, r in enumerate(requests)}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
