@@ -1,13 +1,16 @@
 """splitserve: an LLM serving engine (offline batch API, OpenAI-compatible server, PD disaggregation)."""
 
 from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "GuidedDecodingParams",
+    "StructuredOutputsParams",
+    "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -55,3 +55,21 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of a beam search, as vLLM's: the prompt's and the generated tokens."""
+
+    tokens: list[int]
+    logprobs: list[float]  # of the generated tokens
+    cum_logprob: float
+    text: str | None = None  # the generated text
+    finish_reason: str | None = None  # "stop" (a stop token) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]

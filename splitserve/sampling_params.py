@@ -169,3 +169,23 @@ class SamplingParams:
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams (LLM.beam_search), with transformers' stopping rules."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}.")

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from splitserve.engine.arg_utils import EngineArgs
+from splitserve.engine.beam_search import BeamSearch, step_params, top_candidates
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
-from splitserve.outputs import RequestOutput
-from splitserve.sampling_params import SamplingParams
+from splitserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from splitserve.sampling_params import BeamSearchParams, SamplingParams
 from splitserve.tokenizer import apply_chat_template
 
 
@@ -74,6 +75,49 @@ class LLM:
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search, scored and stopped as transformers' generate(num_beams=...) is
+        (engine/beam_search.py). Every step extends each live beam of every prompt by one token;
+        the beams' shared prefixes are prefix-cache hits. Returns each prompt's `beam_width` best
+        hypotheses, best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        processor = engine.processor
+        prompt_ids = [
+            processor.process(p, SamplingParams(max_tokens=params.max_tokens)).prompt_token_ids for p in prompts
+        ]
+        stop_ids = {processor.eos_token_id, *processor.extra_eos_ids} - {None}
+        searches = [BeamSearch(len(ids), params, stop_ids) for ids in prompt_ids]
+        bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm)
+        while not all(s.done for s in searches):
+            self._beam_step([(ids, s) for ids, s in zip(prompt_ids, searches) if not s.done])
+            bar.update(1)
+        bar.close()
+        return [self._beam_output(ids, s, params.beam_width) for ids, s in zip(prompt_ids, searches)]
+
+    def _beam_step(self, searches: list[tuple[list[int], BeamSearch]]) -> None:
+        """One token for every live beam of the given searches, in one batch."""
+        request_ids = []
+        for ids, search in searches:
+            params = step_params(search)
+            for beam in search.live:
+                request_ids.append(self._add({"prompt_token_ids": ids + beam.tokens}, params))
+        outputs = iter(self._run(request_ids, use_tqdm=False))
+        for _, search in searches:
+            search.step([top_candidates(next(outputs).outputs[0].logprobs[0]) for _ in search.live])
+
+    def _beam_output(self, prompt_ids: list[int], search: BeamSearch, n: int) -> BeamSearchOutput:
+        tokenizer = self.get_tokenizer()
+        sequences = []
+        for beam in search.results(n):
+            reason = "stop" if beam.stopped else "length"
+            text = tokenizer.decode(beam.tokens, skip_special_tokens=True)
+            sequences.append(BeamSearchSequence(prompt_ids + beam.tokens, beam.logprobs, beam.score, text, reason))
+        return BeamSearchOutput(sequences)
 
     @staticmethod
     def _params_list(params, n: int) -> list[SamplingParams]:
