@@ -44,6 +44,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = None  # PD prefill side: where a decode instance pulls the KV from
+    num_generated_tokens: int = 0  # every sampled token, the best_of samples not returned included
 
 
 @dataclass

@@ -118,8 +118,8 @@ class SamplingParams:
         check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {self.n}.")
         check(self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}.")
         check(
-            self.best_of is None or self.best_of == self.n,
-            "best_of > n is not supported: splitserve returns every sample it draws; set n instead.",
+            self.best_of is None or self.best_of == self.n or self.temperature > 0.0,
+            "best_of > n needs sampling (temperature > 0): greedy samples are all alike.",
         )
         check(
             -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."

@@ -11,6 +11,7 @@ from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
 from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
 from splitserve.engine.processor import ProcessedRequest, Processor
 from splitserve.outputs import RequestMetrics
+from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import get_tokenizer
 
 
@@ -36,10 +37,10 @@ class FrontEnd:
         params = request.params
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples, core_requests = {}, []
-        for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            # Samples of one seeded request must differ from each other, yet stay reproducible.
-            child = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+        num_samples = max(params.n, params.best_of or 1)  # best_of > n: draw best_of, keep the best n
+        for i in range(num_samples):
+            core_id = request_id if num_samples == 1 else f"{i}_{request_id}"
+            child = _sample_params(params, i, num_samples)
             child.bad_words_token_ids = params.bad_words_token_ids
             detokenizer = self.output_processor.new_detokenizer(request.prompt_token_ids, child)
             samples[core_id] = SampleState(i, child, detokenizer)
@@ -49,5 +50,20 @@ class FrontEnd:
         state = RequestState(
             request_id, request.prompt, request.prompt_token_ids, kind, samples, metrics=RequestMetrics(arrival)
         )
+        if num_samples > params.n:
+            state.best_of = (params.n, params.logprobs is not None)
         self.output_processor.add_request(state)
         return core_requests
+
+
+def _sample_params(params: SamplingParams, i: int, num_samples: int) -> SamplingParams:
+    """The params of sample i. Samples of one seeded request must differ from each other, yet stay
+    reproducible; with best_of > n each must report its sampled tokens' logprobs (to be ranked)."""
+    if num_samples == 1:
+        return params
+    changes = {}
+    if params.seed is not None:
+        changes["seed"] = params.seed + i
+    if num_samples > params.n and params.logprobs is None:
+        changes["logprobs"] = 0
+    return params.clone(**changes) if changes else params

@@ -58,6 +58,8 @@ class RequestState:
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     kv_transfer_params: dict | None = None
+    # best_of > n: (n, whether the caller asked for logprobs): the best n samples are returned
+    best_of: tuple[int, bool] | None = None
 
     @property
     def finished(self) -> bool:
@@ -188,6 +190,9 @@ class OutputProcessor:
             return None
         delta = state.kind == RequestOutputKind.DELTA
         completions = [self._completion(s, delta) for s in sorted(state.samples.values(), key=lambda s: s.index)]
+        num_generated = sum(len(s.token_ids) for s in state.samples.values())
+        if state.best_of is not None:
+            completions = _best_of(completions, *state.best_of)
         prompt_logprobs = state.prompt_logprobs
         if delta and state.sent_prompt_logprobs:
             prompt_logprobs = None
@@ -202,6 +207,7 @@ class OutputProcessor:
             state.num_cached_tokens,
             state.metrics,
             state.kv_transfer_params,
+            num_generated,
         )
 
     @staticmethod
@@ -232,3 +238,13 @@ class OutputProcessor:
         sample.sent_chars, sample.sent_tokens = len(text), len(sample.token_ids)
         sample.sent_logprobs = len(sample.logprobs or ())
         return out
+
+
+def _best_of(completions: list[CompletionOutput], n: int, keep_logprobs: bool) -> list[CompletionOutput]:
+    """The n samples with the highest cumulative logprob, indexed 0..n-1 (vLLM's best_of)."""
+    ranked = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+    for index, completion in enumerate(ranked):
+        completion.index = index
+        if not keep_logprobs:
+            completion.logprobs = None
+    return ranked

@@ -68,10 +68,10 @@ STRICT = {"strict_fields": True}
 def test_unknown_fields_are_ignored_and_collected(model):
     """vLLM's and FastDeploy's behaviour: an unknown field is dropped; the server logs the names."""
     context = {"ignored_fields": []}
-    body = {"prompt": "Hello", "messages": USER, "temprature": 0.5, "length_penalty": 1.0}
+    body = {"prompt": "Hello", "messages": USER, "temprature": 0.5, "frobnicate": 1.0}
     body.pop("messages" if model is CompletionRequest else "prompt")
     request = model.model_validate(body, context=context)
-    assert sorted(context["ignored_fields"]) == ["length_penalty", "temprature"]
+    assert sorted(context["ignored_fields"]) == ["frobnicate", "temprature"]
     assert request.temperature is None
 
 
@@ -86,7 +86,6 @@ def test_unknown_field_is_refused_by_name_when_strict(model):
 
 COMMON_UNSUPPORTED = {
     "suffix": "!",
-    "use_beam_search": True,
     "service_tier": "flex",
     "store": True,
 }
@@ -150,8 +149,8 @@ def test_parameters_meaning_off_are_accepted(make, fields):
 
 
 def test_false_flag_must_be_a_real_false():
-    """0 == False in Python: a 0 must not pass as use_beam_search=false."""
-    assert rejected(completion, use_beam_search=0)[1] == "use_beam_search"
+    """0 == False in Python: a 0 must not pass as store=false."""
+    assert rejected(completion, store=0)[1] == "store"
 
 
 @pytest.mark.parametrize("field", ["n", "stream", "echo", "top_p", "skip_special_tokens", "min_tokens"])
@@ -277,9 +276,36 @@ def test_max_completion_tokens_is_an_alias_of_max_tokens(make):
 
 def test_best_of():
     assert completion(n=3, best_of=3).to_sampling_params(16).best_of == 3
-    message, param = rejected(completion, n=2, best_of=3)
-    assert param == "best_of" and "best_of > n is not supported" in message
+    assert completion(n=2, best_of=5, temperature=0.8).to_sampling_params(16).best_of == 5
     assert rejected(completion, n=3, best_of=2)[1] == "best_of"
+    assert "greedy" in rejected(completion, n=1, best_of=3, temperature=0)[0]
+    assert rejected(chat, n=1, best_of=3, temperature=1.0, stream=True)[1] == "best_of"
+
+
+@pytest.mark.parametrize("make", [completion, chat])
+def test_beam_search_fields(make):
+    request = make(use_beam_search=True, n=2, best_of=4, temperature=0, length_penalty=0.5, early_stopping="never")
+    params = request.beam_search_params(max_tokens=20)
+    assert (params.beam_width, params.length_penalty, params.early_stopping) == (4, 0.5, "never")
+    assert request.to_sampling_params(20).best_of is None  # the search, not the sampler, uses the width
+    assert make(use_beam_search=True, n=3).beam_width == 3
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"use_beam_search": True}, "best_of"),
+        ({"use_beam_search": True, "n": 2, "top_p": 0.9}, "top_p"),
+        ({"use_beam_search": True, "n": 2, "top_k": 5}, "top_k"),
+        ({"use_beam_search": True, "n": 2, "temperature": 0.7}, "temperature"),
+        ({"length_penalty": 1.5}, "length_penalty"),
+        ({"early_stopping": True}, "early_stopping"),
+    ],
+)
+def test_beam_search_rules(fields, param):
+    """The Ascend guide's constraints, each refused by name; the defaults pass anywhere."""
+    assert rejected(completion, **fields)[1] == param
+    assert completion(length_penalty=1.0, early_stopping=False, use_beam_search=False).length_penalty == 1.0
 
 
 def test_min_tokens_above_max_tokens_raises_value_error():

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from splitserve.entrypoints.openai.beam_fields import BeamSearchRequestFields
 from splitserve.entrypoints.openai.chat_messages import ChatCompletionTool, ChatMessageParam, NamedToolChoice
 from splitserve.entrypoints.openai.guided import GuidedRequestFields
 from splitserve.entrypoints.openai.request_model import ParameterError, RequestModel, is_token_id
@@ -55,7 +56,7 @@ def _check_stop(value: Any) -> Any:
     return value
 
 
-class _GenerationRequest(GuidedRequestFields):
+class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     """What /v1/completions and /v1/chat/completions share: sampling, stopping, streaming."""
 
     model: str | None = None
@@ -90,11 +91,10 @@ class _GenerationRequest(GuidedRequestFields):
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (set by the router)
     # Known but unsupported: accepted only as "off" (see unsupported_params.py).
     suffix: Any = None
-    use_beam_search: Any = None
     service_tier: Any = None
     store: Any = None
 
-    _refuse = field_validator("suffix", "use_beam_search", "service_tier", "store")(refuse_unsupported)
+    _refuse = field_validator("suffix", "service_tier", "store")(refuse_unsupported)
     _stop = field_validator("stop", mode="before")(_check_stop)
 
     @field_validator("logit_bias")
@@ -167,6 +167,7 @@ class _GenerationRequest(GuidedRequestFields):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             guided_decoding=self.guided_decoding_params(),
+            best_of=None if self.use_beam_search else self.best_of,
         )
 
 
@@ -182,7 +183,6 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -203,17 +203,6 @@ class CompletionRequest(_GenerationRequest):
             return value
         raise ValueError(_PROMPT_SHAPES)
 
-    @model_validator(mode="after")
-    def _check_best_of(self) -> CompletionRequest:
-        """splitserve returns every sample it draws, so best_of can only repeat n."""
-        if self.best_of is not None and self.best_of != self.n:
-            raise ParameterError(
-                "best_of",
-                "best_of > n is not supported: splitserve returns every sample "
-                f"it draws; set n instead (got best_of={self.best_of}, n={self.n}).",
-            )
-        return self
-
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts, each a text or a list of token ids, whichever shape was sent."""
         prompt = self.prompt
@@ -224,7 +213,7 @@ class CompletionRequest(_GenerationRequest):
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens. Raises
         ValueError for combinations SamplingParams refuses (e.g. min_tokens > max_tokens)."""
-        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs, best_of=self.best_of)
+        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs)
 
 
 class _ConversationRequest(RequestModel):

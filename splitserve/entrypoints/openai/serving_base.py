@@ -31,6 +31,7 @@ from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
 from splitserve.entrypoints.openai.response_models import PromptTokenUsageInfo, UsageInfo
+from splitserve.entrypoints.openai.serving_beam import beam_search_output
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
@@ -231,6 +232,20 @@ class OpenAIServing:
         return [
             self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv) for i, request in enumerate(requests)
         ]
+
+    def _generation_streams(self, req, request_id: str, requests, arrival: float, kind, kv=None) -> list:
+        """Each prompt's outputs: sampled, or (use_beam_search) a beam search's one output."""
+        if not req.use_beam_search:
+            return self._streams(request_id, requests, arrival, kind, kv)
+        if kv is not None:
+            raise APIError("Beam search does not run on prefill/decode instances.", param="use_beam_search")
+        streams = []
+        for i, request in enumerate(requests):
+            room = self.max_model_len - len(request.prompt_token_ids)
+            params = req.beam_search_params(min(request.params.max_tokens or room, room))
+            stop_ids = ({self.processor.eos_token_id} | set(request.params.stop_token_ids)) - {None}
+            streams.append(beam_search_output(self.engine, f"{request_id}-{i}", request, params, req.n, stop_ids))
+        return streams
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
         """The final output of each stream; if the client goes away first, abort them all."""

@@ -54,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         self._log(request_id, [request], params)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        stream = self._streams(request_id, [request], arrival, kind, kv)
+        stream = self._generation_streams(req, request_id, [request], arrival, kind, kv)
         echo = self._chat_echo(req)
         if req.stream:
             return sse_response(self._chat_stream(req, plan, request_id, request, params, stream, arrival, echo))
@@ -107,9 +107,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def _chat_response(self, req, plan, request_id, request, params, final: RequestOutput, echo: str):
         self._record_finished(final)
-        choices, completion_tokens = [], 0
+        choices, completion_tokens = [], final.num_generated_tokens  # best_of's unreturned samples count too
         for c in final.outputs:
-            completion_tokens += len(c.token_ids)
             message, called = self._message(plan, c.text, echo)
             logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
             choices.append(

@@ -44,9 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         self._log(request_id, requests, params)
         if req.stream:
-            streams = self._streams(request_id, requests, arrival, RequestOutputKind.DELTA, kv)
+            streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.DELTA, kv)
             return sse_response(self._completion_stream(req, request_id, requests, params, streams, arrival))
-        streams = self._streams(request_id, requests, arrival, RequestOutputKind.FINAL_ONLY, kv)
+        streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.FINAL_ONLY, kv)
         finals = await self._collect(streams, raw)
         response = self._completion_response(req, request_id, requests, params, finals)
         response.kv_transfer_params = self._kv_answer(kv, requests[0], finals[0])
@@ -57,8 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (request, output) in enumerate(zip(requests, finals)):
             self._record_finished(output)
             cached += output.num_cached_tokens
+            completion_tokens += output.num_generated_tokens  # best_of's unreturned samples count too
             for c in output.outputs:
-                completion_tokens += len(c.token_ids)
                 text, logprobs = c.text, None
                 if req.echo:
                     text = self._prompt_text(request) + text

@@ -13,7 +13,6 @@ from pydantic import ValidationInfo
 # (the ones meaning "feature off"); any other value is refused rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None,),
-    "use_beam_search": (None, False),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     # chat only
