@@ -15,6 +15,7 @@ from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, instal
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger("splitserve.api_server")
@@ -29,6 +30,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     completion = OpenAIServingCompletion(engine, config, server_args, metrics)
     chat = OpenAIServingChat(engine, config, server_args, metrics)
     tokenization = OpenAIServingTokenization(engine, config, server_args, metrics)
+    native = NativeServing(engine, config, server_args, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,6 +50,10 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await chat.create_chat_completion(await read_json_body(request), request)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await native.generate(await read_json_body(request), request)
 
     @app.get("/v1/models")
     async def models():

@@ -189,6 +189,9 @@ class OpenAIServing:
             )
         return kv
 
+    def _prompt_text(self, request: ProcessedRequest) -> str:
+        return request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)
+
     @staticmethod
     def _remote_prompt(req, kv: KVTransferParams | None) -> PromptType | None:
         """A decode request carries the token ids the prefill instance computed: using them (rather

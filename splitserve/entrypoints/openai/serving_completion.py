@@ -88,9 +88,6 @@ class OpenAIServingCompletion(OpenAIServing):
             system_fingerprint=self.fingerprint,
         )
 
-    def _prompt_text(self, request: ProcessedRequest) -> str:
-        return request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)
-
     @staticmethod
     def _echo_logprobs(req, request: ProcessedRequest, output: RequestOutput):
         """With echo, the legacy logprobs start with the prompt's tokens (the first has none)."""

@@ -41,6 +41,10 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def chat_completions(request: Request):
         return await router.handle_generation(request, "/v1/chat/completions")
 
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await router.handle_generation(request, "/generate")
+
     @app.get("/v1/models")
     async def models(request: Request):
         return await router.forward(request, "GET", "/v1/models")

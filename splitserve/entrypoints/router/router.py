@@ -23,6 +23,7 @@ closes the upstream connection at once, so that the instance aborts the request 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -33,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.disagg.policies import Upstream
-from splitserve.entrypoints.http import error_response, read_body, read_json_body
+from splitserve.entrypoints.http import error_body, error_response, read_body, read_json_body
 from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES
 from splitserve.entrypoints.router.pool import UpstreamPool
 from splitserve.entrypoints.router.relay import (
@@ -56,6 +57,7 @@ from splitserve.entrypoints.router.relay import (
 logger = logging.getLogger("splitserve.router")
 
 _DONE_EVENT = b"data: [DONE]\n\n"
+_STREAMS = ("text/event-stream", "application/x-ndjson")  # OpenAI's server-sent events; /generate's JSON lines
 
 
 @dataclass
@@ -184,12 +186,12 @@ class Router(UpstreamPool):
                 )
                 if resp.status >= 500:
                     reason = status_reason(resp.status, await until_disconnected(request, resp.read()))
-                elif resp.status == 200 and resp.content_type == "text/event-stream":
+                elif resp.status == 200 and resp.content_type in _STREAMS:
                     first = await until_disconnected(request, first_chunk(resp))
                     open_request.on_release = lambda: self._log_request(trace, 200)
                     handed_over = True
                     return RelayResponse(
-                        self._relay(open_request, first, trace), open_request, media_type="text/event-stream"
+                        self._relay(open_request, first, trace), open_request, media_type=resp.content_type
                     )
                 else:
                     data = await until_disconnected(request, resp.read())
@@ -227,8 +229,12 @@ class Router(UpstreamPool):
             reason = f"the stream broke off ({describe_error(exc, self.config.request_timeout)})"
             self._failed(open_request.instance, reason)
             trace.notes.append(f"decode {reason}")
-            yield sse_error_event(f"The decode instance failed mid-stream: {reason}.")
-            yield _DONE_EVENT
+            message = f"The decode instance failed mid-stream: {reason}."
+            if open_request.resp.content_type == "text/event-stream":
+                yield sse_error_event(message)
+                yield _DONE_EVENT
+            else:  # /generate's newline-delimited JSON
+                yield json.dumps(error_body(message, "service_unavailable", None, 503)).encode() + b"\n"
         finally:
             if not ended:
                 trace.notes.append("the client disconnected mid-stream (upstream request closed)")
