@@ -47,8 +47,8 @@ class GuideCompiler:
         if kind == "json":
             json.loads(guide.json)  # a clearer message than xgrammar's for text that is not JSON
             return self.compiler.compile_json_schema(guide.json, any_whitespace=_any_whitespace(guide))
-        if kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+        if kind == "json_object":  # OpenAI's json_object: a JSON object (not any JSON value)
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=_any_whitespace(guide))
         if kind == "regex":
             return self.compiler.compile_regex(guide.regex)
         if kind == "choice":

@@ -87,6 +87,11 @@ def test_one_command_1p1d_matches_a_mixed_instance(tiny_chat_model, offline):
             .text
         )
         assert chat.choices[0].message.content == direct
+        # vLLM's native /generate through the router: prefill, KV transfer, decode, as for completions.
+        native = httpx.post(
+            f"{router.url}/generate", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}, timeout=120
+        ).json()
+        assert native["text"] == [PROMPTS[0] + _expected(offline, PROMPTS[0])]
         metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
         assert 'role="prefill"' in metrics and "splitserve_router:fallbacks_total 0.0" in metrics
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -52,6 +52,8 @@ class ChoiceState:
     started: bool = False
     content: str = ""  # chat: the answer's text so far (the text less its reasoning)
     tool_parser: Any = None  # chat with tools: this choice's ToolParser
+    held_token_ids: list = field(default_factory=list)  # of chunks held back, sent with the next one
+    held_logprobs: list = field(default_factory=list)
 
 
 class OpenAIServing:

@@ -182,9 +182,13 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 state.finished = c.finish_reason is not None
                 delta = self._chat_delta(state, c.text)
+                state.held_token_ids += c.token_ids
+                state.held_logprobs += c.logprobs or []
                 if delta is None and not state.finished:
-                    continue  # held back: it may be the start of a tool call's marker
-                logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
+                    continue  # held back (it may be the start of a tool call's marker): sent with the next chunk
+                token_ids, entries = state.held_token_ids, state.held_logprobs
+                state.held_token_ids, state.held_logprobs = [], []
+                logprobs = self._chat_logprobs(token_ids, entries, params.logprobs) if req.logprobs else None
                 called = state.tool_parser is not None and state.tool_parser.tools_streamed
                 choices.append(
                     ChatCompletionStreamChoice(
@@ -193,7 +197,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=plan.finish_reason(c.finish_reason, called),
                         stop_reason=c.stop_reason,
-                        token_ids=c.token_ids if req.return_token_ids else None,
+                        token_ids=token_ids if req.return_token_ids else None,
                         arrival_time=time.monotonic() - arrival,
                     )
                 )
