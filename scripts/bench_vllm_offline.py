@@ -5,6 +5,7 @@ interpreter (vLLM is not a dependency of splitserve):
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 /tmp/vllm-venv/bin/python \
         scripts/bench_vllm_offline.py /tmp/smol-hf
 """
+
 import random
 import sys
 import time
@@ -25,5 +26,5 @@ def main():
     print(f"vLLM CPU: {produced} tokens in {elapsed:.2f} s = {produced / elapsed:.1f} output tok/s")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

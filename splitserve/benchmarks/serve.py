@@ -50,6 +50,14 @@ _WORDS = (
 ).split()
 
 
+def _schema(text: str) -> dict:
+    """argparse type for --guided-json: a JSON object, inline or read from @FILE."""
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    return _json_object(text)
+
+
 def _json_object(text: str) -> dict:
     """argparse type for --extra-body: a JSON object, refused at parse time when it is anything else."""
     try:
@@ -83,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     server.add_argument("--request-timeout", type=float, default=3600.0, help="seconds allowed per request")
     server.add_argument("--extra-body", type=_json_object, help="JSON object merged into every request body")
+    server.add_argument(
+        "--guided-json",
+        type=_schema,
+        help="a JSON schema (inline, or @FILE) every output must follow (sent as guided_json): structured "
+        "output's cost, against a run without it",
+    )
 
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", help="only 'random' is supported")
@@ -247,6 +261,8 @@ def request_body(request: Request, ns: argparse.Namespace, model: str, chat: boo
         body |= {"prompt": request.prompt, "max_tokens": request.output_len}
     if ns.ignore_eos:
         body["ignore_eos"] = True
+    if ns.guided_json is not None:
+        body["guided_json"] = ns.guided_json
     return body | (ns.extra_body or {})
 
 

@@ -374,3 +374,13 @@ def test_tokenizer_prompts(smollm_tokenizer):
     serve._fill_token_counts([outcome], requests[:1], smollm_tokenizer)
     assert outcome.output_tokens == len(smollm_tokenizer.encode(" hello world, again", add_special_tokens=False))
     assert outcome.prompt_tokens == requests[0].prompt_len
+
+
+def test_guided_json_is_sent_with_every_request(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for value in (json.dumps(schema), f"@{path}"):
+        ns = build_parser().parse_args(["bench", "serve", "--guided-json", value])
+        body = serve.request_body(serve_client.Request("hi", 2, 8), ns, "m", chat=False)
+        assert body["guided_json"] == schema and body["prompt"] == "hi"
