@@ -21,7 +21,14 @@ import zmq.asyncio
 
 from splitserve.config import ModelConfig
 from splitserve.engine.frontend import FrontEnd
-from splitserve.engine.messages import AbortRequests, EngineCoreOutputs, KVTransferParams, Ping, SchedulerStats
+from splitserve.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    GrammarVocabulary,
+    KVTransferParams,
+    Ping,
+    SchedulerStats,
+)
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
 from splitserve.outputs import RequestOutput
@@ -55,6 +62,7 @@ class AsyncLLM(FrontEnd):
         self.on_stats = None  # callback(SchedulerStats), set by the metrics layer
         self._output_task: asyncio.Task | None = None
         self._pings: dict[int, asyncio.Future] = {}
+        self._vocabulary_task: asyncio.Future | None = None
         self._nonce = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
@@ -75,8 +83,10 @@ class AsyncLLM(FrontEnd):
         self.queues[request_id] = queue
         finished = False
         try:
-            for request in core_requests:
-                await self._send(request)
+            if request.params.guided_decoding is not None:
+                await self._grammar_vocabulary_sent()
+            for core_request in core_requests:
+                await self._send(core_request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -87,6 +97,17 @@ class AsyncLLM(FrontEnd):
             self.queues.pop(request_id, None)
             if not finished:
                 await self.abort([request_id])
+
+    async def _grammar_vocabulary_sent(self) -> None:
+        """Once, before this front-end's first guided request (see GrammarVocabulary); guided requests
+        that arrive meanwhile wait for it, so that none reaches the engine first."""
+        if self._vocabulary_task is None:
+            self._vocabulary_task = asyncio.ensure_future(self._send_grammar_vocabulary())
+        await asyncio.shield(self._vocabulary_task)
+
+    async def _send_grammar_vocabulary(self) -> None:
+        info = await asyncio.to_thread(lambda: self.processor.guides.info.serialize_json())
+        await self._send(GrammarVocabulary(info))
 
     async def abort(self, request_ids: list[str]) -> None:
         core_ids = self.output_processor.abort(request_ids)

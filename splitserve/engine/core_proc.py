@@ -28,6 +28,7 @@ from splitserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    GrammarVocabulary,
     Ping,
 )
 from splitserve.process_utils import exit_with_parent
@@ -100,6 +101,8 @@ class EngineCoreProc:
                 self.owner.pop(rid, None)
         elif isinstance(msg, Ping):
             self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), pong=msg.nonce))
+        elif isinstance(msg, GrammarVocabulary):
+            self.core.structured_output.set_tokenizer_info(msg.tokenizer_info)
 
     # --- output -----------------------------------------------------------------------------
     def _send(self, outputs: list[EngineCoreOutput], force_stats: bool) -> None:

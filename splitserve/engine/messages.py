@@ -48,7 +48,15 @@ class Ping(msgspec.Struct, tag="ping", array_like=True):
     nonce: int
 
 
-ClientMessage = EngineCoreRequest | AbortRequests | Ping
+class GrammarVocabulary(msgspec.Struct, tag="grammar_vocabulary", array_like=True):
+    """Structured output's view of the vocabulary (xgrammar's TokenizerInfo, serialized), sent once by
+    a front-end before its first guided request: the engine process then needs no tokenizer of its own
+    (loading one can take seconds, which the first guided requests would wait for)."""
+
+    tokenizer_info: str
+
+
+ClientMessage = EngineCoreRequest | AbortRequests | Ping | GrammarVocabulary
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

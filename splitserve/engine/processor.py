@@ -65,15 +65,20 @@ class Processor:
             self._check_guide(params)
         return params
 
-    def _check_guide(self, params: SamplingParams) -> None:
-        """Compile the guide here (cached), so that one that cannot be compiled is the caller's error
-        now rather than the engine's later."""
+    @property
+    def guides(self):
+        """Structured output's GuideCompiler for this tokenizer and vocabulary, made on first use."""
         if self._guides is None:
             from splitserve.engine.structured_output import GuideCompiler
 
             self._guides = GuideCompiler(self.tokenizer, self.vocab_size)
+        return self._guides
+
+    def _check_guide(self, params: SamplingParams) -> None:
+        """Compile the guide here (cached), so that one that cannot be compiled is the caller's error
+        now rather than the engine's later."""
         try:
-            self._guides.compile(params.guided_decoding)
+            self.guides.compile(params.guided_decoding)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "guided_decoding") from None
 

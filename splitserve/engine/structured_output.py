@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 
 
 class GuideCompiler:
-    """Compiles guides for one tokenizer and model vocabulary (the logits' width)."""
+    """Compiles guides for one tokenizer and model vocabulary (the logits' width), or for a
+    TokenizerInfo a front-end serialized (`info`)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer=None, vocab_size: int | None = None, info=None):
         import xgrammar as xgr
 
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = info if info is not None else xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True)
         self._lock = threading.Lock()  # one compiler, used from the event loop's worker threads
 
@@ -86,12 +87,15 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler: GuideCompiler | None = None  # made on first use: the engine needs no tokenizer otherwise
+        self._tokenizer_info = None  # what a front-end sent (GrammarVocabulary), if it did
 
     def submit(self, guide: GuidedDecodingParams) -> Future:
         """Compile off the engine loop; the future's result is the CompiledGrammar."""
         return self._pool.submit(self._compile, guide)
 
     def _compile(self, guide: GuidedDecodingParams):
+        if self._compiler is None and self._tokenizer_info is not None:
+            self._compiler = GuideCompiler(info=self._tokenizer_info)
         if self._compiler is None:
             from splitserve.tokenizer import get_tokenizer
 
@@ -100,6 +104,13 @@ class StructuredOutputManager:
             self._compiler = GuideCompiler(tokenizer, mc.vocab_size)
             logger.info("Structured output: xgrammar ready for a vocabulary of %d tokens", mc.vocab_size)
         return self._compiler.compile(guide)
+
+    def set_tokenizer_info(self, serialized: str) -> None:
+        """A front-end's TokenizerInfo, to compile with unless a compiler exists already."""
+        if self._tokenizer_info is None and self._compiler is None:
+            import xgrammar as xgr
+
+            self._tokenizer_info = xgr.TokenizerInfo.deserialize_json(serialized)
 
     @staticmethod
     def matcher(compiled, stop_token_ids: list[int]):
