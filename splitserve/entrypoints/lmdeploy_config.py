@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 from splitserve.config import resolve_device
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import GuidedDecodingParams, SamplingParams
 
 
 @dataclass
@@ -23,7 +23,8 @@ class GenerationConfig:
     Other differences from LMDeploy: `stop_words` are matched as strings in the text (cut from it
     unless `include_stop_str_in_output`), not as single tokens; `bad_token_ids` get a logit bias of
     -inf; `logprobs=k` gives, per generated token, the chosen token and the k most likely ones;
-    `n` must be 1, as LMDeploy documents.
+    `n` must be 1, as LMDeploy documents. `response_format` guides the output (json_object,
+    json_schema, regex_schema; docs/structured_output.md).
     """
 
     n: int = 1
@@ -45,6 +46,7 @@ class GenerationConfig:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    response_format: dict | None = None
 
     def is_sampling(self) -> bool:
         """Whether this config samples; see the class docstring for the do_sample rule."""
@@ -78,7 +80,37 @@ class GenerationConfig:
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            guided_decoding=_guide_from_response_format(self.response_format),
         )
+
+
+def _guide_from_response_format(response_format: dict | None) -> GuidedDecodingParams | None:
+    """LMDeploy's `response_format`: OpenAI's dicts (`json_object`, `json_schema` with the schema under
+    json_schema.schema) plus LMDeploy's `{"type": "regex_schema", "regex_schema": "..."}`."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise ValueError(f"GenerationConfig.response_format must be a dict with a 'type', got {response_format!r}.")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if schema is None:
+            raise ValueError("GenerationConfig.response_format of type json_schema needs json_schema.schema.")
+        return GuidedDecodingParams(json=schema)
+    if kind == "regex_schema":
+        regex = response_format.get("regex_schema")
+        if not isinstance(regex, str):
+            raise ValueError("GenerationConfig.response_format of type regex_schema needs a regex_schema string.")
+        return GuidedDecodingParams(regex=regex)
+    raise ValueError(
+        f"GenerationConfig.response_format type {kind!r} is not supported "
+        "(text, json_object, json_schema, regex_schema are)."
+    )
 
 
 def _refuse_unsupported(config, unsupported: dict[str, tuple[object, str]]) -> None:

@@ -424,3 +424,35 @@ def test_chat_template_config_and_close(model_dir, llm):
     with pytest.raises(RuntimeError, match="closed"):
         p("Hi")
     p.close()  # closing twice is harmless
+
+
+def test_response_format_guides_the_output(pipe):
+    import json
+    import re
+
+    # End to end with a regex: the random model's free whitespace cannot run a JSON guide to max tokens.
+    regex = pipe(
+        "Hi", gen_config=GenerationConfig(response_format={"type": "regex_schema", "regex_schema": "[0-9]{3}"})
+    )
+    assert re.fullmatch("[0-9]{3}", regex.text) and regex.finish_reason == "stop"
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    guide = GenerationConfig(response_format=fmt).to_sampling_params().guided_decoding
+    assert guide.kind == "json" and json.loads(guide.json) == schema
+    json_object = GenerationConfig(response_format={"type": "json_object"}).to_sampling_params().guided_decoding
+    assert json_object.kind == "json_object"
+    assert GenerationConfig(response_format={"type": "text"}).to_sampling_params().guided_decoding is None
+
+
+@pytest.mark.parametrize(
+    "fmt, error",
+    [
+        ("json", "must be a dict"),
+        ({"type": "json_schema"}, "needs json_schema.schema"),
+        ({"type": "regex_schema"}, "needs a regex_schema"),
+        ({"type": "yaml"}, "not supported"),
+    ],
+)
+def test_bad_response_format_raises(fmt, error):
+    with pytest.raises(ValueError, match=error):
+        GenerationConfig(response_format=fmt).to_sampling_params()
