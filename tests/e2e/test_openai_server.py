@@ -197,9 +197,8 @@ def test_vllm_extensions(server):
     [
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-        ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+        ({"prompt": "x", "use_beam_search": True}, 400, "best_of"),  # a beam width of 1
         ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
-        ({"prompt": "x", "no_such_param": 1}, 400, "no_such_param"),
         ({"prompt": "x", "n": 129}, 400, "n"),
         ({"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
         ({"prompt": "x", "logit_bias": {"99999999": 1}}, 400, None),
@@ -218,12 +217,26 @@ def test_completion_errors(server, body, status, param):
 
 
 def test_chat_errors(server):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    # Without --enable-auto-tool-choice, tools default to tool_choice "none": plain text.
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": tools})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls") in (None, [])
     r = _post(
         server,
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "auto"},
     )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = _post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+    )
+    assert r.status_code == 400 and "g" in r.json()["error"]["message"]
     r = _post(server, "/v1/chat/completions", {"messages": []})
     assert r.status_code == 400
     assert _post(server, "/v1/completions", b"{not json").status_code == 400
