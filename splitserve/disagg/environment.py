@@ -36,6 +36,18 @@ class PDLaunch:
     global_ranktable: RankTable
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+    use_openai: bool = True  # USE_OPENAI (router only): 0 serves vLLM's native API instead of OpenAI's
+
+
+USE_OPENAI_ENV = "USE_OPENAI"
+
+
+def parse_use_openai(env: Mapping[str, str]) -> bool:
+    """USE_OPENAI, the Ascend guide's switch of the entry's API: 1 (default) OpenAI's, 0 vLLM's native."""
+    value = env.get(USE_OPENAI_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{USE_OPENAI_ENV} must be 1 (the OpenAI API) or 0 (vLLM's native /generate), got {value!r}")
+    return value == "1"
 
 
 def parse_node_ports(value: str, global_table: RankTable) -> list[int]:
@@ -61,8 +73,9 @@ def _url(server_ip: str, port: int) -> str:
 
 def resolve_pd_environment(env: Mapping[str, str] = os.environ) -> PDLaunch | None:
     """The PD role of this process from GLOBAL_RANK_TABLE_FILE_PATH (None when unset: no disaggregation),
-    RANK_TABLE_FILE_PATH (the local table, whose content decides the role) and NODE_PORTS (required by the
-    router; checked for engines too when set, so that a wrong deployment fails at every start)."""
+    RANK_TABLE_FILE_PATH (the local table, whose content decides the role), NODE_PORTS (required by the
+    router; checked for engines too when set, so that a wrong deployment fails at every start) and, for
+    the router, USE_OPENAI."""
     global_path = env.get(GLOBAL_ENV)
     if not global_path:
         return None
@@ -83,4 +96,13 @@ def resolve_pd_environment(env: Mapping[str, str] = os.environ) -> PDLaunch | No
         g: [_url(inst.server_ip, port) for (ig, inst), port in zip(instances, ports) if ig == g]
         for g in (PREFILL_GROUP, DECODE_GROUP)
     }
-    return PDLaunch("router", entry.server_ip, [], None, global_table, urls[PREFILL_GROUP], urls[DECODE_GROUP])
+    return PDLaunch(
+        "router",
+        entry.server_ip,
+        [],
+        None,
+        global_table,
+        urls[PREFILL_GROUP],
+        urls[DECODE_GROUP],
+        use_openai=parse_use_openai(env),
+    )

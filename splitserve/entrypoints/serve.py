@@ -36,9 +36,11 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         return run_server(engine_args, server_args)
     if pd_env.role == "router":
         logger.info("Rank table: router for prefill %s and decode %s", pd_env.prefill_urls, pd_env.decode_urls)
-        return run_router(
-            _router_config(server_args, pd_env.prefill_urls, pd_env.decode_urls), server_args.host, server_args.port
-        )
+        config = _router_config(server_args, pd_env.prefill_urls, pd_env.decode_urls)
+        if not pd_env.use_openai:
+            logger.info("USE_OPENAI=0: the router serves vLLM's native API (POST /generate), not the OpenAI routes")
+            config.openai_api = False
+        return run_router(config, server_args.host, server_args.port)
     logger.info(
         "Rank table: %s instance %d on %s, devices %s",
         pd_env.role,

@@ -399,6 +399,11 @@ def test_resolve_router(tmp_path):
     assert (router.role, router.server_ip, router.device_ids, router.instance_index) == ("router", "10.0.0.1", [], None)
     assert router.prefill_urls == ["http://10.0.0.1:8001", "http://10.0.0.1:8002", "http://10.0.0.2:8003"]
     assert router.decode_urls == ["http://10.0.0.2:9000"]
+    assert router.use_openai
+    native = resolve_pd_environment({**env_for(paths, "host", ports="8001,8002,8003,9000"), "USE_OPENAI": "0"})
+    assert not native.use_openai
+    with pytest.raises(ValueError, match="USE_OPENAI must be 1 .* or 0"):
+        resolve_pd_environment({**env_for(paths, "host", ports="8001,8002,8003,9000"), "USE_OPENAI": "yes"})
 
 
 def test_resolve_errors(tmp_path):
@@ -420,3 +425,21 @@ def test_resolve_errors(tmp_path):
     other = write(tmp_path / "other.json", table(prefill=[instance("10.0.0.3", 0)]))
     with pytest.raises(RankTableError, match=r"\[rule: local-in-global\]"):
         resolve_pd_environment({"GLOBAL_RANK_TABLE_FILE_PATH": str(paths["global"]), "RANK_TABLE_FILE_PATH": other})
+
+
+def test_serve_starts_the_router_of_the_rank_table(tmp_path, monkeypatch):
+    """`splitserve serve` with the router's tables runs the router on the table's instance URLs, with
+    the OpenAI routes unless USE_OPENAI=0."""
+    from splitserve.entrypoints import serve as serve_module
+
+    paths = gen_two_machines(tmp_path)
+    started = []
+    monkeypatch.setattr(serve_module, "run_router", lambda config, host, port: started.append((config, port)))
+    for value, openai_api in (("1", True), ("0", False)):
+        env = {**env_for(paths, "host", ports="8001,8002,8003,9000"), "USE_OPENAI": value}
+        for name, val in env.items():
+            monkeypatch.setenv(name, val)
+        serve_module.main(["--model", "unused", "--port", "9100"])
+        config, port = started[-1]
+        assert port == 9100 and config.openai_api is openai_api
+        assert config.decode_urls == ["http://10.0.0.2:9000"]

@@ -87,6 +87,7 @@ class FakeInstance:
             [
                 web.post("/v1/completions", self.generate),
                 web.post("/v1/chat/completions", self.generate),
+                web.post("/generate", self.generate),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
                 web.get("/v1/models", self.models),
@@ -358,6 +359,19 @@ def test_streamed_completion_is_passed_through_unchanged(cluster):
     assert "stream_options" not in prefill_body and "min_tokens" not in prefill_body
     assert d.bodies[0][1]["stream"] is True and d.bodies[0][1]["stream_options"] == {"include_usage": True}
     assert d.bodies[0][1]["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_native_api_only_when_use_openai_is_0(cluster):
+    server, [p], [d], log = cluster(1, 1, openai_api=False)
+    r = server.client.post("/generate", json={"prompt": "The capital of France is", "max_tokens": 4})
+    assert r.status_code == 200 and log == [(PREFILL, "p0"), (DECODE, "d0")]
+    assert [path for path, _ in p.bodies + d.bodies] == ["/generate", "/generate"]
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+        r = server.client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
+        assert r.status_code == 404 and "USE_OPENAI=0" in r.json()["error"]["message"], (path, r.text)
+    assert server.client.post("/tokenize", json={"prompt": "x"}).status_code == 404
+    assert server.client.get("/health").status_code == 200
+    assert len(log) == 2  # the refused routes reached no instance
 
 
 def test_chat_completion_flow(cluster):

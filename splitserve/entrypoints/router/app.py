@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve import __version__
-from splitserve.entrypoints.http import ApiKeyMiddleware, install_error_handlers
+from splitserve.entrypoints.http import APIError, ApiKeyMiddleware, install_error_handlers
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
 from splitserve.entrypoints.router.router import Router
 
@@ -33,29 +33,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     install_error_handlers(app, "router")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.handle_generation(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.handle_generation(request, "/v1/chat/completions")
-
     @app.post("/generate")
     async def generate(request: Request):
         return await router.handle_generation(request, "/generate")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await router.forward(request, "GET", "/v1/models")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await router.forward(request, "POST", "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await router.forward(request, "POST", "/detokenize")
+    if config.openai_api:
+        _add_openai_routes(app, router)
+    else:
+        _refuse_openai_routes(app)
 
     @app.get("/version")
     async def version(request: Request):
@@ -72,6 +57,43 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     if config.api_key:  # load balancers and Prometheus need no key
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=("/health", "/metrics"))
     return app
+
+
+def _add_openai_routes(app: FastAPI, router: Router) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.handle_generation(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.handle_generation(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.forward(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await router.forward(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await router.forward(request, "POST", "/detokenize")
+
+
+def _refuse_openai_routes(app: FastAPI) -> None:
+    """USE_OPENAI=0: the OpenAI routes answer a 404 that says why, not a bare "not found"."""
+
+    async def openai_off():
+        raise APIError(
+            "This router serves vLLM's native API (USE_OPENAI=0): POST /generate. "
+            "Start it with USE_OPENAI=1 for the OpenAI routes.",
+            status=404,
+            err_type="not_found_error",
+        )
+
+    for path in ("/v1/{rest:path}", "/tokenize", "/detokenize"):
+        app.add_api_route(path, openai_off, methods=["GET", "POST"], include_in_schema=False)
 
 
 def run_router(config: RouterConfig, host: str = "0.0.0.0", port: int = 9000) -> None:

@@ -29,6 +29,7 @@ class RouterConfig:
     request_timeout: float = 3600.0  # seconds for a whole upstream request, stream included
     health_timeout: float = 10.0  # seconds for one /health (and one /metrics) check: busy CPUs answer late
     connect_timeout: float = 10.0  # seconds to open a connection, so a dead host fails fast
+    openai_api: bool = True  # False (USE_OPENAI=0): only vLLM's native /generate, no /v1 routes
 
     def __post_init__(self) -> None:
         self.prefill_urls = _check_urls(self.prefill_urls, "--prefill")
