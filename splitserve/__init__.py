@@ -1,5 +1,6 @@
 """splitserve: an LLM serving engine (offline batch API, OpenAI-compatible server, PD disaggregation)."""
 
+from splitserve.lora.request import LoRARequest
 from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
 from splitserve.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "GuidedDecodingParams",
     "StructuredOutputsParams",
     "BeamSearchParams",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

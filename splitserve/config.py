@@ -193,6 +193,28 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Serving LoRA adapters (docs/lora.md): at most `max_loras` adapters in one step (each has a slot
+    of device memory in every LoRA layer, sized for `max_lora_rank`), `max_cpu_loras` kept read in
+    host memory; `lora_modules`, the adapters named at start-up (LoRAModulePath)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: list = field(default_factory=list)
+
+    def verify(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}).")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -204,6 +226,7 @@ class EngineConfig:
     async_scheduling: bool = False  # overlap: schedule step N+1 while the device runs step N
     use_tqdm_on_load: bool = True
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora_config: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -94,3 +94,24 @@ def tiny_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     smollm_tokenizer.save_pretrained(directory)
     return directory
+
+
+def make_peft_adapter(
+    base_dir: str, out_dir: str, target_modules, r: int = 8, alpha: int = 16, seed: int = 0, **lora_kwargs
+) -> str:
+    """A PEFT LoRA adapter of `base_dir` with random A and B (PEFT starts B at zero, which would make
+    the adapter a no-op), saved as PEFT saves it: adapter_config.json + adapter_model.safetensors."""
+    import peft
+    import torch
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, **lora_kwargs)
+    model = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.save_pretrained(out_dir)
+    return out_dir

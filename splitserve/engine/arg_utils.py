@@ -15,6 +15,7 @@ from splitserve.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     resolve_device,
@@ -60,6 +61,11 @@ class EngineArgs:
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
     kv_lease_seconds: float = 60.0
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -106,7 +112,20 @@ class EngineArgs:
             async_scheduling=_resolve_async_scheduling(self.async_scheduling, device, parallel_config),
             use_tqdm_on_load=self.use_tqdm_on_load,
             kv_transfer_config=kv_transfer_config,
+            lora_config=self._lora_config(),
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        from splitserve.lora.request import parse_lora_modules
+
+        modules = parse_lora_modules(self.lora_modules)
+        if not self.enable_lora:
+            if modules:
+                raise ValueError("--lora-modules needs --enable-lora.")
+            return None
+        config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, modules)
+        config.verify()
+        return config
 
     def _parallel_config(self, device: torch.device) -> ParallelConfig:
         config = ParallelConfig(
@@ -210,6 +229,12 @@ _ENGINE_HELP = {
     "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
     "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
+    "enable_lora": "serve LoRA adapters (docs/lora.md): requests pick one by its name in the model field",
+    "max_loras": "most LoRA adapters in one step (each takes a slot of memory in every LoRA layer)",
+    "max_lora_rank": "highest LoRA rank an adapter may have (the slots are sized for it)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "lora_modules": 'adapters to serve from the start: name=path, or JSON {"name": ..., "path": ..., '
+    '"base_model_name": ...}; several may follow the flag',
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
@@ -228,6 +253,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif field.type == "list[int] | None":
             kwargs.update(type=int, nargs="+")
+        elif field.type == "list[str] | None":
+            kwargs.update(nargs="+", action="extend")  # the flag may also be repeated
         elif field.type in ("int", "int | None"):
             kwargs["type"] = int
         elif field.type in ("float", "float | None"):

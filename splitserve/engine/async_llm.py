@@ -26,11 +26,14 @@ from splitserve.engine.messages import (
     EngineCoreOutputs,
     GrammarVocabulary,
     KVTransferParams,
+    LoRACall,
+    LoRAReply,
     Ping,
     SchedulerStats,
 )
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
+from splitserve.lora.request import LoRARequest
 from splitserve.outputs import RequestOutput
 from splitserve.process_utils import process_alive
 
@@ -64,6 +67,10 @@ class AsyncLLM(FrontEnd):
         self._pings: dict[int, asyncio.Future] = {}
         self._vocabulary_task: asyncio.Future | None = None
         self._nonce = itertools.count()
+        self._lora_calls: dict[int, asyncio.Future] = {}
+        self.loras: dict[str, LoRARequest] = {}  # the engine's adapters by name, as last heard
+        self.loras_version = -1  # the registry version they are from (-1: never asked)
+        self.engine_loras_version = 0  # the version the engine last reported
 
     # --- requests ---------------------------------------------------------------------------
     async def generate(
@@ -73,12 +80,13 @@ class AsyncLLM(FrontEnd):
         arrival_time: float | None = None,
         kind: RequestOutputKind = RequestOutputKind.DELTA,
         kv_transfer: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """A processed request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one
         output). Closing the iterator early, or cancelling the task iterating it, aborts the request."""
         self._start()
         self._check_alive()
-        core_requests = self.prepare_request(request_id, request, kind, arrival_time, kv_transfer)
+        core_requests = self.prepare_request(request_id, request, kind, arrival_time, kv_transfer, lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False
@@ -108,6 +116,31 @@ class AsyncLLM(FrontEnd):
     async def _send_grammar_vocabulary(self) -> None:
         info = await asyncio.to_thread(lambda: self.processor.guides.info.serialize_json())
         await self._send(GrammarVocabulary(info))
+
+    # --- LoRA adapters ------------------------------------------------------------------------
+    async def lora_call(self, op: str, name: str = "", path: str = "", base_model_name: str | None = None) -> LoRAReply:
+        """Add ("add"), remove ("remove") or list ("list") the engine's adapters; the reply carries
+        the adapters after the call, which become this front-end's view of them."""
+        self._start()
+        self._check_alive()
+        call_id = next(self._nonce)
+        future = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = future
+        try:
+            await self._send(LoRACall(call_id, op, name, path, base_model_name))
+            reply = await future
+        finally:
+            self._lora_calls.pop(call_id, None)
+        self.loras = {lora.lora_name: lora for lora in reply.loras}
+        self.loras_version = reply.version
+        return reply
+
+    async def resolve_lora(self, name: str) -> LoRARequest | None:
+        """The adapter called `name`, asking the engine when this front-end's view may be old (an
+        adapter added or removed through another API worker)."""
+        if name not in self.loras or self.loras_version != self.engine_loras_version:
+            await self.lora_call("list")
+        return self.loras.get(name)
 
     async def abort(self, request_ids: list[str]) -> None:
         core_ids = self.output_processor.abort(request_ids)
@@ -178,8 +211,11 @@ class AsyncLLM(FrontEnd):
             self._fail_all(f"output handling failed: {exc}")
 
     async def _handle(self, message: EngineCoreOutputs) -> None:
+        if message.lora_reply is not None and message.lora_reply.call_id in self._lora_calls:
+            self._lora_calls[message.lora_reply.call_id].set_result(message.lora_reply)
         if message.stats is not None:
             self.stats, self.sent_since_stats = message.stats, 0
+            self.engine_loras_version = message.stats.lora_version
             if self.on_stats is not None:
                 self.on_stats(message.stats)
         if message.pong is not None and message.pong in self._pings:
@@ -199,6 +235,9 @@ class AsyncLLM(FrontEnd):
         logger.error("Engine is dead (%s): failing %d pending requests", reason, len(self.queues))
         for queue in self.queues.values():
             queue.put_nowait(EngineDeadError(f"The engine is not running: {reason}"))
+        for future in self._lora_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(f"The engine is not running: {reason}"))
         self.output_processor.abort(list(self.output_processor.requests))
 
     def shutdown(self) -> None:

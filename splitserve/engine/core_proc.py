@@ -29,6 +29,7 @@ from splitserve.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     GrammarVocabulary,
+    LoRACall,
     Ping,
 )
 from splitserve.process_utils import exit_with_parent
@@ -94,13 +95,23 @@ class EngineCoreProc:
     def _handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, EngineCoreRequest):
             self.owner[msg.request_id] = identity
-            self.core.add_request(msg)
+            try:
+                self.core.add_request(msg)
+            except (ValueError, KeyError) as exc:  # e.g. an adapter removed since the client looked
+                logger.error("Request %s refused: %s", msg.request_id, exc)
+                self._send_to(
+                    identity, EngineCoreOutputs([EngineCoreOutput(msg.request_id, [], finish_reason="abort")])
+                )
+                del self.owner[msg.request_id]
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
             for rid in msg.request_ids:
                 self.owner.pop(rid, None)
         elif isinstance(msg, Ping):
             self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), pong=msg.nonce))
+        elif isinstance(msg, LoRACall):
+            reply = self.core.lora_call(msg)
+            self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), lora_reply=reply))
         elif isinstance(msg, GrammarVocabulary):
             self.core.structured_output.set_tokenizer_info(msg.tokenizer_info)
 

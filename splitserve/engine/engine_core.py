@@ -18,7 +18,15 @@ from concurrent.futures import Future
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, KVTransferParams, SchedulerStats
+from splitserve.engine.lora_registry import LoRANotFoundError, LoRARegistry
+from splitserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    KVTransferParams,
+    LoRACall,
+    LoRAReply,
+    SchedulerStats,
+)
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.step_input_builder import StepInputBuilder
@@ -52,7 +60,9 @@ class EngineCore:
         self.executor.capture_cuda_graphs()
         cc = config.cache_config
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+        lora_config = config.lora_config
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, lora_config and lora_config.max_loras)
+        self.loras = LoRARegistry(config, self.executor)
         self.step_inputs = StepInputBuilder(self.kv_manager)
         self.structured_output = StructuredOutputManager(config.model_config, self._tokenizer)
         self._compiling: dict[str, tuple[Request, Future]] = {}  # guided requests whose grammar compiles
@@ -95,12 +105,29 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.kv_transfer is not None and self.connector is None:
             raise ValueError("kv_transfer_params need a prefill or decode instance (--pd-role); this one is mixed.")
+        if request.lora_request is not None:
+            self.loras.check_request(request.lora_request)
         core_request = Request.from_engine_core_request(request)
         guide = core_request.sampling_params.guided_decoding
         if guide is None:
             self.scheduler.add_request(core_request)
         else:  # the scheduler sees it once its grammar is compiled, off the engine loop
             self._compiling[core_request.request_id] = (core_request, self.structured_output.submit(guide))
+
+    def lora_call(self, call: LoRACall) -> LoRAReply:
+        """A front-end's LoRA call (add, remove, list), answered with the adapters after it."""
+        try:
+            if call.op == "add":
+                self.loras.add_named(call.name, call.path, call.base_model_name)
+            elif call.op == "remove":
+                self.loras.remove(call.name)
+            elif call.op != "list":
+                raise ValueError(f"unknown LoRA call {call.op!r}")
+        except LoRANotFoundError as exc:
+            return LoRAReply(call.call_id, self.loras.version, self.loras.list(), str(exc), not_found=True)
+        except ValueError as exc:
+            return LoRAReply(call.call_id, self.loras.version, self.loras.list(), str(exc))
+        return LoRAReply(call.call_id, self.loras.version, self.loras.list())
 
     def abort_requests(self, request_ids) -> None:
         request_ids = [rid for rid in request_ids if self._compiling.pop(rid, None) is None]
@@ -309,4 +336,5 @@ class EngineCore:
             s.prefix_cache_stats.queries,
             s.prefix_cache_stats.hits,
             kv_stats,
+            self.loras.version,
         )

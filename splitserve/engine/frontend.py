@@ -10,6 +10,7 @@ from splitserve.config import ModelConfig
 from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
 from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
 from splitserve.engine.processor import ProcessedRequest, Processor
+from splitserve.lora.request import LoRARequest
 from splitserve.outputs import RequestMetrics
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import get_tokenizer
@@ -32,6 +33,7 @@ class FrontEnd:
         kind: RequestOutputKind,
         arrival_time: float | None = None,
         kv_transfer: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request the Processor has processed; returns the core requests to send (one per sample)."""
         params = request.params
@@ -45,7 +47,9 @@ class FrontEnd:
             detokenizer = self.output_processor.new_detokenizer(request.prompt_token_ids, child)
             samples[core_id] = SampleState(i, child, detokenizer)
             core_requests.append(
-                self.processor.make_request(core_id, request.prompt_token_ids, child, arrival, kv_transfer)
+                self.processor.make_request(
+                    core_id, request.prompt_token_ids, child, arrival, kv_transfer, lora_request
+                )
             )
         state = RequestState(
             request_id, request.prompt, request.prompt_token_ids, kind, samples, metrics=RequestMetrics(arrival)

@@ -8,6 +8,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
+from splitserve.lora.request import LoRARequest
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 
@@ -29,10 +30,28 @@ class LLMEngine(FrontEnd):
         params: SamplingParams,
         kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         request = self.processor.process(prompt, params)
-        for core_request in self.prepare_request(request_id, request, kind, arrival_time):
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        for core_request in self.prepare_request(request_id, request, kind, arrival_time, lora_request=lora_request):
             self.engine_core.add_request(core_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Serve an adapter (read and checked now; a no-op when it is already served)."""
+        self.engine_core.loras.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        lora = self.engine_core.loras.by_id.get(lora_int_id)
+        if lora is None:
+            return False
+        self.engine_core.loras.remove(lora.lora_name)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.engine_core.loras.by_id)
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):

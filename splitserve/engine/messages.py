@@ -10,6 +10,7 @@ import msgspec
 
 from splitserve.distributed.kv_transfer import KVTransferStats
 from splitserve.executor.step_input import TokenLogprobs
+from splitserve.lora.request import LoRARequest
 from splitserve.sampling_params import SamplingParams
 
 
@@ -38,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     max_tokens: int
     arrival_time: float
     kv_transfer: KVTransferParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -56,7 +58,28 @@ class GrammarVocabulary(msgspec.Struct, tag="grammar_vocabulary", array_like=Tru
     tokenizer_info: str
 
 
-ClientMessage = EngineCoreRequest | AbortRequests | Ping | GrammarVocabulary
+class LoRACall(msgspec.Struct, tag="lora", array_like=True, omit_defaults=True):
+    """A front-end's change to, or look at, the engine's LoRA adapters (engine/lora_registry.py):
+    op "add" (name, path, base_model_name), "remove" (name) or "list". Answered by a LoRAReply."""
+
+    call_id: int
+    op: str
+    name: str = ""
+    path: str = ""
+    base_model_name: str | None = None
+
+
+class LoRAReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The engine's adapters after the call, or what went wrong (not_found: no adapter of that name)."""
+
+    call_id: int
+    version: int  # the registry's version after the call
+    loras: list[LoRARequest] = []
+    error: str | None = None
+    not_found: bool = False
+
+
+ClientMessage = EngineCoreRequest | AbortRequests | Ping | GrammarVocabulary | LoRACall
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -85,6 +108,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_transfer: KVTransferStats | None = None
+    lora_version: int = 0  # changes whenever an adapter is added or removed
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -92,3 +116,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     stats: SchedulerStats | None = None
     pong: int | None = None
     engine_dead: str | None = None  # the reason, when the engine core is going down
+    lora_reply: LoRAReply | None = None

@@ -109,11 +109,19 @@ class Processor:
         params: SamplingParams,
         arrival_time: float,
         kv_transfer=None,
+        lora_request=None,
     ) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return EngineCoreRequest(
-            request_id, prompt_token_ids, params, self.eos_token_id, max_tokens, arrival_time, kv_transfer
+            request_id,
+            prompt_token_ids,
+            params,
+            self.eos_token_id,
+            max_tokens,
+            arrival_time,
+            kv_transfer,
+            lora_request,
         )
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:

@@ -54,6 +54,7 @@ class Request:
     first_scheduled_time: float | None = None
     stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
     kv_transfer: object = None  # KVTransferParams, for PD disaggregation
+    lora_request: object = None  # LoRARequest: the adapter it runs with (None: the base model)
     grammar: object = None  # structured output: the xgrammar GrammarMatcher of the tokens so far
     # Overlap scheduling: tokens sampled by launched steps whose values the host has not read yet
     # (at most 1 between engine steps, 2 while one is launched and the one before it is being
@@ -76,7 +77,18 @@ class Request:
             req.max_tokens,
             arrival_time=req.arrival_time,
             kv_transfer=req.kv_transfer,
+            lora_request=req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def block_hash_salt(self) -> bytes:
+        """What sets its KV apart from the same tokens' under another adapter (prefix caching)."""
+        lora = self.lora_request
+        return b"" if lora is None else b"lora:%d:%s" % (lora.lora_int_id, lora.lora_path.encode())
 
     @property
     def wants_remote_prefill(self) -> bool:

@@ -48,9 +48,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_loras: int | None = None):
+        """`max_loras`: most LoRA adapters among the running requests (None: LoRA is off)."""
         self.config = config
         self.kv = kv_manager
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -148,23 +150,39 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while budget, seats and blocks last. A request whose LoRA
+        adapter would be one too many for this step (max_loras) waits, keeping its place, while the
+        ones behind it may go."""
+        skipped: list[Request] = []
+        loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= (self.max_loras or 0):
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_cached = self.kv.get_computed_blocks(request)
             if request.wants_remote_prefill and num_cached < request.num_prompt_tokens - 1:
                 if not self._admit_remote_prefill(request, hits, num_cached, out):
                     break
-                continue
-            remaining = request.num_tokens - num_cached
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                break
-            n = self._chunk(remaining, budget)
-            if not self.kv.allocate_slots(request, n, hits, self._decode_reserve()):
-                break
-            self._admit(request, num_cached, RequestStatus.RUNNING)
-            self.running.append(request)
-            out.scheduled.append((request, n))
-            budget -= n
+            else:
+                remaining = request.num_tokens - num_cached
+                if not self.config.enable_chunked_prefill and remaining > budget:
+                    break
+                n = self._chunk(remaining, budget)
+                if not self.kv.allocate_slots(request, n, hits, self._decode_reserve()):
+                    break
+                self._admit(request, num_cached, RequestStatus.RUNNING)
+                self.running.append(request)
+                out.scheduled.append((request, n))
+                budget -= n
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_int_id} | {
+            r.lora_int_id for r in self.receiving.values() if r.lora_int_id
+        }
 
     def _admit(self, request: Request, num_cached: int, status: RequestStatus) -> None:
         self.waiting.popleft()

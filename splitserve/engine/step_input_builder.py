@@ -62,7 +62,11 @@ class StepInputBuilder:
 
 def _new_request_data(request: Request) -> NewRequestData:
     return NewRequestData(
-        request.request_id, request.prompt_token_ids, request.sampling_params, sorted(request.stop_token_set)
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling_params,
+        sorted(request.stop_token_set),
+        request.lora_request,
     )
 
 

@@ -12,6 +12,7 @@ from splitserve.engine.beam_search import BeamSearch, step_params, top_candidate
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
+from splitserve.lora.request import LoRARequest
 from splitserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from splitserve.sampling_params import BeamSearchParams, SamplingParams
 from splitserve.tokenizer import apply_chat_template
@@ -41,15 +42,18 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order."""
+        """Generate for every prompt; outputs come back in the prompts' order. `lora_request`: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model); needs enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
+        loras = self._lora_list(lora_request, len(prompts))
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self._add(prompt, sp))
+            for prompt, sp, lora in zip(prompts, params, loras):
+                ids.append(self._add(prompt, sp, lora))
         except Exception:  # one bad prompt refuses the whole call; the ones before it must not linger
             self.llm_engine.abort_request(ids)
             raise
@@ -63,6 +67,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -74,7 +79,7 @@ class LLM:
             )
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
@@ -129,10 +134,28 @@ class LLM:
             raise ValueError(f"Got {len(params)} SamplingParams for {n} prompts.")
         return list(params)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    @staticmethod
+    def _lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        if len(lora_request) != n:
+            raise ValueError(f"Got {len(lora_request)} LoRA requests for {n} prompts.")
+        return list(lora_request)
+
+    def _add(self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None) -> str:
         request_id = str(next(self._counter))
-        self.llm_engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
+        self.llm_engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY, lora_request=lora_request)
         return request_id
+
+    # --- LoRA adapters (vLLM's LLM methods) ---------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -43,6 +43,14 @@ class Executor(ABC):
     def collect(self, handle: object) -> ModelRunnerOutput:
         """The sampled tokens (and logprobs) of a launched step, once they are known."""
 
+    @abstractmethod
+    def add_lora(self, lora) -> None:
+        """Read a LoRA adapter (a LoRARequest) on every rank, ready for requests that name it."""
+
+    @abstractmethod
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter on every rank."""
+
     def call_kv_connector(self, method: str, *args) -> list:
         """Run a KV connector method on every rank (prefill/decode disaggregation); answers in rank order."""
         raise NotImplementedError(f"{type(self).__name__} has no KV connector")

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest
+from splitserve.lora.request import LoRARequest
 from splitserve.sampling_params import SamplingParams
 
 
@@ -27,10 +28,17 @@ class CachedRequestState:
     # Tokens past the prompt, kept only when sampling reads them (penalties, bad words, min_tokens).
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # a seeded request's own, made on first use
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
-        return cls(data.request_id, data.prompt_token_ids, data.sampling_params, set(data.stop_token_ids))
+        state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, set(data.stop_token_ids))
+        state.lora_request = data.lora_request
+        return state
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,7 +82,8 @@ class PromptLogprobSpan(NamedTuple):
 @dataclass
 class InputBatch:
     """One step on the host. Rows are requests, decodes (one query token) first, so that attention
-    can batch them in one call; each row's tokens are consecutive."""
+    can batch them in one call, and the decodes of one LoRA adapter together, so that its delta is one
+    matmul over them; each row's tokens are consecutive."""
 
     requests: list[CachedRequestState]
     block_size: int
@@ -93,7 +102,7 @@ class InputBatch:
 
     @classmethod
     def build(cls, rows: list[tuple[CachedRequestState, ScheduledRequest]], block_size: int) -> InputBatch:
-        rows = sorted(rows, key=lambda row: row[1].num_tokens != 1)
+        rows = sorted(rows, key=lambda row: (row[1].num_tokens != 1, row[0].lora_int_id))
         batch = cls([state for state, _ in rows], block_size)
         batch.num_decodes = sum(1 for _, scheduled in rows if scheduled.num_tokens == 1)
         for index, (state, scheduled) in enumerate(rows):

@@ -68,13 +68,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
         self.graph_runner: CUDAGraphRunner | None = None
+        self.lora_manager = self._lora_manager()
         self.use_cuda_graphs = self._use_cuda_graphs()
+        self.num_steps = 0
 
     def _use_cuda_graphs(self) -> bool:
         if self.device.type != "cuda":
             return False
         if self.rank.pp_size > 1:
             logger.info("CUDA graphs are off: pipeline stages hand activations to each other between layers.")
+            return False
+        if self.lora_manager is not None:
+            logger.info("CUDA graphs are off: LoRA adapters change from step to step.")
             return False
         if self.config.enforce_eager:
             logger.info("CUDA graphs are off (--enforce-eager): every step launches its kernels one by one.")
@@ -83,6 +88,20 @@ class ModelRunner:
             logger.info("CUDA graphs are off: the %s attention backend cannot be captured.", self.backend.name)
             return False
         return True
+
+    def _lora_manager(self):
+        if self.config.lora_config is None:
+            return None
+        from splitserve.executor.lora_manager import LoRAManager
+
+        mc = self.config.model_config
+        return LoRAManager(self.model, mc.hf_config, self.config.lora_config, self.device, mc.dtype)
+
+    def add_lora(self, lora) -> None:
+        self.lora_manager.add_adapter(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.lora_manager.remove_adapter(lora_int_id)
 
     # --- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -217,6 +236,9 @@ class ModelRunner:
         A request whose last token is still being sampled by `previous` (overlap scheduling) gets
         it from previous.sampled.token_ids on the device. collect() reads the result."""
         batch = InputBatch.build(self._update_states(step_input), self.block_size)
+        self.num_steps += 1
+        if self.lora_manager is not None:
+            self.lora_manager.prepare([r.lora_request for r in batch.requests], batch.query_start_loc, self.num_steps)
         meta = self._attention_metadata(batch)
         input_ids = self._input_ids(batch, previous)
         positions = to_device(batch.positions, torch.long, self.device)

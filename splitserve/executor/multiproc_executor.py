@@ -185,6 +185,12 @@ class MultiprocExecutor(Executor):
         self._send_all(Collect())
         return self._expect_all()[self.output_rank].output
 
+    def add_lora(self, lora) -> None:
+        self._call("add_lora", lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call("remove_lora", lora_int_id)
+
     def call_kv_connector(self, method: str, *args) -> list:
         return self._call("kv_connector", method, list(args))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from splitserve.lora.request import LoRARequest
 from splitserve.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the first id); the first id is the chosen token, then the top-k.
@@ -23,6 +24,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stop_token_ids: list[int]  # eos and stop ids: what min_tokens holds back
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -33,5 +33,11 @@ class UniProcExecutor(Executor):
     def collect(self, handle: InFlightStep) -> ModelRunnerOutput:
         return self.runner.collect(handle)
 
+    def add_lora(self, lora) -> None:
+        self.runner.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.remove_lora(lora_int_id)
+
     def call_kv_connector(self, method: str, *args) -> list:
         return [self.kv_transfer.handle(self.runner, method, list(args))]

@@ -22,6 +22,7 @@ from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank, init_distributed
 from splitserve.executor.kv_transfer_handler import KVTransferHandler
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
+from splitserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,15 @@ ENCODER = msgspec.msgpack.Encoder()
 MESSAGE_DECODER = msgspec.msgpack.Decoder(WorkerMessage)
 REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
 # What a Call may run on a worker: nothing else is reachable through the message channel.
-_CALLS = ("determine_num_blocks", "initialize_kv_cache", "capture_cuda_graphs", "ready", "kv_connector")
+_CALLS = (
+    "determine_num_blocks",
+    "initialize_kv_cache",
+    "capture_cuda_graphs",
+    "ready",
+    "kv_connector",
+    "add_lora",
+    "remove_lora",
+)
 
 
 class Worker:
@@ -125,6 +134,12 @@ class Worker:
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()
+
+    def add_lora(self, lora: dict) -> None:
+        self.runner.add_lora(msgspec.convert(lora, LoRARequest))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.remove_lora(lora_int_id)
 
     def kv_connector(self, method: str, args: list):
         return self.kv_transfer.handle(self.runner, method, args)

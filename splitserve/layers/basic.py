@@ -81,6 +81,7 @@ class Linear(nn.Module):
         else:
             quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.lora = None  # LoRASlots (layers/lora.py) when the engine serves LoRA adapters
 
     def _partitions(self, given: list[int] | None) -> list[int]:
         if self.parallel != "column":
@@ -127,12 +128,19 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row":
-            y = tp_all_reduce(self._matmul(x))
+            y = self._matmul(x)
+            if self.lora is not None:
+                self.lora.add_delta(x, y)  # each rank's share of the delta, summed with the output
+            y = tp_all_reduce(y)
             return y if self.bias is None else y + self.bias
         if self.quant_method is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.quant_method.apply(self, x)
-        return y if self.bias is None else y + self.bias
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.quant_method.apply(self, x)
+            y = y if self.bias is None else y + self.bias
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias."""

@@ -226,6 +226,13 @@ class LlamaForCausalLM(nn.Module):
         head = self.model.embed_tokens if self.head_is_embedding else self.lm_head
         return head.logits(hidden)
 
+    @staticmethod
+    def lora_target(module_name: str) -> tuple[str, int]:
+        """Where a PEFT adapter's module (`model.layers.0.self_attn.k_proj`) lives here: the Linear
+        that holds it and its stacked matrix in that Linear (`...qkv_proj`, 1)."""
+        target, shard = _target_name(module_name + ".weight")
+        return target.removesuffix(".weight"), shard or 0
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.local_layers()]
 

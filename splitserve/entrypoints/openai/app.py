@@ -6,7 +6,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from splitserve import __version__
 from splitserve.config import EngineConfig
@@ -57,7 +57,15 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
 
     @app.get("/v1/models")
     async def models():
-        return tokenization.models()
+        return await tokenization.models.show_available_models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return PlainTextResponse(await tokenization.models.load_lora_adapter(await read_json_body(request)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return PlainTextResponse(await tokenization.models.unload_lora_adapter(await read_json_body(request)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

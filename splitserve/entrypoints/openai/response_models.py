@@ -180,6 +180,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "splitserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

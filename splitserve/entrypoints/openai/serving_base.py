@@ -32,6 +32,8 @@ from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
 from splitserve.entrypoints.openai.response_models import PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
+from splitserve.entrypoints.openai.serving_models import OpenAIServingModels
+from splitserve.lora.request import LoRARequest
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
@@ -39,7 +41,6 @@ from splitserve.tokenizer import apply_chat_template
 logger = logging.getLogger("splitserve.api_server")
 
 _DISCONNECT_POLL_S = 0.5
-_DEFAULT_MODEL_ALIASES = (None, "default")
 
 
 @dataclass
@@ -71,6 +72,7 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         self.fingerprint = f"splitserve-{__version__}"
         self.pd_role = config.kv_transfer_config.pd_role
+        self.models = OpenAIServingModels(engine, config)
 
     # --- shared checks ------------------------------------------------------------------------
     def _parse(self, parse: Callable[..., Any], body: dict):
@@ -89,14 +91,9 @@ class OpenAIServing:
             )
         return req
 
-    def _check_model(self, name: str | None) -> None:
-        if name not in _DEFAULT_MODEL_ALIASES and name != self.served_name:
-            raise APIError(
-                f"The model {name!r} does not exist; this server serves {self.served_name!r}.",
-                404,
-                "not_found_error",
-                "model",
-            )
+    async def _check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter the model name asks for (None: the base model); a 404 for an unknown name."""
+        return await self.models.resolve(name)
 
     def _check_capacity(self) -> None:
         if self.engine.dead_reason is not None:
@@ -107,13 +104,14 @@ class OpenAIServing:
                 f"Too many requests are waiting (the limit is {limit}); retry later.", 429, "rate_limit_exceeded"
             )
 
-    def _accept(self, model: type[BaseModel], body: dict):
-        """Parse a generation request, check its model and the queue, make its SamplingParams."""
+    async def _accept(self, model: type[BaseModel], body: dict):
+        """Parse a generation request, check its model and the queue, make its SamplingParams.
+        Returns (request, params, the LoRA adapter its model names or None)."""
         req = self._parse(model.model_validate, body)
-        self._check_model(req.model)
+        lora = await self._check_model(req.model)
         self._check_capacity()
         try:
-            return req, req.to_sampling_params(default_max_tokens=None)
+            return req, req.to_sampling_params(default_max_tokens=None), lora
         except ValueError as exc:
             raise APIError(str(exc), param=getattr(req, "guide_param", None)) from None
 
@@ -233,15 +231,17 @@ class OpenAIServing:
         arrival: float,
         kind: RequestOutputKind,
         kv: KVTransferParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         return [
-            self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv) for i, request in enumerate(requests)
+            self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv, lora)
+            for i, request in enumerate(requests)
         ]
 
-    def _generation_streams(self, req, request_id: str, requests, arrival: float, kind, kv=None) -> list:
+    def _generation_streams(self, req, request_id: str, requests, arrival: float, kind, kv=None, lora=None) -> list:
         """Each prompt's outputs: sampled, or (use_beam_search) a beam search's one output."""
         if not req.use_beam_search:
-            return self._streams(request_id, requests, arrival, kind, kv)
+            return self._streams(request_id, requests, arrival, kind, kv, lora)
         if kv is not None:
             raise APIError("Beam search does not run on prefill/decode instances.", param="use_beam_search")
         streams = []
@@ -249,7 +249,7 @@ class OpenAIServing:
             room = self.max_model_len - len(request.prompt_token_ids)
             params = req.beam_search_params(min(request.params.max_tokens or room, room))
             stop_ids = ({self.processor.eos_token_id} | set(request.params.stop_token_ids)) - {None}
-            streams.append(beam_search_output(self.engine, f"{request_id}-{i}", request, params, req.n, stop_ids))
+            streams.append(beam_search_output(self.engine, f"{request_id}-{i}", request, params, req.n, stop_ids, lora))
         return streams
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:

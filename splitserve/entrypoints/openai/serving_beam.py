@@ -16,7 +16,13 @@ from splitserve.sampling_params import BeamSearchParams
 
 
 async def beam_search_output(
-    engine, request_id: str, request: ProcessedRequest, params: BeamSearchParams, n: int, stop_ids: set[int]
+    engine,
+    request_id: str,
+    request: ProcessedRequest,
+    params: BeamSearchParams,
+    n: int,
+    stop_ids: set[int],
+    lora=None,
 ) -> AsyncIterator[RequestOutput]:
     """The search of one prompt; yields its RequestOutput once the search ends. Closing the iterator
     (a client that left) stops the search; requests of an unfinished step are aborted with it."""
@@ -25,7 +31,7 @@ async def beam_search_output(
     while not search.done:
         one_token = step_params(search)
         beams = [
-            _next_token(engine, f"{request_id}-s{step}b{i}", request.prompt_token_ids + beam.tokens, one_token)
+            _next_token(engine, f"{request_id}-s{step}b{i}", request.prompt_token_ids + beam.tokens, one_token, lora)
             for i, beam in enumerate(search.live)
         ]
         search.step(list(await asyncio.gather(*beams)))
@@ -33,10 +39,10 @@ async def beam_search_output(
     yield _request_output(engine, request_id, request, search.results(n))
 
 
-async def _next_token(engine, request_id: str, token_ids: list[int], params) -> list[tuple[int, float]]:
+async def _next_token(engine, request_id: str, token_ids: list[int], params, lora) -> list[tuple[int, float]]:
     final = None
     async for output in engine.generate(
-        request_id, ProcessedRequest(None, token_ids, params), kind=RequestOutputKind.FINAL_ONLY
+        request_id, ProcessedRequest(None, token_ids, params), kind=RequestOutputKind.FINAL_ONLY, lora_request=lora
     ):
         final = output
     return top_candidates(final.outputs[0].logprobs[0])

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, body: dict, raw: Request):
         arrival = time.monotonic()
-        req, params = self._accept(ChatCompletionRequest, body)
+        req, params, lora = await self._accept(ChatCompletionRequest, body)
         plan = self._plan_tools(req, params)
         params = await self._process_params(req, params)
         kv = self._kv_transfer(req, params, 1)
@@ -54,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         self._log(request_id, [request], params)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        stream = self._generation_streams(req, request_id, [request], arrival, kind, kv)
+        stream = self._generation_streams(req, request_id, [request], arrival, kind, kv, lora)
         echo = self._chat_echo(req)
         if req.stream:
             return sse_response(self._chat_stream(req, plan, request_id, request, params, stream, arrival, echo))

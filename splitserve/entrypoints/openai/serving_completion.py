@@ -33,7 +33,7 @@ from splitserve.outputs import Logprob, RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: dict, raw: Request):
         arrival = time.monotonic()
-        req, params = self._accept(CompletionRequest, body)
+        req, params, lora = await self._accept(CompletionRequest, body)
         if req.echo and params.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
         params = await self._process_params(req, params)
@@ -44,9 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         self._log(request_id, requests, params)
         if req.stream:
-            streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.DELTA, kv)
+            streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.DELTA, kv, lora)
             return sse_response(self._completion_stream(req, request_id, requests, params, streams, arrival))
-        streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.FINAL_ONLY, kv)
+        streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.FINAL_ONLY, kv, lora)
         finals = await self._collect(streams, raw)
         response = self._completion_response(req, request_id, requests, params, finals)
         response.kv_transfer_params = self._kv_answer(kv, requests[0], finals[0])

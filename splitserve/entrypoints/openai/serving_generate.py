@@ -34,7 +34,7 @@ class GenerateRequest(CompletionRequest):
 class NativeServing(OpenAIServing):
     async def generate(self, body: dict, raw: Request):
         arrival = time.monotonic()
-        req, params = self._accept(GenerateRequest, body)
+        req, params, lora = await self._accept(GenerateRequest, body)
         params = await self._process_params(req, params)
         kv = self._kv_transfer(req, params, 1)
         prompt = self._remote_prompt(req, kv) or (
@@ -45,9 +45,11 @@ class NativeServing(OpenAIServing):
         self._log(request_id, [request], params)
         prefix = self._prompt_text(request)
         if req.stream:
-            streams = self._generation_streams(req, request_id, [request], arrival, RequestOutputKind.CUMULATIVE, kv)
+            streams = self._generation_streams(
+                req, request_id, [request], arrival, RequestOutputKind.CUMULATIVE, kv, lora
+            )
             return StreamingResponse(self._stream(streams, prefix), media_type="application/x-ndjson")
-        streams = self._generation_streams(req, request_id, [request], arrival, RequestOutputKind.FINAL_ONLY, kv)
+        streams = self._generation_streams(req, request_id, [request], arrival, RequestOutputKind.FINAL_ONLY, kv, lora)
         (final,) = await self._collect(streams, raw)
         self._record_finished(final)
         answer = {"text": [prefix + c.text for c in final.outputs]}

@@ -1,4 +1,4 @@
-"""/tokenize, /detokenize and /v1/models: the routes about the model and its vocabulary rather than
+"""/tokenize and /detokenize: the routes about the model and its vocabulary rather than
 generation, so nothing here is checked against the context or the queue."""
 
 from __future__ import annotations
@@ -9,18 +9,14 @@ from fastapi.responses import JSONResponse
 
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, parse_tokenize_request
-from splitserve.entrypoints.openai.response_models import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from splitserve.entrypoints.openai.response_models import DetokenizeResponse, TokenizeResponse
 from splitserve.entrypoints.openai.serving_base import OpenAIServing, json_response
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def models(self) -> dict:
-        card = ModelCard(id=self.served_name, root=self.model_config.model, max_model_len=self.max_model_len)
-        return ModelList(data=[card]).model_dump()
-
     async def tokenize(self, body: dict) -> JSONResponse:
         req = self._parse(parse_tokenize_request, body)
-        self._check_model(req.model)
+        await self._check_model(req.model)
         text = await self._render_chat(req) if isinstance(req, TokenizeChatRequest) else req.prompt
         ids = await asyncio.to_thread(self.processor.tokenize, text, req.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -30,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def detokenize(self, body: dict) -> JSONResponse:
         req: DetokenizeRequest = self._parse(DetokenizeRequest.model_validate, body)
-        self._check_model(req.model)
+        await self._check_model(req.model)
         vocab_size = self.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
