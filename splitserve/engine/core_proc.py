@@ -98,10 +98,11 @@ class EngineCoreProc:
             try:
                 self.core.add_request(msg)
             except (ValueError, KeyError) as exc:  # e.g. an adapter removed since the client looked
-                logger.error("Request %s refused: %s", msg.request_id, exc)
-                self._send_to(
-                    identity, EngineCoreOutputs([EngineCoreOutput(msg.request_id, [], finish_reason="abort")])
+                logger.warning("Request %s refused: %s", msg.request_id, exc)
+                refusal = EngineCoreOutput(
+                    msg.request_id, [], finish_reason="abort", error=str(exc), error_not_found=isinstance(exc, KeyError)
                 )
+                self._send_to(identity, EngineCoreOutputs([refusal]))
                 del self.owner[msg.request_id]
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
@@ -112,6 +113,7 @@ class EngineCoreProc:
         elif isinstance(msg, LoRACall):
             reply = self.core.lora_call(msg)
             self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), lora_reply=reply))
+            self.last_stats = 0.0  # every client hears the new registry version at the next send
         elif isinstance(msg, GrammarVocabulary):
             self.core.structured_output.set_tokenizer_info(msg.tokenizer_info)
 

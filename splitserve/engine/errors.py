@@ -9,6 +9,12 @@ class InvalidRequestError(ValueError):
     names the part at fault (OpenAI's error `param`), so that the API server answers 400 with it.
     A ValueError, so that offline callers that catch ValueError keep working."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status  # 404 for a model or adapter that is not there
+        self.request_id: str | None = None  # set when the engine refused a request it had been sent
+
+    @property
+    def err_type(self) -> str:
+        return "not_found_error" if self.status == 404 else "invalid_request_error"

@@ -64,6 +64,9 @@ class LLMEngine(FrontEnd):
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.engine_core.abort_requests(stopped)
+        for output in outputs:
+            if isinstance(output, Exception):
+                raise output
         return outputs
 
     def has_unfinished_requests(self) -> bool:

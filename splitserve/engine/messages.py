@@ -92,6 +92,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # sent with the finishing output, for queue-time metrics
     kv_transfer: KVTransferParams | None = None  # prefill side: where the leased KV can be pulled from
+    error: str | None = None  # the engine refused the request (finish_reason "abort"): why
+    error_not_found: bool = False  # ... because what it names (a LoRA adapter) is not there
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from enum import Enum
 import msgspec
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import EngineCoreOutput, TokenLogprobs
 from splitserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class RequestState:
     kv_transfer_params: dict | None = None
     # best_of > n: (n, whether the caller asked for logprobs): the best n samples are returned
     best_of: tuple[int, bool] | None = None
+    error: InvalidRequestError | None = None  # the engine refused the request
 
     @property
     def finished(self) -> bool:
@@ -99,8 +101,9 @@ class OutputProcessor:
         return core_ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply core outputs. Returns the RequestOutputs to hand out and the core request ids that
-        stopped on a stop string (the core must abort them)."""
+        """Apply core outputs. Returns the RequestOutputs to hand out (an InvalidRequestError, with
+        its request_id, in place of one the engine refused) and the core request ids that stopped on
+        a stop string (the core must abort them)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         now = time.monotonic()
@@ -123,10 +126,15 @@ class OutputProcessor:
                 state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
                 if self._add_tokens(sample, out):
                     to_abort.append(out.request_id)
+            elif out.finished:  # ended without a token: aborted before it ran, or refused
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if out.error is not None:
+                state.error = InvalidRequestError(out.error, "model", 404 if out.error_not_found else 400)
+                state.error.request_id = rid
             touched[rid] = state
         results = []
         for rid, state in touched.items():
-            result = self._make_output(state)
+            result = state.error if state.error is not None else self._make_output(state)
             if result is not None:
                 results.append(result)
             if state.finished:

@@ -59,7 +59,7 @@ def install_error_handlers(app: FastAPI, what: str) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError):
-        return error_response(str(exc), 400, param=exc.param)
+        return error_response(str(exc), exc.status, exc.err_type, exc.param)
 
     @app.exception_handler(404)
     async def not_found(request: Request, _exc):

@@ -44,3 +44,28 @@ def test_find_stop_string_only_looks_at_new_text():
     assert find_stop_string("abc STOP", 1, ["STOP"], False) == ("STOP", 4)
     assert find_stop_string("abc STOP", 1, ["STOP"], True) == ("STOP", 8)
     assert find_stop_string("xx\nyy", 3, ["zz", "\n"], False) == ("\n", 2)
+
+
+def test_outputs_without_tokens_end_the_request_and_carry_refusals():
+    """An output that finishes a sample without a token (aborted before it ran, a grammar that did
+    not compile in the engine, a refused request) must finish it, or its caller would wait forever;
+    a refusal comes back as an InvalidRequestError naming the request."""
+    from splitserve.engine.errors import InvalidRequestError
+    from splitserve.engine.messages import EngineCoreOutput
+    from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
+    from splitserve.sampling_params import SamplingParams
+
+    processor = OutputProcessor(tokenizer=None)
+    for rid in ("aborted", "refused"):
+        sample = SampleState(0, SamplingParams(detokenize=False), None)
+        processor.add_request(RequestState(rid, None, [5, 6], RequestOutputKind.FINAL_ONLY, {rid: sample}))
+    outputs, _ = processor.process_outputs(
+        [
+            EngineCoreOutput("aborted", [], finish_reason="abort"),
+            EngineCoreOutput("refused", [], finish_reason="abort", error="adapter gone", error_not_found=True),
+        ]
+    )
+    aborted, refused = outputs
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert isinstance(refused, InvalidRequestError) and refused.status == 404 and refused.request_id == "refused"
+    assert not processor.requests

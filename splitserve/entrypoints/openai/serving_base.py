@@ -95,6 +95,10 @@ class OpenAIServing:
         """The LoRA adapter the model name asks for (None: the base model); a 404 for an unknown name."""
         return await self.models.resolve(name)
 
+    def _response_model(self, req) -> str:
+        """The `model` of a response: the adapter's name when the request named one, else the served name."""
+        return self.served_name if self.models.is_base_model(req.model) else req.model
+
     def _check_capacity(self) -> None:
         if self.engine.dead_reason is not None:
             raise APIError(f"The engine is not running: {self.engine.dead_reason}", 503, "service_unavailable")
@@ -271,6 +275,8 @@ class OpenAIServing:
             task.result()
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable") from None
+        except InvalidRequestError as exc:
+            raise APIError(str(exc), exc.status, exc.err_type, exc.param) from None
         except ValueError as exc:
             raise APIError(str(exc)) from None
         finally:
@@ -364,6 +370,8 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                 yield event
         except EngineDeadError as exc:
             yield f"data: {_error_json(str(exc), 503, 'service_unavailable')}\n\n"
+        except InvalidRequestError as exc:
+            yield f"data: {_error_json(str(exc), exc.status, exc.err_type)}\n\n"
         except ValueError as exc:
             yield f"data: {_error_json(str(exc), 400, 'invalid_request_error')}\n\n"
         yield "data: [DONE]\n\n"

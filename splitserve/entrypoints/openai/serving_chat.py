@@ -125,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.served_name,
+            model=self._response_model(req),
             choices=choices,
             usage=self._usage([request], completion_tokens, final.num_cached_tokens),
             system_fingerprint=self.fingerprint,
@@ -153,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse_event(
                 ChatCompletionStreamResponse(
                     id=request_id,
-                    model=self.served_name,
+                    model=self._response_model(req),
                     choices=choices,
                     usage=usage,
                     system_fingerprint=self.fingerprint,

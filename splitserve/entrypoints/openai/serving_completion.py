@@ -82,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         return CompletionResponse(
             id=request_id,
-            model=self.served_name,
+            model=self._response_model(req),
             choices=choices,
             usage=self._usage(requests, completion_tokens, cached),
             system_fingerprint=self.fingerprint,
@@ -155,7 +155,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse_event(
                     CompletionStreamResponse(
                         id=request_id,
-                        model=self.served_name,
+                        model=self._response_model(req),
                         choices=chunk_choices,
                         usage=usage,
                         system_fingerprint=self.fingerprint,
@@ -165,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_event(
                 CompletionStreamResponse(
                     id=request_id,
-                    model=self.served_name,
+                    model=self._response_model(req),
                     choices=[],
                     usage=self._usage(requests, completion_tokens, cached),
                     system_fingerprint=self.fingerprint,

@@ -80,6 +80,14 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
     async def detokenize(request: Request):
         return await router.forward(request, "POST", "/detokenize")
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await router.broadcast(request, "/v1/load_lora_adapter")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await router.broadcast(request, "/v1/unload_lora_adapter")
+
 
 def _refuse_openai_routes(app: FastAPI) -> None:
     """USE_OPENAI=0: the OpenAI routes answer a 404 that says why, not a bare "not found"."""

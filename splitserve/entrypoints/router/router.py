@@ -265,6 +265,32 @@ class Router(UpstreamPool):
         detail = "; ".join(reasons) or "none is up"
         return error_response(f"No decode instance could answer {path}: {detail}.", 503, "service_unavailable")
 
+    async def broadcast(self, request: Request, path: str) -> Response:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter: every instance, prefill and decode, must
+        serve the same adapters, so the call goes to all of them. The answer is the first failure
+        (naming the instance) or, when all agree, their answer."""
+        data = await read_body(request)
+        content_type = request.headers.get("content-type")
+        answers = []
+        for inst in self.all_instances():
+            try:
+                answers.append(
+                    (inst, *await self._exchange(request, inst, "POST", path, data=data, content_type=content_type))
+                )
+            except ClientGone:
+                return Response(status_code=499)
+            except UPSTREAM_ERRORS as exc:
+                reason = describe_error(exc, self.config.request_timeout)
+                return error_response(
+                    f"{inst.url} could not be reached for {path}: {reason}.", 503, "service_unavailable"
+                )
+        for inst, status, body, ctype in answers:
+            if status >= 400:
+                logger.warning("%s %s answered %d: %s", inst.url, path, status, body[:200])
+                return Response(body, status_code=status, media_type=ctype)
+        _, status, body, ctype = answers[0]
+        return Response(body, status_code=status, media_type=ctype)
+
     def health(self) -> Response:
         """200 when both roles have an up instance; otherwise a 503 saying which role has none and why."""
         missing = [role for role in ROLES if not self.healthy(role)]
