@@ -8,8 +8,9 @@ LMDeploy scripts run on splitserve's engine with only the import changed:
 
 Both backend configs (`PytorchEngineConfig`, `TurbomindEngineConfig`) map onto the same
 `EngineArgs`; a field whose feature splitserve lacks raises ValueError when set to anything but
-its default, instead of being silently ignored. Only text generation is offered: LMDeploy's
-`chat`, `session`, `get_ppl`, adapters and vision inputs are not.
+its default, instead of being silently ignored. Text generation, with LoRA adapters
+(`PytorchEngineConfig(adapters=...)`, `adapter_name=`), is offered: LMDeploy's `chat`, `session`,
+`get_ppl` and vision inputs are not.
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ class Pipeline:
         use_tqdm: bool = False,
     ):
         """Generate for every prompt and return the finished Responses in the prompts' order."""
-        single, inputs, params = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
+        single, inputs, params, lora = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
         results: list[Response | None] = [None] * len(inputs)
         with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
-            for index, output in self._serve(inputs, params, RequestOutputKind.FINAL_ONLY):
+            for index, output in self._serve(inputs, params, RequestOutputKind.FINAL_ONLY, lora):
                 completion = output.outputs[0]
                 results[index] = _response(output, index, len(completion.token_ids))
                 bar.update(1)
@@ -132,8 +133,8 @@ class Pipeline:
         """Responses carrying what is new, as it is generated, with `index` naming the prompt; each
         prompt's last one has its finish_reason. Prompts and configs are checked now, not on the
         first `next()`. Closing the generator early aborts the prompts that are still running."""
-        _, inputs, params = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
-        return self._stream(inputs, params)
+        _, inputs, params, lora = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
+        return self._stream(inputs, params, lora)
 
     def close(self) -> None:
         """Abort what is running and free the model and the KV cache; the pipeline is unusable after."""
@@ -160,16 +161,25 @@ class Pipeline:
 
     # --- prompts and configs ---
     def _prepare(self, prompts, gen_config, do_preprocess: bool, adapter_name: str | None):
-        """(single?, engine prompts, SamplingParams per prompt), with every error raised up front."""
+        """(single?, engine prompts, SamplingParams per prompt, the LoRA adapter), with every error
+        raised up front."""
+        engine = self._live_engine()
+        lora = None
         if adapter_name is not None:
-            raise ValueError(f"adapter_name={adapter_name!r} is not supported: LoRA adapters are not implemented.")
-        self._live_engine()
+            loras = engine.engine_core.loras
+            lora = loras.by_name(adapter_name) if loras.enabled else None
+            if lora is None:
+                known = sorted(lora.lora_name for lora in loras.list()) if loras.enabled else []
+                raise ValueError(
+                    f"adapter_name={adapter_name!r} is not one of this pipeline's adapters "
+                    f"({', '.join(known) or 'none: give PytorchEngineConfig(adapters={name: path})'})."
+                )
         single = isinstance(prompts, str) or _is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise ValueError("No prompts were given.")
         inputs = [self._engine_prompt(p, do_preprocess) for p in batch]
-        return single, inputs, self._sampling_params(gen_config, len(batch))
+        return single, inputs, self._sampling_params(gen_config, len(batch)), lora
 
     def _engine_prompt(self, prompt, do_preprocess: bool):
         """A str passes raw when do_preprocess is False (the tokenizer adds BOS, as LMDeploy's does);
@@ -212,13 +222,13 @@ class Pipeline:
             raise RuntimeError("This pipeline is closed.")
         return self.engine
 
-    def _stream(self, inputs, params) -> Iterator[Response]:
+    def _stream(self, inputs, params, lora) -> Iterator[Response]:
         generated = [0] * len(inputs)
-        for index, output in self._serve(inputs, params, RequestOutputKind.DELTA):
+        for index, output in self._serve(inputs, params, RequestOutputKind.DELTA, lora):
             generated[index] += len(output.outputs[0].token_ids)
             yield _response(output, index, generated[index])
 
-    def _serve(self, inputs, params, kind: RequestOutputKind) -> Iterator[tuple[int, RequestOutput]]:
+    def _serve(self, inputs, params, kind: RequestOutputKind, lora=None) -> Iterator[tuple[int, RequestOutput]]:
         """Add the requests, then yield (prompt index, output) until all are finished. Whatever
         ends this early (an error, a closed generator) aborts the requests that are left."""
         pending: dict[str, int] = {}
@@ -227,7 +237,7 @@ class Pipeline:
                 engine = self._live_engine()
                 for index, (prompt, sp) in enumerate(zip(inputs, params)):
                     request_id = str(next(self._counter))
-                    engine.add_request(request_id, prompt, sp, kind)
+                    engine.add_request(request_id, prompt, sp, kind, lora_request=lora)
                     self._queues[request_id] = deque()
                     pending[request_id] = index
             while pending:

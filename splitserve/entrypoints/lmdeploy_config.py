@@ -223,6 +223,7 @@ class PytorchEngineConfig:
     break every LMDeploy example on a CPU machine); 'cpu' forces the CPU.
     prefill_interval is accepted (>= 1): the chunked-prefill scheduler admits waiting prompts on
     every step, which meets "a prefill at least every prefill_interval steps".
+    adapters ({name: PEFT LoRA directory}) are served from the start; a call's adapter_name picks one.
     thread_safe is accepted: a Pipeline may always be used from several threads.
     """
 
@@ -255,7 +256,6 @@ class PytorchEngineConfig:
                     "KV blocks are never swapped to host memory (preempted requests are recomputed).",
                 ),
                 "eviction_type": ("recompute", "preempted requests are recomputed, never copied to host memory."),
-                "adapters": (None, "LoRA adapters are not implemented yet."),
                 "download_dir": (None, _DOWNLOAD_WHY),
             },
         )
@@ -268,7 +268,27 @@ class PytorchEngineConfig:
             _device(self.device_type),
             num_gpu_blocks_override=self.num_gpu_blocks or None,
             enforce_eager=self.eager_mode,
+            **_lora_kwargs(self.adapters),
         )
+
+
+def _lora_kwargs(adapters: dict[str, str] | None) -> dict:
+    """LMDeploy's `adapters` ({name: PEFT directory}) as LoRA engine arguments: every adapter may run
+    in the same step, and the slots are sized for the largest rank among them."""
+    if not adapters:
+        return {}
+    from splitserve.lora.peft import read_adapter_config
+
+    ranks = []
+    for path in adapters.values():
+        config = read_adapter_config(path)
+        ranks += [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    return dict(
+        enable_lora=True,
+        max_loras=len(adapters),
+        max_lora_rank=max(ranks),
+        lora_modules=[f"{name}={path}" for name, path in adapters.items()],
+    )
 
 
 # LMDeploy's model_format -> splitserve's quantization (None: as the checkpoint says)

@@ -309,7 +309,6 @@ def test_logprobs(pipe):
         (PytorchEngineConfig(num_cpu_blocks=8), "num_cpu_blocks"),
         (PytorchEngineConfig(quant_policy=2), "quant_policy"),
         (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
-        (PytorchEngineConfig(adapters={"a": "/x"}), "adapters"),
         (PytorchEngineConfig(download_dir="/tmp/x"), "download_dir"),
         (PytorchEngineConfig(device_type="ascend"), "device_type"),
         (PytorchEngineConfig(prefill_interval=0), "prefill_interval"),
@@ -456,3 +455,34 @@ def test_response_format_guides_the_output(pipe):
 def test_bad_response_format_raises(fmt, error):
     with pytest.raises(ValueError, match=error):
         GenerationConfig(response_format=fmt).to_sampling_params()
+
+
+def test_adapters_and_adapter_name(model_dir, pipe, tmp_path):
+    """PytorchEngineConfig(adapters={name: path}) serves PEFT adapters; adapter_name picks one per call,
+    with the offline LLM's tokens for the same adapter."""
+    from splitserve import LoRARequest
+    from tests.conftest import make_peft_adapter
+
+    path = make_peft_adapter(model_dir, str(tmp_path / "sql"), ["q_proj", "v_proj", "down_proj"], r=4, seed=5)
+    with pipeline(model_dir, backend_config=_backend(adapters={"sql": path})) as lora_pipe:
+        plain = lora_pipe("Shanghai is", gen_config=_greedy())
+        adapted = lora_pipe("Shanghai is", gen_config=_greedy(), adapter_name="sql")
+        streamed = list(lora_pipe.stream_infer(["Shanghai is"], gen_config=_greedy(), adapter_name="sql"))
+        with pytest.raises(ValueError, match="not one of this pipeline's adapters \\(sql\\)"):
+            lora_pipe("Hi", adapter_name="nope")
+    assert adapted.token_ids != plain.token_ids
+    assert [t for r in streamed for t in r.token_ids] == adapted.token_ids
+    reference = LLM(
+        model_dir, dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=4, use_tqdm_on_load=False
+    )
+    text = reference.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Shanghai is"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = reference.get_tokenizer()(text, add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = reference.generate(
+        {"prompt_token_ids": ids}, params, use_tqdm=False, lora_request=LoRARequest("sql", 1, path)
+    )
+    assert out[0].outputs[0].token_ids == adapted.token_ids
+    with pytest.raises(ValueError, match="none: give PytorchEngineConfig"):
+        pipe("Hi", adapter_name="sql")
