@@ -98,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "output's cost, against a run without it",
     )
 
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME",
+        help="LoRA adapter names the server serves: each request names one of them, at random (seeded), as its model",
+    )
+
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", help="only 'random' is supported")
     data.add_argument(
@@ -277,8 +284,10 @@ async def run_requests(
     limit = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else contextlib.nullcontext()
     in_flight = peak = 0
     progress = tqdm(total=len(requests), disable=ns.disable_tqdm, desc="requests")
+    pick = random.Random(ns.seed)
+    models = [pick.choice(ns.lora_modules) if ns.lora_modules else model for _ in requests]
 
-    async def limited(request: Request) -> Outcome:
+    async def limited(request: Request, model: str) -> Outcome:
         nonlocal in_flight, peak
         async with limit:
             in_flight += 1
@@ -292,12 +301,12 @@ async def run_requests(
     gaps = arrival_gaps(len(requests) - 1, ns.request_rate, ns.burstiness, ns.seed)
     start = time.perf_counter()
     tasks = []
-    for request, offset in zip(requests, accumulate(gaps, initial=0.0)):
+    for request, request_model, offset in zip(requests, models, accumulate(gaps, initial=0.0)):
         # Sleeping to absolute times keeps the schedule from drifting by the loop's own delays.
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(limited(request)))
+        tasks.append(asyncio.create_task(limited(request, request_model)))
     outcomes = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     progress.close()

@@ -78,10 +78,7 @@ class LoRAManager:
                 segments[-1] = (segments[-1][0], end, slot)
             else:
                 segments.append((start, end, slot))
-        self.context.segments = segments
-
-    def finish_step(self) -> None:
-        self.context.segments = []
+        self.context.set_step(segments, query_start_loc[-1])
 
     def _activate(self, lora: LoRARequest, needed: set[int]) -> int:
         free = [s for s, held in enumerate(self.slots) if held is None or held not in needed]

@@ -384,3 +384,13 @@ def test_guided_json_is_sent_with_every_request(tmp_path):
         ns = build_parser().parse_args(["bench", "serve", "--guided-json", value])
         body = serve.request_body(serve_client.Request("hi", 2, 8), ns, "m", chat=False)
         assert body["guided_json"] == schema and body["prompt"] == "hi"
+
+
+def test_lora_modules_spread_requests_over_adapters(fake):
+    result = _small(fake.url, "--num-prompts", "24", "--lora-modules", "a", "b", "c", "--seed", "3")
+    assert result["completed"] == 24
+    models = [body["model"] for body in fake.bodies]
+    assert set(models) == {"a", "b", "c"} and all(models.count(m) >= 3 for m in "abc")
+    fake.reset()
+    _small(fake.url, "--num-prompts", "24", "--lora-modules", "a", "b", "c", "--seed", "3")
+    assert sorted(body["model"] for body in fake.bodies) == sorted(models)  # the same draw again

@@ -105,9 +105,18 @@ def test_segments_add_each_rows_own_adapter():
         slots.set_slot(slot, shards)
     x = torch.randn(9, 6, dtype=torch.float64)
     rows = [0, 0, None, 1, 1, 1, None, 0, 1]
-    context.segments = [(0, 2, 0), (3, 6, 1), (7, 8, 0), (8, 9, 1)]
+    context.set_step([(0, 2, 0), (3, 6, 1), (7, 8, 0), (8, 9, 1)], 9)
     y = torch.zeros(9, 7, dtype=torch.float64)
     slots.add_delta(x, y)
+    _check_rows(layer, adapters, x, y, rows)
+    # One adapter for every token: the path without a mask.
+    context.set_step([(0, 9, 1)], 9)
+    y = torch.zeros(9, 7, dtype=torch.float64)
+    slots.add_delta(x, y)
+    _check_rows(layer, adapters, x, y, [1] * 9)
+
+
+def _check_rows(layer, adapters, x, y, rows) -> None:
     for i, slot in enumerate(rows):
         expected = torch.zeros(7, dtype=torch.float64)
         for shard, weights in enumerate(adapters[slot] if slot is not None else []):
