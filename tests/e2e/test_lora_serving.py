@@ -122,3 +122,25 @@ def test_pd_deployment_serves_the_adapter(tiny_chat_model, adapters, expected):
         assert httpx.post(f"{router.url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
         assert _complete(router.url, "chat").json()["choices"][0]["text"] == expected["chat"]
         assert _complete(router.url, "nope").status_code == 404
+
+
+def test_pd_instances_with_different_adapters_give_a_clear_error(tiny_chat_model, adapters, expected):
+    """Only the prefill instance has the adapter: the decode instance's 404 reaches the client,
+    saying that prefill and decode must serve the same adapters; loading it through the router fixes it."""
+    modules = ["--lora-modules", f"sql={adapters['sql']}"]
+    prefill = RemoteServer(tiny_chat_model, *COMMON, *LORA, *modules, "--pd-role", "prefill", "--kv-lease-seconds", "2")
+    decode = RemoteServer(tiny_chat_model, *COMMON, *LORA, "--pd-role", "decode")
+    router = RemoteServer(None, "router", "--prefill", prefill.url, "--decode", decode.url)
+    try:
+        r = _complete(router.url, "sql")
+        assert r.status_code == 404, r.text
+        message = r.json()["error"]["message"]
+        assert "'sql'" in message and "must serve the same model and LoRA adapters" in message
+        load = {"lora_name": "sql", "lora_path": adapters["sql"]}
+        # The prefill instance has it already (the same path: nothing to do), the decode one loads it.
+        assert httpx.post(f"{router.url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+        r = _complete(router.url, "sql")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected["sql"]
+    finally:
+        for server in (router, decode, prefill):
+            server.close()

@@ -89,6 +89,23 @@ class _Trace:
         return ", ".join(parts + self.notes)
 
 
+def _decode_refused(data: bytes, decode_url: str, trace: _Trace) -> bytes:
+    """A 404 from the decode instance after the prefill instance served the request: the two serve
+    different models or LoRA adapters. The error says so, and how to fix it."""
+    note = (
+        f"the decode instance {decode_url} does not serve what the prefill instance {trace.prefill} served; "
+        "prefill and decode instances must serve the same model and LoRA adapters (load adapters through "
+        "the router's /v1/load_lora_adapter, which loads them on every instance)"
+    )
+    trace.notes.append(note)
+    try:
+        body = json.loads(data)
+        body["error"]["message"] = f"{body['error']['message']} ({note})"
+    except (ValueError, KeyError, TypeError):
+        return data
+    return json.dumps(body).encode()
+
+
 # --- the router --------------------------------------------------------------------------------
 class Router(UpstreamPool):
     """The request flow (independent of the routes), on the pool of instances it inherits."""
@@ -195,6 +212,8 @@ class Router(UpstreamPool):
                     )
                 else:
                     data = await until_disconnected(request, resp.read())
+                    if resp.status == 404 and trace.prefill:
+                        data = _decode_refused(data, inst.url, trace)
                     return self._finish(
                         trace, Response(data, status_code=resp.status, media_type=resp.headers.get("Content-Type"))
                     )
