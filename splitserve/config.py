@@ -99,8 +99,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a single prompt may take the whole step budget
     kv_cache_ratio: float = 1.0  # share of KV blocks that admitting new prompts may fill (FastDeploy)
+    # New prompts wait until the oldest has waited this many times the last prompt step's latency
+    # (or nothing runs), so that prompts arriving close together are batched (vLLM's delay_factor).
+    delay_factor: float = 0.0
 
     def verify(self) -> None:
+        if self.delay_factor < 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.delay_factor}.")
         if not 0.0 < self.kv_cache_ratio <= 1.0:
             raise ValueError(f"kv_cache_ratio must be in (0, 1], got {self.kv_cache_ratio}.")
         if self.max_num_seqs < 1:
@@ -223,6 +228,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # see executor/cuda_graph.capture_sizes
+    max_seq_len_to_capture: int = 8192  # a decode step with a longer sequence runs eagerly
     async_scheduling: bool = False  # overlap: schedule step N+1 while the device runs step N
     use_tqdm_on_load: bool = True
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)

@@ -54,7 +54,13 @@ class EngineArgs:
     quantization: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    max_seq_len_to_capture: int = 8192
     async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
+    disable_async_output_proc: bool = False
+    num_scheduler_steps: int = 1
+    scheduler_delay_factor: float = 0.0
+    tokenizer_extension_path: str | None = None
+    enable_mm: bool = False
     swap_space: float = 0.0
     preemption_mode: str = "recompute"
     pd_role: str = "mixed"
@@ -95,6 +101,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             kv_cache_ratio=self.kv_cache_ratio,
+            delay_factor=self.scheduler_delay_factor,
         )
         scheduler_config.verify()
         kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
@@ -109,7 +116,8 @@ class EngineArgs:
             parallel_config=parallel_config,
             enforce_eager=self.enforce_eager,
             cuda_graph_sizes=self.cuda_graph_sizes,
-            async_scheduling=_resolve_async_scheduling(self.async_scheduling, device, parallel_config),
+            max_seq_len_to_capture=self.max_seq_len_to_capture,
+            async_scheduling=self._async_scheduling(device, parallel_config),
             use_tqdm_on_load=self.use_tqdm_on_load,
             kv_transfer_config=kv_transfer_config,
             lora_config=self._lora_config(),
@@ -126,6 +134,15 @@ class EngineArgs:
         config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, modules)
         config.verify()
         return config
+
+    def _async_scheduling(self, device: torch.device, parallel: ParallelConfig) -> bool:
+        """vLLM's --disable-async-output-proc turns off the overlap of one step's output handling with
+        the next step's forward, which is what overlap scheduling does here."""
+        if self.disable_async_output_proc:
+            if self.async_scheduling:
+                raise ValueError("--async-scheduling and --disable-async-output-proc contradict each other.")
+            return False
+        return _resolve_async_scheduling(self.async_scheduling, device, parallel)
 
     def _parallel_config(self, device: torch.device) -> ParallelConfig:
         config = ParallelConfig(
@@ -149,6 +166,22 @@ class EngineArgs:
                 f"preemption_mode={self.preemption_mode!r} is not supported yet; "
                 "only 'recompute' is (swapping to host memory is not implemented)."
             )
+        if self.num_scheduler_steps != 1:
+            raise ValueError(
+                f"num_scheduler_steps={self.num_scheduler_steps}: multi-step decoding is not implemented; only 1 "
+                "is. Its purpose, hiding the scheduler's time behind the device's, is what --async-scheduling "
+                "does (on by default on GPUs)."
+            )
+        if self.tokenizer_extension_path is not None:
+            raise ValueError(
+                "--tokenizer-extension-path (AIAK's vllm_extension.py hook) is not supported: splitserve loads "
+                "tokenizers with transformers. Give a tokenizer directory with --tokenizer (and "
+                "--trust-remote-code for a custom tokenizer class)."
+            )
+        if self.enable_mm:
+            raise ValueError("--enable-mm: multimodal input is not supported yet; splitserve serves text models.")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}.")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
         if self.load_format not in LOAD_FORMATS:
@@ -226,6 +259,14 @@ _ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs: launch every kernel of every step from Python (GPU only)",
     "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs: one value N means 1, 2, 4 and the multiples "
     "of 8 up to N; several values are the sizes (default: N = min(max_num_seqs, 512))",
+    "max_seq_len_to_capture": "longest sequence a CUDA graph runs: a decode step with a longer one runs eagerly",
+    "disable_async_output_proc": "do not overlap a step's output handling with the next step (turns "
+    "--async-scheduling off)",
+    "num_scheduler_steps": "forward steps per scheduler call: only 1 (multi-step decoding is not implemented)",
+    "scheduler_delay_factor": "hold new prompts back until the oldest has waited this many times the last "
+    "prompt step's latency (0: no delay), so that prompts arriving close together are batched",
+    "tokenizer_extension_path": "AIAK's tokenizer extension module: refused (use --tokenizer)",
+    "enable_mm": "multimodal input: refused (not supported yet)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
     "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
@@ -236,7 +277,7 @@ _ENGINE_HELP = {
     "lora_modules": 'adapters to serve from the start: name=path, or JSON {"name": ..., "path": ..., '
     '"base_model_name": ...}; several may follow the flag',
 }
-_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
 _HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "swap_space", "preemption_mode", "device", "use_tqdm_on_load"}
 

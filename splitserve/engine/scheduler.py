@@ -10,6 +10,7 @@ recomputed later (its full blocks usually come back as prefix-cache hits).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,6 +59,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.receiving: dict[str, Request] = {}  # PD decode side: KV being pulled
         self.leased: dict[str, Request] = {}  # PD prefill side: finished, KV kept for a decode instance
+        self.clock = time.monotonic  # replaceable in tests
+        self._prev_schedule_time = 0.0
+        self._prev_had_prompts = False
+        self._last_prompt_latency = 0.0  # seconds between a step that admitted prompts and the next
         self.num_preemptions = 0
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -105,9 +110,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:  # if we just ran out of blocks, admitting more would thrash
+        if not out.preempted and self._passed_delay():  # just out of blocks: admitting more would thrash
+            num_running = len(out.scheduled)
             self._schedule_waiting(out, budget)
+            self._prev_had_prompts = len(out.scheduled) > num_running
         return out
+
+    def _passed_delay(self) -> bool:
+        """With a delay factor, waiting prompts are admitted only once the oldest has waited
+        delay_factor x the last prompt step's latency, or when nothing else runs."""
+        now = self.clock()
+        if self._prev_had_prompts:
+            self._last_prompt_latency = now - self._prev_schedule_time
+        self._prev_schedule_time, self._prev_had_prompts = now, False
+        if self.config.delay_factor <= 0 or not self.waiting or not self.running:
+            return True
+        oldest = min(r.arrival_time for r in self.waiting)
+        return now - oldest > self.config.delay_factor * self._last_prompt_latency
 
     def _chunk(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)

@@ -331,6 +331,7 @@ class ModelRunner:
             self.graph_runner is not None
             and batch.num_decodes == len(batch.requests)
             and batch.num_decodes <= self.graph_runner.max_batch_size
+            and max(batch.seq_lens, default=0) <= self.config.max_seq_len_to_capture
         )
 
     @staticmethod

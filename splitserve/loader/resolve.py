@@ -40,6 +40,20 @@ def default_model_path() -> str:
     return files[0]
 
 
+def _served_name(model: str | None, path: str) -> str:
+    """The name requests use when --served-model-name is not given: the model argument as given (as
+    vLLM does), except for the embedded default model, named SmolLM2-135M-Instruct however it was
+    given (no argument, or the path of its .gguf file inside site-packages)."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    try:
+        if os.path.samefile(path, default_model_path()):
+            return DEFAULT_MODEL_NAME
+    except OSError:  # the default model is not installed: this is another model
+        pass
+    return model
+
+
 def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     """A local directory or .gguf file for `model`; hub ids go through huggingface_hub's cache."""
     if model is None:
@@ -217,7 +231,7 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         substitute_tokenizer = builtin != DEFAULT_MODEL_HUB_ID
     else:
         tokenizer = path
-    served = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    served = args.served_model_name or _served_name(args.model, path)
     load_format = _resolve_load_format(args.load_format, path)
     return ModelConfig(
         model=path,

@@ -100,6 +100,11 @@ def test_streamed_chat_equals_non_streamed(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert all(c.choices[0].model_extra["arrival_time"] >= 0 for c in chunks if c.choices)
+    # FastDeploy's fields: each delta carries its token ids; usage details the completion tokens.
+    streamed_ids = [i for c in chunks if c.choices for i in (c.choices[0].delta.model_extra.get("token_ids") or [])]
+    assert len(streamed_ids) == full.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 0
+    assert full.choices[0].model_extra["sentence_length"] == len(full.choices[0].message.content)
 
 
 def test_streamed_completion_with_continuous_usage(client):
@@ -175,14 +180,14 @@ def test_vllm_extensions(server):
     }
     choice = _post(server, "/v1/completions", body).json()["choices"][0]
     assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"]
-    assert choice["prompt_logprobs"][0] is None and choice["sentence_length"] == 3
+    assert choice["prompt_logprobs"][0] is None and choice["sentence_length"] == len(choice["text"])  # characters
     meta = _post(
         server,
         "/v1/completions",
         {
             **body,
             "min_tokens": None,
-            "metadata": {"min_tokens": 3},
+            "metadata": {"min_tokens": "3"},  # as the OpenAI client sends metadata: strings
             "max_tokens": 5,
             "ignore_eos": False,
             "stop_token_ids": [2],
@@ -461,5 +466,6 @@ def test_fastdeploy_style_flags(tiny_chat_model):
         message = chat["choices"][0]["message"]
         # deepseek_r1: with no </think> in the output, all of it is reasoning.
         assert message["reasoning_content"] and not message["content"]
+        assert chat["usage"]["completion_tokens_details"]["reasoning_tokens"] == chat["usage"]["completion_tokens"]
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         assert "splitserve:request_success_total" in metrics

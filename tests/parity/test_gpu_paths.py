@@ -114,6 +114,21 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
     assert got == _staggered_run(eager, prompts, lengths)
 
 
+def test_sequences_past_max_seq_len_to_capture_run_eagerly(tiny_models, emulated_graphs):
+    """vLLM's --max-seq-len-to-capture: a decode step whose longest sequence exceeds it runs without
+    the graph, and the tokens are the same."""
+    kwargs = dict(dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2], max_num_seqs=2)
+    kwargs.update(use_tqdm_on_load=False, num_gpu_blocks_override=32)
+    prompts, lengths = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]], [12, 12]
+    capped = LLM(tiny_models["qwen3"], max_seq_len_to_capture=10, **kwargs)
+    got = _staggered_run(capped, prompts, lengths)
+    # Sequences reach 8 + 12 = 20 tokens: only decode steps with every sequence at <= 10 tokens replay.
+    replays = sum(g.replays for g in emulated_graphs.captures)
+    assert 0 < replays < 6
+    eager = LLM(tiny_models["qwen3"], enforce_eager=True, **kwargs)
+    assert got == _staggered_run(eager, prompts, lengths)
+
+
 def test_padding_rows_never_touch_request_blocks(tiny_models, emulated_graphs):
     """A batch of 3 replayed in the size-4 graph after a batch of 4: the stale fourth row must
     write into the padding block, not into the finished request's (freed, maybe reused) block."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+import torch
+
 from splitserve.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from, engine_flags
 
 
@@ -29,3 +32,37 @@ def test_async_scheduling_defaults_to_the_device():
     add_engine_args(parser)
     assert parser.parse_args([]).async_scheduling is None  # resolved per device: on for CUDA, off for CPU
     assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
+
+
+def _parse(*flags: str) -> EngineArgs:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_args_from(parser.parse_args(list(flags)))
+
+
+def test_aiak_table_flags_are_recognised():
+    """Every server flag of the AIAK parameter table parses: it works, or it is refused with a reason."""
+    args = _parse("-q", "awq", "--max-seq-len-to-capture", "4096", "--scheduler-delay-factor", "0.5")
+    assert args.quantization == "awq" and args.max_seq_len_to_capture == 4096 and args.scheduler_delay_factor == 0.5
+    assert _parse("--disable-async-output-proc").disable_async_output_proc
+    assert _parse("--num-scheduler-steps", "1").num_scheduler_steps == 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-scheduler-steps", "8"], "multi-step decoding is not implemented"),
+        (["--tokenizer-extension-path", "/x/vllm_extension.py"], "--tokenizer"),
+        (["--enable-mm"], "multimodal input is not supported yet"),
+        (["--async-scheduling", "--disable-async-output-proc"], "contradict"),
+        (["--max-seq-len-to-capture", "0"], "max_seq_len_to_capture"),
+    ],
+)
+def test_flags_that_cannot_be_honoured_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        _parse(*flags).create_engine_config()
+
+
+def test_disable_async_output_proc_turns_overlap_off():
+    args = _parse("--disable-async-output-proc")
+    assert args._async_scheduling(torch.device("cuda"), None) is False

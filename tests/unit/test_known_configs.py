@@ -295,3 +295,14 @@ def test_throughput_benchmark_runs_both_backends_on_dummy_weights(tmp_path, smol
     assert [r.backend for r in results] == ["splitserve", "hf"]
     assert results[0].output_tokens == results[1].output_tokens
     assert "random weights" in capsys.readouterr().out
+
+
+def test_the_default_model_is_served_under_its_name_however_given(tmp_path):
+    from splitserve.loader.resolve import DEFAULT_MODEL_NAME, _served_name
+
+    path = default_model_path()
+    assert _served_name(None, path) == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    assert _served_name(path, path) == DEFAULT_MODEL_NAME  # not the path inside site-packages
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    assert _served_name(str(other), str(other)) == str(other)  # any other model: as given, as vLLM does

@@ -261,7 +261,9 @@ def test_metadata_min_tokens(make):
     assert make(metadata={"min_tokens": 4}).to_sampling_params(16).min_tokens == 4
     assert make(metadata={"min_tokens": 4}, min_tokens=4).to_sampling_params(16).min_tokens == 4
     assert make(metadata={"trace": "x"}, min_tokens=2).to_sampling_params(16).min_tokens == 2
-    for bad in (-1, "4", 2.5, True):
+    # The OpenAI client sends metadata values as strings: a numeric string is a number.
+    assert make(metadata={"min_tokens": "4"}).to_sampling_params(16).min_tokens == 4
+    for bad in (-1, "-4", "four", "", 2.5, True):
         assert rejected(make, metadata={"min_tokens": bad})[1] == "metadata.min_tokens"
     assert rejected(make, metadata={"min_tokens": 4}, min_tokens=3)[1] == "min_tokens"
 

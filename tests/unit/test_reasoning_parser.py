@@ -133,3 +133,38 @@ def test_final_delta_releases_a_held_tag_start():
     assert QWEN3.extract_delta("", "<thi") == (None, None)
     assert QWEN3.extract_delta("<thi", "", final=True) == (None, "<thi")
     assert DEEPSEEK.extract_delta("x", "</th", final=True) == ("</th", None)
+
+
+class _CharTokenizer:
+    """One token per character, and </think> as one token (id 1000), as thinking models have it."""
+
+    def encode(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            if text.startswith("</think>", i):
+                ids.append(1000)
+                i += len("</think>")
+            else:
+                ids.append(ord(text[i]))
+                i += 1
+        return ids
+
+
+@pytest.mark.parametrize(
+    "parser, text, expected",
+    [
+        ("deepseek_r1", "ab</think>cd", 3),  # a, b and </think>
+        ("deepseek_r1", "abc", 3),  # no </think> yet: all reasoning
+        ("qwen3", "<think>ab</think>cd", 10),  # <think> is 7 characters here, then a, b, </think>
+        ("qwen3", "plain answer", 0),
+    ],
+)
+def test_reasoning_tokens_are_counted_up_to_the_end_tag(parser, text, expected):
+    from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    serving = object.__new__(OpenAIServingChat)
+    serving.tokenizer = _CharTokenizer()
+    serving.reasoning = get_reasoning_parser(parser)
+    serving._think_end_id = serving._single_token_id("</think>")
+    assert serving._think_end_id == 1000
+    assert serving._reasoning_tokens(serving.tokenizer.encode(text), text) == expected

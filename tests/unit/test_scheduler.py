@@ -442,3 +442,27 @@ def test_kv_cache_ratio_keeps_blocks_for_running_requests():
     while a.status == RequestStatus.RUNNING:
         step(sched)
     assert plan(step(sched)) == [("b", 9)]  # alone, a prompt may use the whole pool
+
+
+def test_scheduler_delay_factor_holds_new_prompts_back_while_others_run():
+    """vLLM's delay_factor: a new prompt waits until the oldest waiting one has waited delay_factor
+    x the last prompt step's latency; with nothing running it goes at once."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, delay_factor=2.0)
+    sched = Scheduler(config, KVCacheManager(64, BS, True))
+    now = [100.0]
+    sched.clock = lambda: now[0]
+    first = req("a", range(10, 18), max_tokens=20)
+    first.arrival_time = now[0]
+    add(sched, first)
+    assert plan(step(sched)) == [("a", 8)]  # nothing runs: no delay
+    now[0] += 0.5  # that prompt step took 0.5 s
+    late = req("b", range(30, 38), max_tokens=4)
+    late.arrival_time = now[0]
+    add(sched, late)
+    assert plan(step(sched)) == [("a", 1)]  # b has waited 0 s, not 2 x 0.5 s
+    now[0] += 0.6
+    assert plan(step(sched)) == [("a", 1)]  # 0.6 s
+    now[0] += 0.5
+    assert plan(step(sched)) == [("a", 1), ("b", 8)]  # 1.1 s > 1.0 s
+    with pytest.raises(ValueError, match="scheduler_delay_factor"):
+        SchedulerConfig(delay_factor=-1).verify()

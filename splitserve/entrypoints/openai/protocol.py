@@ -126,6 +126,8 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
                 )
             self.max_tokens = self.max_completion_tokens
         meta_min_tokens = (self.metadata or {}).get("min_tokens")
+        if isinstance(meta_min_tokens, str) and meta_min_tokens.strip().isdigit():
+            meta_min_tokens = int(meta_min_tokens)  # the OpenAI client sends metadata values as strings
         if meta_min_tokens is not None:
             if not is_token_id(meta_min_tokens):
                 raise ParameterError(

@@ -42,11 +42,16 @@ class PromptTokenUsageInfo(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokenUsageInfo(BaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the reasoning (--reasoning-parser)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = _extension()
+    completion_tokens_details: CompletionTokenUsageInfo | None = _extension()
 
 
 class CompletionLogProbs(BaseModel):
@@ -150,6 +155,7 @@ class DeltaMessage(BaseModel):
     content: str | None = _extension()
     reasoning_content: str | None = _extension()
     tool_calls: list[DeltaToolCall] | None = _extension()
+    token_ids: list[int] | None = _extension()  # FastDeploy's: the ids of the tokens this chunk brings
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -30,7 +30,7 @@ from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
-from splitserve.entrypoints.openai.response_models import PromptTokenUsageInfo, UsageInfo
+from splitserve.entrypoints.openai.response_models import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
 from splitserve.entrypoints.openai.serving_models import OpenAIServingModels
 from splitserve.lora.request import LoRARequest
@@ -49,6 +49,7 @@ class ChoiceState:
 
     text: str = ""
     num_tokens: int = 0
+    token_ids: list = field(default_factory=list)  # chat: every token id streamed so far
     finished: bool = False
     started: bool = False
     content: str = ""  # chat: the answer's text so far (the text less its reasoning)
@@ -216,11 +217,14 @@ class OpenAIServing:
         return {**output.kv_transfer_params, "prompt_token_ids": request.prompt_token_ids}
 
     # --- running requests ---------------------------------------------------------------------
-    def _log(self, request_id: str, requests: list[ProcessedRequest], params: SamplingParams) -> None:
+    def _log(
+        self, request_id: str, requests: list[ProcessedRequest], params: SamplingParams, user: str | None = None
+    ) -> None:
         if not self.server_args.disable_log_requests:
             logger.info(
-                "Request %s: %d prompt(s) of %s tokens, max_tokens=%s, n=%d, temperature=%s, stream",
+                "Request %s%s: %d prompt(s) of %s tokens, max_tokens=%s, n=%d, temperature=%s",
                 request_id,
+                f" from user {user!r}" if user else "",
                 len(requests),
                 [len(r.prompt_token_ids) for r in requests],
                 params.max_tokens,
@@ -292,13 +296,16 @@ class OpenAIServing:
         )
 
     @staticmethod
-    def _usage(requests: list[ProcessedRequest], completion_tokens: int, cached: int) -> UsageInfo:
+    def _usage(
+        requests: list[ProcessedRequest], completion_tokens: int, cached: int, reasoning_tokens: int = 0
+    ) -> UsageInfo:
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached),
+            completion_tokens_details=CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens),
         )
 
     async def warmup(self) -> None:

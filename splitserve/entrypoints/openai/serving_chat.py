@@ -41,6 +41,28 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine, config, server_args, metrics):
         super().__init__(engine, config, server_args, metrics)
         self.reasoning = get_reasoning_parser(server_args.reasoning_parser) if server_args.reasoning_parser else None
+        self._think_end_id = self._single_token_id(self.reasoning.end_tag) if self.reasoning else None
+
+    def _single_token_id(self, text: str) -> int | None:
+        """The id of `text` when the tokenizer has it as one token (as thinking models have </think>)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def _reasoning_tokens(self, token_ids: list[int], text: str) -> int:
+        """How many of a choice's tokens are reasoning: up to and including </think>, or all of them
+        while it has not come. Where </think> is not one token, its text is tokenized to count."""
+        if self.reasoning is None:
+            return 0
+        reasoning, content = self.reasoning.extract(text)
+        if reasoning is None and not text.startswith(self.reasoning.start_tag):
+            return 0
+        end = text.find(self.reasoning.end_tag)
+        if end < 0:
+            return len(token_ids)
+        if self._think_end_id is not None and self._think_end_id in token_ids:
+            return token_ids.index(self._think_end_id) + 1
+        upto = text[: end + len(self.reasoning.end_tag)]
+        return min(len(token_ids), len(self.tokenizer.encode(upto, add_special_tokens=False)))
 
     async def create_chat_completion(self, body: dict, raw: Request):
         arrival = time.monotonic()
@@ -52,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         # The template has placed the special tokens.
         (request,) = await self._process([prompt], params, "messages", add_special_tokens=False)
         request_id = random_id("chatcmpl")
-        self._log(request_id, [request], params)
+        self._log(request_id, [request], params, req.user)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         stream = self._generation_streams(req, request_id, [request], arrival, kind, kv, lora)
         echo = self._chat_echo(req)
@@ -108,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
     def _chat_response(self, req, plan, request_id, request, params, final: RequestOutput, echo: str):
         self._record_finished(final)
         choices, completion_tokens = [], final.num_generated_tokens  # best_of's unreturned samples count too
+        reasoning_tokens = sum(self._reasoning_tokens(c.token_ids, c.text) for c in final.outputs)
         for c in final.outputs:
             message, called = self._message(plan, c.text, echo)
             logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs) if req.logprobs else None
@@ -120,14 +143,14 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if req.return_token_ids else None,
                     cum_log_probs=c.cumulative_logprob,
-                    sentence_length=len(c.token_ids),
+                    sentence_length=len(echo + c.text),  # characters, as AIAK counts them
                 )
             )
         return ChatCompletionResponse(
             id=request_id,
             model=self._response_model(req),
             choices=choices,
-            usage=self._usage([request], completion_tokens, final.num_cached_tokens),
+            usage=self._usage([request], completion_tokens, final.num_cached_tokens, reasoning_tokens),
             system_fingerprint=self.fingerprint,
             prompt_logprobs=final.prompt_logprobs if req.prompt_logprobs is not None else None,
             prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None,
@@ -161,7 +184,8 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         def usage_now():
-            return self._usage([request], completion_tokens, cached)
+            reasoning = sum(self._reasoning_tokens(s.token_ids, s.text) for s in states.values())
+            return self._usage([request], completion_tokens, cached, reasoning)
 
         yield chunk(
             [
@@ -180,6 +204,7 @@ class OpenAIServingChat(OpenAIServing):
                 if state.finished or not (c.text or c.token_ids or c.finish_reason):
                     continue
                 completion_tokens += len(c.token_ids)
+                state.token_ids += c.token_ids
                 state.finished = c.finish_reason is not None
                 delta = self._chat_delta(state, c.text)
                 state.held_token_ids += c.token_ids
@@ -190,10 +215,13 @@ class OpenAIServingChat(OpenAIServing):
                 state.held_token_ids, state.held_logprobs = [], []
                 logprobs = self._chat_logprobs(token_ids, entries, params.logprobs) if req.logprobs else None
                 called = state.tool_parser is not None and state.tool_parser.tools_streamed
+                delta = delta or DeltaMessage()
+                if token_ids:
+                    delta.token_ids = token_ids
                 choices.append(
                     ChatCompletionStreamChoice(
                         index=c.index,
-                        delta=delta or DeltaMessage(),
+                        delta=delta,
                         logprobs=logprobs,
                         finish_reason=plan.finish_reason(c.finish_reason, called),
                         stop_reason=c.stop_reason,

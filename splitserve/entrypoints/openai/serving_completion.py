@@ -42,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [remote] if remote else [_engine_prompt(p) for p in req.prompts()]
         requests = await self._process(prompts, params, "prompt")
         request_id = random_id("cmpl")
-        self._log(request_id, requests, params)
+        self._log(request_id, requests, params, req.user)
         if req.stream:
             streams = self._generation_streams(req, request_id, requests, arrival, RequestOutputKind.DELTA, kv, lora)
             return sse_response(self._completion_stream(req, request_id, requests, params, streams, arrival))
@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids=c.token_ids if req.return_token_ids else None,
                         prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None,
                         cum_log_probs=c.cumulative_logprob,
-                        sentence_length=len(c.token_ids),
+                        sentence_length=len(text),  # characters, as AIAK counts them
                     )
                 )
         return CompletionResponse(
@@ -144,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids=c.token_ids if req.return_token_ids else None,
                         prompt_token_ids=requests[i].prompt_token_ids if req.return_token_ids and first else None,
                         cum_log_probs=c.cumulative_logprob if state.finished else None,
-                        sentence_length=state.num_tokens if state.finished else None,
+                        sentence_length=len(state.text) if state.finished else None,
                         arrival_time=time.monotonic() - arrival,
                     )
                 )
