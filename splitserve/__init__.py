@@ -20,6 +20,7 @@ __all__ = [
     "GenerationConfig",
     "TurbomindEngineConfig",
     "PytorchEngineConfig",
+    "ChatTemplateConfig",
     "Response",
 ]
 
@@ -30,7 +31,14 @@ def __getattr__(name: str):
         from splitserve.entrypoints.llm import LLM
 
         return LLM
-    if name in ("pipeline", "GenerationConfig", "TurbomindEngineConfig", "PytorchEngineConfig", "Response"):
+    if name in (
+        "pipeline",
+        "GenerationConfig",
+        "TurbomindEngineConfig",
+        "PytorchEngineConfig",
+        "ChatTemplateConfig",
+        "Response",
+    ):
         from splitserve.entrypoints import lmdeploy_api
 
         return getattr(lmdeploy_api, name)

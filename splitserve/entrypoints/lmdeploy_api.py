@@ -15,10 +15,12 @@ its default, instead of being silently ignored. Text generation, with LoRA adapt
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
 import threading
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from tqdm.auto import tqdm
 
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.entrypoints.lmdeploy_chat_template import ChatTemplateConfig, NamedChatTemplate
 from splitserve.entrypoints.lmdeploy_config import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -51,23 +54,47 @@ class Response:
 
 
 # --- prompts ---------------------------------------------------------------------------------
-def _chat_template(config) -> str | None:
-    """The jinja template of a chat_template_config: None, or a dict/object with a `chat_template`
-    string. LMDeploy's named templates (model_name, meta_instruction, ...) are refused rather than
-    dropped, since the prompts would silently change."""
+def _chat_template(config, model_name: str | None) -> str | NamedChatTemplate | None:
+    """The template prompts are rendered with: a ChatTemplateConfig (or a dict of its fields)
+    first, else the template `model_name` names (pipeline's or the backend config's); None: the
+    tokenizer's own."""
     if config is None:
-        return None
+        return ChatTemplateConfig(model_name=model_name).named() if model_name else None
     if isinstance(config, dict):
-        template = config.get("chat_template")
-        others = sorted(k for k, v in config.items() if k != "chat_template" and v is not None)
-    else:
-        template, others = getattr(config, "chat_template", None), []
-    if not isinstance(template, str) or others:
-        raise ValueError(
-            "chat_template_config must be None or have a `chat_template` jinja string (and nothing "
-            f"else); LMDeploy's named templates are not supported. Got {config!r}."
-        )
-    return template
+        config = ChatTemplateConfig(**config)
+    if not isinstance(config, ChatTemplateConfig):
+        raise TypeError(f"chat_template_config must be a ChatTemplateConfig or a dict, got {type(config).__name__}.")
+    return config.chat_template if config.chat_template is not None else config.named()
+
+
+_LEGACY_CALL_ARGS = {  # LMDeploy's deprecated call-level arguments and the defaults its document gives
+    "request_output_len": ("max_new_tokens", 512),
+    "top_k": ("top_k", 40),
+    "top_p": ("top_p", 0.8),
+    "temperature": ("temperature", 0.8),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "ignore_eos": ("ignore_eos", False),
+}
+
+
+def _gen_config_from_call(gen_config, legacy: dict):
+    """gen_config, or one built from the deprecated call-level arguments (request_output_len,
+    top_k, ...) with the defaults LMDeploy's document gives them."""
+    if not legacy:
+        return gen_config
+    unknown = sorted(set(legacy) - set(_LEGACY_CALL_ARGS))
+    if unknown:
+        raise TypeError(f"Unexpected keyword arguments {unknown}; sampling settings go in gen_config.")
+    if gen_config is not None:
+        raise ValueError(f"Give gen_config or the deprecated {sorted(legacy)}, not both.")
+    warnings.warn(
+        f"{sorted(legacy)} are deprecated (as in LMDeploy): pass gen_config=GenerationConfig(...).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return GenerationConfig(
+        **{field: legacy.get(name, default) for name, (field, default) in _LEGACY_CALL_ARGS.items()}
+    )
 
 
 def _is_conversation(prompt) -> bool:
@@ -85,7 +112,7 @@ class Pipeline:
     takes its own.
     """
 
-    def __init__(self, engine: LLMEngine, chat_template: str | None = None):
+    def __init__(self, engine: LLMEngine, chat_template: str | NamedChatTemplate | None = None):
         self.engine: LLMEngine | None = engine
         self.tokenizer = engine.get_tokenizer()
         self.chat_template = chat_template
@@ -102,8 +129,9 @@ class Pipeline:
         do_preprocess: bool = True,
         adapter_name: str | None = None,
         use_tqdm: bool = False,
+        **legacy,
     ):
-        return self.batch_infer(prompts, gen_config, do_preprocess, adapter_name, use_tqdm)
+        return self.batch_infer(prompts, gen_config, do_preprocess, adapter_name, use_tqdm, **legacy)
 
     def batch_infer(
         self,
@@ -112,8 +140,12 @@ class Pipeline:
         do_preprocess: bool = True,
         adapter_name: str | None = None,
         use_tqdm: bool = False,
+        **legacy,
     ):
-        """Generate for every prompt and return the finished Responses in the prompts' order."""
+        """Generate for every prompt and return the finished Responses in the prompts' order.
+        `legacy`: LMDeploy's deprecated request_output_len, top_k, top_p, temperature,
+        repetition_penalty and ignore_eos, instead of gen_config."""
+        gen_config = _gen_config_from_call(gen_config, legacy)
         single, inputs, params, lora = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
         results: list[Response | None] = [None] * len(inputs)
         with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
@@ -129,10 +161,12 @@ class Pipeline:
         gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
         do_preprocess: bool = True,
         adapter_name: str | None = None,
+        **legacy,
     ) -> Iterator[Response]:
         """Responses carrying what is new, as it is generated, with `index` naming the prompt; each
         prompt's last one has its finish_reason. Prompts and configs are checked now, not on the
         first `next()`. Closing the generator early aborts the prompts that are still running."""
+        gen_config = _gen_config_from_call(gen_config, legacy)
         _, inputs, params, lora = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
         return self._stream(inputs, params, lora)
 
@@ -179,7 +213,10 @@ class Pipeline:
         if not batch:
             raise ValueError("No prompts were given.")
         inputs = [self._engine_prompt(p, do_preprocess) for p in batch]
-        return single, inputs, self._sampling_params(gen_config, len(batch)), lora
+        params = self._sampling_params(gen_config, len(batch))
+        if isinstance(self.chat_template, NamedChatTemplate) and self.chat_template.stop_words and do_preprocess:
+            params = [_with_stop_words(p, self.chat_template.stop_words) for p in params]
+        return single, inputs, params, lora
 
     def _engine_prompt(self, prompt, do_preprocess: bool):
         """A str passes raw when do_preprocess is False (the tokenizer adds BOS, as LMDeploy's does);
@@ -200,7 +237,10 @@ class Pipeline:
             if not all(isinstance(c, str) for c in contents):
                 raise ValueError("Without do_preprocess every message content must be a str.")
             return "".join(contents)
-        text = apply_chat_template(self.tokenizer, list(prompt), self.chat_template)
+        if isinstance(self.chat_template, NamedChatTemplate):
+            text = self.chat_template.render(list(prompt))
+        else:
+            text = apply_chat_template(self.tokenizer, list(prompt), self.chat_template)
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
 
     @staticmethod
@@ -293,6 +333,12 @@ class Pipeline:
             self.engine.abort_request(request_ids)
 
 
+def _with_stop_words(params: SamplingParams, words: list[str]) -> SamplingParams:
+    """The named template's end-of-answer words added to a request's stop strings."""
+    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    return dataclasses.replace(params, stop=stop + [w for w in words if w not in stop])
+
+
 def _response(output: RequestOutput, index: int, generate_token_len: int) -> Response:
     completion = output.outputs[0]
     logprobs = None
@@ -314,13 +360,15 @@ def pipeline(
     backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
     chat_template_config=None,
     log_level: str = "WARNING",
+    model_name: str | None = None,
     **kwargs,
 ) -> Pipeline:
     """Build a Pipeline for `model_path` (a Hugging Face directory, a hub id or a .gguf file).
 
-    backend_config None means PytorchEngineConfig(). log_level sets the `splitserve` logger's level,
-    as LMDeploy sets its own. Other keyword arguments (LMDeploy's model_name, tp, ...) are refused.
-    Everything is checked before the model is loaded.
+    backend_config None means PytorchEngineConfig(). `model_name` (here or on the backend config)
+    names LMDeploy's chat template for the model (lmdeploy_chat_template.py); chat_template_config
+    overrides it. log_level sets the `splitserve` logger's level, as LMDeploy sets its own. Other
+    keyword arguments (LMDeploy's tp, ...) are refused. Everything is checked before the model is loaded.
     """
     if kwargs:
         raise TypeError(
@@ -328,7 +376,6 @@ def pipeline(
         )
     if log_level not in _LOG_LEVELS:
         raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {log_level!r}.")
-    chat_template = _chat_template(chat_template_config)
     if backend_config is None:
         backend_config = PytorchEngineConfig()
     if not isinstance(backend_config, (PytorchEngineConfig, TurbomindEngineConfig)):
@@ -336,6 +383,12 @@ def pipeline(
             "backend_config must be a splitserve PytorchEngineConfig or TurbomindEngineConfig, "
             f"got {type(backend_config).__name__}."
         )
+    if model_name and backend_config.model_name and model_name != backend_config.model_name:
+        raise ValueError(
+            f"pipeline(model_name={model_name!r}) and the backend config's model_name "
+            f"{backend_config.model_name!r} differ; give one."
+        )
+    chat_template = _chat_template(chat_template_config, model_name or backend_config.model_name)
     engine_args = backend_config.to_engine_args(model_path)
     logging.getLogger("splitserve").setLevel(log_level)
     return Pipeline(LLMEngine.from_engine_args(engine_args), chat_template)

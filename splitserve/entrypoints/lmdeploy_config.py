@@ -192,16 +192,19 @@ def _common_engine_args(config, model_path: str, block_size: int, device: str, *
     return EngineArgs(**kwargs)
 
 
-_QUANT_POLICY_KV_CACHE_DTYPES = {0: "auto", 8: "int8", 4: "int4"}
+# As the pipeline document defines quant_policy: "set it to 4 when the KV cache is quantized to 8
+# bits". Newer LMDeploy releases spell 8-bit as 8, which is accepted too. An int4 KV cache is
+# kv_cache_dtype='int4' (EngineArgs, LLM, the server's --kv-cache-dtype).
+_QUANT_POLICY_KV_CACHE_DTYPES = {0: "auto", 4: "int8", 8: "int8"}
 
 
 def _kv_cache_dtype(config) -> str:
-    """LMDeploy's quant_policy as a kv_cache_dtype: 0 none, 8 int8, 4 int4. Like LMDeploy's, both
-    quantize per token and KV head with no calibration (int8 symmetric here, int4 asymmetric)."""
+    """LMDeploy's quant_policy as a kv_cache_dtype: 0 none, 4 (or 8) int8, quantized per token and
+    KV head with no calibration, as LMDeploy's is."""
     if config.quant_policy not in _QUANT_POLICY_KV_CACHE_DTYPES:
         raise ValueError(
-            f"{type(config).__name__}.quant_policy must be 0 (no KV-cache quantization), 8 (int8 KV "
-            f"cache) or 4 (int4 KV cache), got {config.quant_policy!r}."
+            f"{type(config).__name__}.quant_policy must be 0 (no KV-cache quantization) or 4 (8-bit KV "
+            f"cache; 8 is accepted for it too), got {config.quant_policy!r}."
         )
     return _QUANT_POLICY_KV_CACHE_DTYPES[config.quant_policy]
 
@@ -217,7 +220,8 @@ class PytorchEngineConfig:
     (None: splitserve's default); block_size -> block_size; num_gpu_blocks > 0 ->
     num_gpu_blocks_override; max_prefill_token_num -> max_num_batched_tokens (the step budget,
     which decodes share); cache_max_entry_count -> the KV-cache budget (see `_kv_cache_kwargs`);
-    eager_mode -> enforce_eager; quant_policy 0 / 8 / 4 -> kv_cache_dtype auto / int8 / int4;
+    eager_mode -> enforce_eager; quant_policy 0 / 4 (or 8) -> kv_cache_dtype auto / int8;
+    model_name names the chat template (see lmdeploy_chat_template.py);
     dtype, revision, enable_prefix_caching keep their names.
     device_type 'cuda' runs on CUDA when it is there and on the CPU otherwise (refusing would
     break every LMDeploy example on a CPU machine); 'cpu' forces the CPU.
@@ -228,6 +232,7 @@ class PytorchEngineConfig:
     """
 
     dtype: str = "auto"
+    model_name: str = ""
     tp: int = 1
     session_len: int | None = None
     max_batch_size: int | None = None
@@ -292,7 +297,8 @@ def _lora_kwargs(adapters: dict[str, str] | None) -> dict:
 
 
 # LMDeploy's model_format -> splitserve's quantization (None: as the checkpoint says)
-_MODEL_FORMATS = {None: None, "hf": None, "awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+# ('llama': Meta's original layout as TurboMind names it; splitserve reads the checkpoint's own names)
+_MODEL_FORMATS = {None: None, "hf": None, "llama": None, "awq": "awq", "gptq": "gptq", "fp8": "fp8"}
 
 
 @dataclass
@@ -300,11 +306,12 @@ class TurbomindEngineConfig:
     """LMDeploy's TurboMind-backend settings, served by splitserve's engine like PytorchEngineConfig
     (cache_block_seq_len -> block_size; the other shared fields map the same way). The engine runs
     on CUDA when it is there and on the CPU otherwise. model_format 'awq' / 'gptq' / 'fp8' ->
-    quantization (the checkpoint must be in that format; None or 'hf' take whatever the checkpoint's
+    quantization (the checkpoint must be in that format; None, 'hf' or 'llama' take whatever the checkpoint's
     quantization_config says). TurboMind-only features (RoPE scaling and log-n attention overrides,
     the iteration knobs) are refused."""
 
     dtype: str = "auto"
+    model_name: str | None = None
     model_format: str | None = None
     tp: int = 1
     session_len: int | None = None

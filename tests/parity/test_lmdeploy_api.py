@@ -393,11 +393,14 @@ def test_engine_honours_backend_config(pipe):
 @pytest.mark.parametrize(
     "kwargs, error",
     [
-        (dict(chat_template_config=42), ValueError),
-        (dict(chat_template_config={"model_name": "internlm2"}), ValueError),
+        (dict(chat_template_config=42), TypeError),
+        (dict(chat_template_config={"model_name": "no-such-template"}), ValueError),
         (dict(chat_template_config={"chat_template": "{{ x }}", "system": "hi"}), ValueError),
+        (dict(chat_template_config={"system": "hi"}), ValueError),  # pieces of the tokenizer's template
         (dict(log_level="LOUD"), ValueError),
-        (dict(model_name="x"), TypeError),
+        (dict(model_name="x"), ValueError),  # not a known chat template name
+        (dict(model_name="llama2", backend_config=PytorchEngineConfig(model_name="qwen")), ValueError),
+        (dict(tp=2), TypeError),
         (dict(backend_config={"session_len": 8}), TypeError),
     ],
 )
@@ -486,3 +489,40 @@ def test_adapters_and_adapter_name(model_dir, pipe, tmp_path):
     assert out[0].outputs[0].token_ids == adapted.token_ids
     with pytest.raises(ValueError, match="none: give PytorchEngineConfig"):
         pipe("Hi", adapter_name="sql")
+
+
+# --- the pipeline document's other arguments ---------------------------------------------------
+def test_named_chat_template_renders_turns_and_stops_at_its_end_word(model_dir, llm):
+    """ChatTemplateConfig(model_name='internlm') (the document's internlm-chat-7b): the prompt is
+    built from the template's pieces with its default system text, and <eoa> ends the answer."""
+    from splitserve import ChatTemplateConfig
+
+    config = ChatTemplateConfig(model_name="internlm", meta_instruction="Be brief.")
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = "<|System|>:Be brief.\n<|User|>:Hi\n<|Bot|>:"
+    assert config.named().render(messages) == expected
+    with pipeline(model_dir, backend_config=_backend(), chat_template_config=config) as p:
+        response = p("Hi", gen_config=_greedy())
+        ids = llm.get_tokenizer()(expected, add_special_tokens=False).input_ids
+        assert response.input_token_len == len(ids)
+        params = p._prepare("Hi", _greedy(), True, None)[2][0]
+        assert "<eoa>" in params.stop
+    # model_name on the backend config (or pipeline(model_name=)) names the same template.
+    with pipeline(model_dir, backend_config=_backend(model_name="internlm-chat-7b")) as p:
+        assert p.chat_template.name == "internlm" and p.chat_template.meta_instruction.startswith("You are an AI")
+
+
+def test_deprecated_call_arguments_build_the_gen_config(pipe, llm):
+    with pytest.warns(DeprecationWarning, match="request_output_len"):
+        response = pipe("Shanghai is", request_output_len=5, top_k=1, temperature=0.0, ignore_eos=True)
+    assert response.generate_token_len == 5
+    assert response.token_ids == pipe("Shanghai is", gen_config=_greedy(max_new_tokens=5, top_k=1)).token_ids
+    with pytest.raises(ValueError, match="not both"):
+        pipe("Hi", gen_config=_greedy(), top_k=3)
+    with pytest.raises(TypeError, match="max_length"):
+        pipe("Hi", max_length=3)
+
+
+def test_model_format_llama_and_hf_read_the_checkpoint_as_it_is():
+    for fmt in ("hf", "llama", None):
+        assert TurbomindEngineConfig(model_format=fmt).to_engine_args("m").quantization is None
