@@ -78,12 +78,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
     num_gpu_blocks: int | None = None  # decided when the KV cache is allocated
+    # Host memory for swapped-out KV (preemption_mode "swap"): a block count, or bytes.
+    num_cpu_blocks_override: int | None = None
+    swap_space_bytes: int = 0
+    num_cpu_blocks: int = 0  # decided when the KV cache is allocated
 
     def verify(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap space must be >= 0 bytes, got {self.swap_space_bytes}.")
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (auto: the model's dtype; fp8 is "
@@ -102,8 +108,13 @@ class SchedulerConfig:
     # New prompts wait until the oldest has waited this many times the last prompt step's latency
     # (or nothing runs), so that prompts arriving close together are batched (vLLM's delay_factor).
     delay_factor: float = 0.0
+    # What preemption does with a request's KV: "recompute" frees it, "swap" copies it to host
+    # memory (CacheConfig.num_cpu_blocks) and back when the request resumes.
+    preemption_mode: str = "recompute"
 
     def verify(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
         if self.delay_factor < 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.delay_factor}.")
         if not 0.0 < self.kv_cache_ratio <= 1.0:

@@ -61,8 +61,9 @@ class EngineArgs:
     scheduler_delay_factor: float = 0.0
     tokenizer_extension_path: str | None = None
     enable_mm: bool = False
-    swap_space: float = 0.0
+    swap_space: float = 0.0  # GiB of host memory per rank for swapped-out KV (preemption_mode "swap")
     preemption_mode: str = "recompute"
+    num_cpu_blocks: int | None = None  # exact host blocks, instead of swap_space (LMDeploy's num_cpu_blocks)
     pd_role: str = "mixed"
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
@@ -90,6 +91,8 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
+            num_cpu_blocks_override=self.num_cpu_blocks,
+            swap_space_bytes=int(self.swap_space * (1 << 30)),
         )
         cache_config.verify()
         max_len = model_config.max_model_len
@@ -102,6 +105,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             kv_cache_ratio=self.kv_cache_ratio,
             delay_factor=self.scheduler_delay_factor,
+            preemption_mode=self.preemption_mode,
         )
         scheduler_config.verify()
         kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
@@ -155,17 +159,13 @@ class EngineArgs:
 
     def _verify_supported(self) -> None:
         """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""
-        unsupported = {
-            "swap_space": (self.swap_space, 0.0),
-        }
-        for name, (value, supported) in unsupported.items():
-            if value != supported:
-                raise ValueError(f"{name}={value!r} is not supported yet (only {supported!r} is).")
-        if self.preemption_mode != "recompute":
-            raise ValueError(
-                f"preemption_mode={self.preemption_mode!r} is not supported yet; "
-                "only 'recompute' is (swapping to host memory is not implemented)."
-            )
+        if self.swap_space < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):
+            raise ValueError("swap_space and num_cpu_blocks must be >= 0.")
+        swap_memory = self.swap_space > 0 or bool(self.num_cpu_blocks)
+        if swap_memory and self.preemption_mode != "swap":
+            raise ValueError("--swap-space / num_cpu_blocks is host memory for --preemption-mode swap; set that too.")
+        if self.preemption_mode == "swap" and not swap_memory:
+            raise ValueError("--preemption-mode swap needs host memory: give --swap-space (GiB per rank).")
         if self.num_scheduler_steps != 1:
             raise ValueError(
                 f"num_scheduler_steps={self.num_scheduler_steps}: multi-step decoding is not implemented; only 1 "
@@ -270,6 +270,9 @@ _ENGINE_HELP = {
     "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
     "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",
+    "swap_space": "GiB of host memory per rank that preempted requests' KV is swapped to (with --preemption-mode swap)",
+    "preemption_mode": "recompute (free a preempted request's KV and compute it again) or swap (copy it to host "
+    "memory, --swap-space, and back)",
     "enable_lora": "serve LoRA adapters (docs/lora.md): requests pick one by its name in the model field",
     "max_loras": "most LoRA adapters in one step (each takes a slot of memory in every LoRA layer)",
     "max_lora_rank": "highest LoRA rank an adapter may have (the slots are sized for it)",
@@ -279,7 +282,7 @@ _ENGINE_HELP = {
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
-_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "swap_space", "preemption_mode", "device", "use_tqdm_on_load"}
+_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "num_cpu_blocks", "device", "use_tqdm_on_load"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

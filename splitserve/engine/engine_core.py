@@ -56,10 +56,14 @@ class EngineCore:
         num_blocks = self.executor.determine_num_blocks()
         self._check_capacity(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
-        self.executor.initialize_kv_cache(num_blocks)
-        self.executor.capture_cuda_graphs()
         cc = config.cache_config
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        swapping = config.scheduler_config.preemption_mode == "swap"
+        cc.num_cpu_blocks = self.executor.determine_num_cpu_blocks() if swapping else 0
+        if swapping and cc.num_cpu_blocks < 1:
+            raise ValueError("preemption_mode='swap' needs host memory for at least one block: raise --swap-space.")
+        self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks)
+        self.executor.capture_cuda_graphs()
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.num_cpu_blocks)
         lora_config = config.lora_config
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, lora_config and lora_config.max_loras)
         self.loras = LoRARegistry(config, self.executor)

@@ -108,13 +108,16 @@ class BlockPool:
 class KVCacheManager:
     """Which blocks each request holds; allocation, prefix-cache lookups and freeing."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+        """`num_cpu_blocks`: blocks of host memory that preempted requests' KV may be swapped to."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids: read by every step
         self.num_cached_blocks: dict[str, int] = {}
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.req_to_cpu_blocks: dict[str, list[KVBlock]] = {}  # swapped-out requests' host blocks
 
     @property
     def usage(self) -> float:
@@ -191,14 +194,56 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so the least shareable blocks are reused first."""
+        """Release a request's blocks, tail first, so the least shareable blocks are reused first
+        (and its host blocks, if it was swapped out)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        if self.cpu_pool is not None:
+            self.cpu_pool.free(self.req_to_cpu_blocks.pop(request.request_id, []))
+
+    # --- swapping to host memory (preemption_mode="swap") ------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        return self.cpu_pool is not None and 0 < len(blocks) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move a request's blocks to host blocks: the (device block, host block) copies to make
+        before the device blocks are reused. The device blocks are freed (keeping their prefix-cache
+        hashes: their content stays valid until reused)."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        self.req_to_block_ids.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        host = self.cpu_pool.allocate(len(blocks))
+        self.req_to_cpu_blocks[request.request_id] = host
+        self.pool.free(reversed(blocks))
+        return [(b.block_id, h.block_id) for b, h in zip(blocks, host)]
+
+    def swap_in(self, request: Request, num_new_tokens: int, keep_free: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back into fresh device blocks, with room for `num_new_tokens`
+        more tokens: the (host block, device block) copies to make before the step runs; None,
+        changing nothing, when the device lacks the blocks."""
+        host = self.req_to_cpu_blocks[request.request_id]
+        total = max(len(host), -(-(request.num_computed_tokens + num_new_tokens) // self.block_size))
+        if total > self.pool.num_free_blocks - keep_free:
+            return None
+        blocks = self.pool.allocate(total)
+        self.req_to_blocks[request.request_id] = blocks
+        self.req_to_block_ids[request.request_id] = [b.block_id for b in blocks]
+        del self.req_to_cpu_blocks[request.request_id]
+        self.cpu_pool.free(host)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens + num_new_tokens)
+        return [(h.block_id, b.block_id) for h, b in zip(host, blocks)]
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.cpu_pool is not None:
+            self.cpu_pool.check_invariants()
+            held = sum(len(blocks) for blocks in self.req_to_cpu_blocks.values())
+            assert held == self.cpu_pool.num_blocks - self.cpu_pool.num_free_blocks, "host block count"
+            assert not set(self.req_to_cpu_blocks) & set(self.req_to_blocks), "a request both swapped and not"
         held: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:

@@ -13,6 +13,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    SWAPPED = enum.auto()  # preempted, its KV copied to host memory (preemption_mode="swap")
     WAITING_FOR_REMOTE_KV = enum.auto()  # blocks allocated, KV being pulled from a prefill instance
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()

@@ -5,7 +5,9 @@ of its tokens (`num_computed_tokens`) and the scheduler hands out a per-step tok
 that each catches up with its total. Running requests go first (decodes and unfinished prompt
 chunks), then waiting ones are admitted while budget, seats and blocks last. When blocks run
 out, the most recently admitted running request is preempted: its blocks are freed and it is
-recomputed later (its full blocks usually come back as prefix-cache hits).
+recomputed later (its full blocks usually come back as prefix-cache hits); or, with
+preemption_mode "swap" and room in host memory, its blocks are copied there (SchedulerOutput's
+swap_out) and back into fresh blocks when it resumes (swap_in), ahead of any waiting request.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # PD decode side: (request, first block index in the prefill instance, local destination blocks)
     kv_pulls: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block) copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block) copies
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -45,7 +49,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run and no blocks to copy."""
+        return not self.scheduled and not self.swap_out and not self.swap_in
 
 
 class Scheduler:
@@ -56,6 +61,7 @@ class Scheduler:
         self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first
         self.requests: dict[str, Request] = {}
         self.receiving: dict[str, Request] = {}  # PD decode side: KV being pulled
         self.leased: dict[str, Request] = {}  # PD prefill side: finished, KV kept for a decode instance
@@ -86,6 +92,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
             elif request.status.is_finished:
                 continue  # leased: only a pull, a release or the lease's expiry frees it
             else:
@@ -96,7 +104,7 @@ class Scheduler:
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.receiving)
+        return bool(self.waiting or self.running or self.receiving or self.swapped)
 
     @property
     def num_waiting(self) -> int:
@@ -110,7 +118,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted and self._passed_delay():  # just out of blocks: admitting more would thrash
+        if not out.preempted and self.swapped:
+            budget = self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped and self._passed_delay():  # admitting more would thrash
             num_running = len(out.scheduled)
             self._schedule_waiting(out, budget)
             self._prev_had_prompts = len(out.scheduled) > num_running
@@ -154,19 +164,47 @@ class Scheduler:
         request itself had to be preempted."""
         while not self.kv.allocate_slots(request, n):
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        if self.config.preemption_mode == "swap" and request.num_computed_tokens and self.kv.can_swap_out(request):
+            out.swap_out += self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.swapped.append(request)
+            return
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped-out requests back, oldest first, while budget, seats and blocks last."""
+        loras = self._running_loras()
+        while self.swapped and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= (self.max_loras or 0):
+                break
+            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            copies = self.kv.swap_in(request, n)
+            if copies is None:
+                break
+            self.swapped.popleft()
+            out.swap_in += copies
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            budget -= n
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
+        return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while budget, seats and blocks last. A request whose LoRA
@@ -289,6 +327,8 @@ class Scheduler:
     def _finish_stopped(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        elif request in self.swapped:  # swapped out while its last token was being sampled
+            self.swapped.remove(request)
         else:  # preempted while its last token was being sampled
             self.waiting.remove(request)
         if request.keeps_kv_for_remote_decode:
@@ -309,8 +349,12 @@ class Scheduler:
         assert set(self.requests) == (
             {r.request_id for r in self.running}
             | {r.request_id for r in self.waiting}
+            | {r.request_id for r in self.swapped}
             | set(self.receiving)
             | set(self.leased)
+        )
+        assert all(
+            r.status == RequestStatus.SWAPPED and r.request_id in self.kv.req_to_cpu_blocks for r in self.swapped
         )
         for r in self.waiting:
             assert r.request_id not in self.kv.req_to_blocks

@@ -228,6 +228,7 @@ class PytorchEngineConfig:
     prefill_interval is accepted (>= 1): the chunked-prefill scheduler admits waiting prompts on
     every step, which meets "a prefill at least every prefill_interval steps".
     adapters ({name: PEFT LoRA directory}) are served from the start; a call's adapter_name picks one.
+    eviction_type 'copy' -> preemption_mode 'swap' with num_cpu_blocks host blocks (0: 4 GiB per rank).
     thread_safe is accepted: a Pipeline may always be used from several threads.
     """
 
@@ -250,22 +251,19 @@ class PytorchEngineConfig:
     download_dir: str | None = None
     revision: str | None = None
     quant_policy: int = 0
-    eviction_type: str = "recompute"
+    eviction_type: str = "recompute"  # 'copy': preempted requests' KV goes to host memory and back
 
     def to_engine_args(self, model_path: str) -> EngineArgs:
-        _refuse_unsupported(
-            self,
-            {
-                "num_cpu_blocks": (
-                    0,
-                    "KV blocks are never swapped to host memory (preempted requests are recomputed).",
-                ),
-                "eviction_type": ("recompute", "preempted requests are recomputed, never copied to host memory."),
-                "download_dir": (None, _DOWNLOAD_WHY),
-            },
-        )
+        _refuse_unsupported(self, {"download_dir": (None, _DOWNLOAD_WHY)})
         _check_range(self, "prefill_interval", self.prefill_interval >= 1, ">= 1")
         _check_range(self, "num_gpu_blocks", self.num_gpu_blocks >= 0, ">= 0")
+        _check_range(self, "eviction_type", self.eviction_type in ("recompute", "copy"), "'recompute' or 'copy'")
+        _check_range(self, "num_cpu_blocks", self.num_cpu_blocks >= 0, ">= 0")
+        if self.num_cpu_blocks and self.eviction_type != "copy":
+            raise ValueError(
+                "PytorchEngineConfig.num_cpu_blocks is host memory for eviction_type='copy'; with "
+                f"eviction_type={self.eviction_type!r} it would be unused."
+            )
         return _common_engine_args(
             self,
             model_path,
@@ -273,8 +271,19 @@ class PytorchEngineConfig:
             _device(self.device_type),
             num_gpu_blocks_override=self.num_gpu_blocks or None,
             enforce_eager=self.eager_mode,
+            **_eviction_kwargs(self.eviction_type, self.num_cpu_blocks),
             **_lora_kwargs(self.adapters),
         )
+
+
+def _eviction_kwargs(eviction_type: str, num_cpu_blocks: int) -> dict:
+    """eviction_type 'copy' swaps preempted requests' KV to host memory: num_cpu_blocks blocks, or
+    (0, "as the environment allows") vLLM's default 4 GiB of swap space per rank."""
+    if eviction_type != "copy":
+        return {}
+    if num_cpu_blocks:
+        return dict(preemption_mode="swap", num_cpu_blocks=num_cpu_blocks)
+    return dict(preemption_mode="swap", swap_space=4.0)
 
 
 def _lora_kwargs(adapters: dict[str, str] | None) -> dict:

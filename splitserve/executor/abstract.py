@@ -30,7 +30,11 @@ class Executor(ABC):
         """KV-cache blocks every rank can hold (the smallest of the ranks' answers)."""
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def determine_num_cpu_blocks(self) -> int:
+        """Host blocks for swapped-out KV every rank can hold (0: no swapping)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None: ...
 
     @abstractmethod
     def capture_cuda_graphs(self) -> None: ...

@@ -16,6 +16,7 @@ from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
+from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
@@ -68,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
         self.graph_runner: CUDAGraphRunner | None = None
+        self.swap: HostKVSwap | None = None  # host memory for swapped-out KV (preemption_mode "swap")
         self.lora_manager = self._lora_manager()
         self.use_cuda_graphs = self._use_cuda_graphs()
         self.num_steps = 0
@@ -127,6 +129,12 @@ class ModelRunner:
         useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         return min(budget // self.kv_bytes_per_block(), useful)
 
+    def determine_num_cpu_blocks(self) -> int:
+        cc = self.config.cache_config
+        if cc.num_cpu_blocks_override is not None:
+            return cc.num_cpu_blocks_override
+        return cc.swap_space_bytes // self.kv_bytes_per_block()
+
     def _allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per layer: the cache [2, heads, blocks, block_size, packed head_dim] and, when quantized,
         the scales; attached to the model's attention layers."""
@@ -145,10 +153,12 @@ class ModelRunner:
             layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
         return caches, scales
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Blocks 0..num_blocks-1 are the block manager's; with CUDA graphs one more is allocated,
-        block num_blocks, where padding rows write (see cuda_graph)."""
+        block num_blocks, where padding rows write (see cuda_graph). `num_cpu_blocks`: host blocks
+        that preempted requests' KV is swapped to (kv_swap.py)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
+        self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
         spec = self.kv_spec
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
@@ -235,6 +245,11 @@ class ModelRunner:
         """Queue one step's forward and sampling on the device and return without waiting for it.
         A request whose last token is still being sampled by `previous` (overlap scheduling) gets
         it from previous.sampled.token_ids on the device. collect() reads the result."""
+        if self.swap is not None:
+            self.swap.apply(step_input.swap_out, step_input.swap_in)
+        if not step_input.scheduled:  # a step that only moved blocks to or from host memory
+            self._update_states(step_input)
+            return InFlightStep([], [], ready=StepReady(self.device))
         batch = InputBatch.build(self._update_states(step_input), self.block_size)
         self.num_steps += 1
         if self.lora_manager is not None:

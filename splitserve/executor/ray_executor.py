@@ -164,8 +164,11 @@ class RayDistributedExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return min(self._call("determine_num_blocks"))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
+    def determine_num_cpu_blocks(self) -> int:
+        return min(self._call("determine_num_cpu_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self._call("initialize_kv_cache", num_blocks, num_cpu_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self._call("capture_cuda_graphs")

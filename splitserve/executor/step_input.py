@@ -51,6 +51,9 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_request_ids: list[str] = []  # forget these (finished, aborted) before this step
     # Structured output: each guided request's next-token bitmask (int32 words, bit set = allowed).
     grammar_bitmasks: dict[str, bytes] = {}
+    # Preemption by swapping, done before this step's forward: copies out first, then in.
+    swap_out: list[tuple[int, int]] = []  # (device block, host block)
+    swap_in: list[tuple[int, int]] = []  # (host block, device block)
 
     @property
     def total_num_tokens(self) -> int:

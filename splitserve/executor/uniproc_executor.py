@@ -20,8 +20,11 @@ class UniProcExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def determine_num_cpu_blocks(self) -> int:
+        return self.runner.determine_num_cpu_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()

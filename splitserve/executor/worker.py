@@ -55,6 +55,7 @@ REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
 # What a Call may run on a worker: nothing else is reachable through the message channel.
 _CALLS = (
     "determine_num_blocks",
+    "determine_num_cpu_blocks",
     "initialize_kv_cache",
     "capture_cuda_graphs",
     "ready",
@@ -129,8 +130,11 @@ class Worker:
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def determine_num_cpu_blocks(self) -> int:
+        return self.runner.determine_num_cpu_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()

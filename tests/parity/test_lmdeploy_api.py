@@ -308,7 +308,7 @@ def test_logprobs(pipe):
     [
         (PytorchEngineConfig(num_cpu_blocks=8), "num_cpu_blocks"),
         (PytorchEngineConfig(quant_policy=2), "quant_policy"),
-        (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
+        (PytorchEngineConfig(eviction_type="swap"), "eviction_type"),
         (PytorchEngineConfig(download_dir="/tmp/x"), "download_dir"),
         (PytorchEngineConfig(device_type="ascend"), "device_type"),
         (PytorchEngineConfig(prefill_interval=0), "prefill_interval"),
@@ -526,3 +526,11 @@ def test_deprecated_call_arguments_build_the_gen_config(pipe, llm):
 def test_model_format_llama_and_hf_read_the_checkpoint_as_it_is():
     for fmt in ("hf", "llama", None):
         assert TurbomindEngineConfig(model_format=fmt).to_engine_args("m").quantization is None
+
+
+def test_eviction_type_copy_swaps_to_host_blocks():
+    """eviction_type='copy': preempted requests' KV goes to num_cpu_blocks host blocks (0: 4 GiB)."""
+    args = PytorchEngineConfig(eviction_type="copy", num_cpu_blocks=32).to_engine_args("m")
+    assert args.preemption_mode == "swap" and args.num_cpu_blocks == 32
+    args = PytorchEngineConfig(eviction_type="copy").to_engine_args("m")
+    assert args.preemption_mode == "swap" and args.swap_space == 4.0

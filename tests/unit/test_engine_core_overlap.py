@@ -46,7 +46,10 @@ class FakeExecutor:
     def determine_num_blocks(self) -> int:
         return self.num_blocks
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def determine_num_cpu_blocks(self) -> int:
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         pass
 
     def capture_cuda_graphs(self) -> None:

@@ -466,3 +466,42 @@ def test_scheduler_delay_factor_holds_new_prompts_back_while_others_run():
     assert plan(step(sched)) == [("a", 1), ("b", 8)]  # 1.1 s > 1.0 s
     with pytest.raises(ValueError, match="scheduler_delay_factor"):
         SchedulerConfig(delay_factor=-1).verify()
+
+
+def test_swap_preemption_copies_blocks_out_and_back_before_waiting_requests():
+    """preemption_mode "swap": the preempted request's blocks go to host blocks (swap_out), it keeps
+    its computed tokens, and it comes back into fresh blocks (swap_in) before new requests."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, preemption_mode="swap")
+    config.verify()
+    sched = Scheduler(config, KVCacheManager(4, BS, True, num_cpu_blocks=4))
+    a = req("a", range(10, 17), max_tokens=3)
+    b = req("b", range(20, 27), max_tokens=3)
+    add(sched, a, b)
+    step(sched)
+    step(sched)
+    add(sched, req("c", [40], max_tokens=1))
+    out = step(sched)  # a needs a third block: b is swapped out
+    assert out.preempted == [b] and out.swap_out == [(2, 0), (3, 1)]
+    assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 8 and list(sched.swapped) == [b]
+    assert sched.kv.get_block_ids("b") == [] and [h.block_id for h in sched.kv.req_to_cpu_blocks["b"]] == [0, 1]
+    out = step(sched)  # a finished: b comes back first, into fresh blocks for its 8 tokens and 1 more; then c
+    assert plan(out) == [("b", 1), ("c", 1)] and out.swap_in == [(0, 2), (1, 3)]
+    assert sched.kv.cpu_pool.num_free_blocks == 4 and not sched.swapped
+    assert b.output_token_ids == [7, 7, 7] and b.is_finished()  # its third token, without recomputing
+    run_all(sched)
+    assert_all_blocks_free(sched)
+
+
+def test_swap_falls_back_to_recompute_when_host_blocks_run_out():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, preemption_mode="swap")
+    sched = Scheduler(config, KVCacheManager(4, BS, True, num_cpu_blocks=1))
+    a, b = req("a", range(10, 17), max_tokens=3), req("b", range(20, 27), max_tokens=3)
+    add(sched, a, b)
+    step(sched)
+    step(sched)
+    out = step(sched)
+    assert out.preempted == [b] and not out.swap_out and b.status == RequestStatus.PREEMPTED
+    run_all(sched)
+    assert_all_blocks_free(sched)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="copy").verify()
