@@ -312,6 +312,7 @@ class EngineCore:
             request_id=rid,
             new_token_ids=[request.output_token_ids[-1]],
             new_logprobs=result.logprobs.get(rid),
+            new_token_logprob=result.sampled_logprobs.get(rid),
             new_prompt_logprobs=result.prompt_logprobs.get(rid),
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

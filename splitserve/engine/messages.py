@@ -86,6 +86,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: TokenLogprobs | None = None
+    new_token_logprob: float | None = None  # the new token's logprob, also when no logprobs were asked for
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -155,6 +155,8 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             self._add_sample_logprobs(sample, out.new_logprobs)
+        elif out.new_token_logprob is not None:  # AIAK's cum_log_probs on every choice
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + out.new_token_logprob
         stopped_by_token = out.finish_reason == "stop"  # the core stops on eos / stop_token_ids only
         hit = None
         if sample.detokenizer is not None and not (stopped_by_token and not params.include_stop_str_in_output):

@@ -351,11 +351,12 @@ class ModelRunner:
 
     @staticmethod
     def _collect_samples(step: InFlightStep, out: ModelRunnerOutput) -> None:
-        tokens = step.host[0].tolist()
-        if len(step.host) > 1:
-            ids, lps, ranks = (t.tolist() for t in step.host[1:])
+        tokens, token_logprobs = step.host[0].tolist(), step.host[1].tolist()
+        if len(step.host) > 2:
+            ids, lps, ranks = (t.tolist() for t in step.host[2:])
         for i, (request_id, k) in enumerate(zip(step.request_ids, step.num_logprobs)):
             out.sampled[request_id] = tokens[i]
+            out.sampled_logprobs[request_id] = token_logprobs[i]
             if k is not None:
                 out.logprobs[request_id] = (ids[i][: k + 1], lps[i][: k + 1], ranks[i])
 
@@ -384,7 +385,9 @@ class ModelRunner:
 
 
 def _sampler_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:
-    """What the host reads of a sampler output: the tokens, then the logprob tensors if any."""
+    """What the host reads of a sampler output: the tokens and their logprobs, then the top-k
+    logprob tensors if any."""
+    tensors = [sampled.token_ids, sampled.sampled_logprobs]
     if sampled.logprobs is None:
-        return [sampled.token_ids]
-    return [sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks]
+        return tensors
+    return tensors + [sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks]

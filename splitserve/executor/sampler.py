@@ -41,6 +41,7 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [R]
+    sampled_logprobs: torch.Tensor | None = None  # [R] float32: each token's logprob under the raw logits
     # When logprobs were asked for: [R, 1 + k] ids and logprobs (sampled token first) and [R] ranks.
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -51,10 +52,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if _plain(meta) and kernels.sample_supported(logits):
             # Temperature (or greedy) only: one fused CPU pass per row, on the model-dtype logits.
-            return SamplerOutput(kernels.sample(logits, meta.temperature, _uniforms(logits, meta.generators)))
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
-        logits = apply_logit_processors(logits, meta)
+            return SamplerOutput(*kernels.sample(logits, meta.temperature, _uniforms(logits, meta.generators)))
+        raw = logits.float()
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if meta.max_num_logprobs is not None else None
+        logits = apply_logit_processors(raw, meta)
         greedy = logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, greedy, meta)
         out = SamplerOutput(tokens)
@@ -62,6 +63,9 @@ class Sampler:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
                 raw_logprobs, meta.max_num_logprobs, tokens
             )
+            out.sampled_logprobs = out.logprobs[:, 0]
+        else:
+            out.sampled_logprobs = raw.gather(-1, tokens[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
         return out
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

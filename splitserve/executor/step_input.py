@@ -64,6 +64,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What a step produced, by request id."""
 
     sampled: dict[str, int] = {}
+    sampled_logprobs: dict[str, float] = {}  # each sampled token's logprob (cumulative_logprob's terms)
     logprobs: dict[str, TokenLogprobs] = {}
     # Per request: logprobs of the prompt tokens this step scored (position p scores token p + 1).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}

@@ -228,8 +228,9 @@ def sample_supported(logits: torch.Tensor) -> bool:
     return _use_cpu_kernel(logits) and logits.dim() == 2 and logits.stride(-1) == 1
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R] token ids: argmax for rows with temperature < 1e-5, else the token where the cumulative
-    distribution of softmax(logits / temperature) first exceeds u (one uniform per row, [R]).
+    distribution of softmax(logits / temperature) first exceeds u (one uniform per row, [R]); and
+    [R] float32, each chosen token's logprob under softmax(logits) (the raw logits).
     CPU only (see sample_supported); the torch sampler does the same in five passes."""
     return cpu_ops().sample(logits, temperature.float().contiguous(), u.float().contiguous())

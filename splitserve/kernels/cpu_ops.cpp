@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -461,15 +462,27 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // temperature below 1e-5 takes its argmax (the first maximum). Any other row takes the first token
 // whose cumulative weight exceeds u * total, with weights exp((l - max) / temperature): sampling
 // from softmax(l / temperature) by inverting its distribution at u, as the torch sampler does
-// (its softmax + cumsum + searchsorted), in two passes over the row instead of five.
+// (its softmax + cumsum + searchsorted), in two passes over the row instead of five. logprobs [R]:
+// each chosen token's log-probability under softmax(l), the raw logits (what vLLM's logprobs and
+// cumulative_logprob report), for one more vectorised pass where the temperature is not 1.
 template <typename T>
-void sample_impl(at::Tensor& tokens, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+float row_exp_sum(const T* row, int64_t V, float mx) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < V; ++i) sum += fast_exp(static_cast<float>(row[i]) - mx);
+  return sum;
+}
+
+template <typename T>
+void sample_impl(at::Tensor& tokens, at::Tensor& logprobs, const at::Tensor& logits, const at::Tensor& temperature,
+                 const at::Tensor& u) {
   const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
   constexpr int64_t kChunk = 256;
   const T* lp = logits.data_ptr<T>();
   const float* tp = temperature.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
+  float* out_lp = logprobs.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(V), chunk_sums((V + kChunk - 1) / kChunk);
     for (int64_t r = begin; r < end; ++r) {
@@ -482,6 +495,7 @@ void sample_impl(at::Tensor& tokens, const at::Tensor& logits, const at::Tensor&
       }
       if (tp[r] < 1e-5f) {
         out[r] = best;
+        out_lp[r] = -std::log(row_exp_sum(row, V, mx));
         continue;
       }
       const float inv_t = 1.f / tp[r];
@@ -510,20 +524,24 @@ void sample_impl(at::Tensor& tokens, const at::Tensor& logits, const at::Tensor&
         }
       }
       out[r] = token;
+      const float raw_total = inv_t == 1.f ? total : row_exp_sum(row, V, mx);
+      out_lp[r] = (static_cast<float>(row[token]) - mx) - std::log(raw_total);
     }
   });
 }
 
-at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& temperature,
+                                          const at::Tensor& u) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [R, V] with unit stride");
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat &&
               temperature.is_contiguous() && u.is_contiguous() && temperature.numel() == logits.size(0) &&
               u.numel() == logits.size(0), "temperature and u must be [R] float32");
   at::Tensor tokens = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "sample", [&] {
-    sample_impl<scalar_t>(tokens, logits, temperature, u);
+    sample_impl<scalar_t>(tokens, logprobs, logits, temperature, u);
   });
-  return tokens;
+  return {tokens, logprobs};
 }
 
 }  // namespace
@@ -536,5 +554,5 @@ TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
-  m.def("sample(Tensor logits, Tensor temperature, Tensor u) -> Tensor", &sample);
+  m.def("sample(Tensor logits, Tensor temperature, Tensor u) -> (Tensor, Tensor)", &sample);
 }

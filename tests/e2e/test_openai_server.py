@@ -181,6 +181,7 @@ def test_vllm_extensions(server):
     choice = _post(server, "/v1/completions", body).json()["choices"][0]
     assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"]
     assert choice["prompt_logprobs"][0] is None and choice["sentence_length"] == len(choice["text"])  # characters
+    assert choice["cum_log_probs"] < 0  # AIAK's: on every choice, without asking for logprobs
     meta = _post(
         server,
         "/v1/completions",

@@ -215,18 +215,24 @@ def test_fused_sampling_matches_the_torch_sampler(ops, monkeypatch, dtype):
     temps = torch.tensor([0.0, 0.5, 1.0, 1.7] * 64)
     meta = SamplingMetadata(temperature=temps, all_greedy=False)
     torch.manual_seed(11)
-    fused = Sampler()(logits, meta).token_ids
+    fused_out = Sampler()(logits, meta)
     monkeypatch.setitem(kernels._state, "ops", None)
     torch.manual_seed(11)
-    reference = Sampler()(logits, meta).token_ids
+    reference_out = Sampler()(logits, meta)
+    fused, reference = fused_out.token_ids, reference_out.token_ids
     greedy = temps == 0
     assert torch.equal(fused[greedy], reference[greedy])
     assert (fused == reference).float().mean() >= 0.98
+    # Each token's logprob under the raw logits, whatever the temperature (cumulative_logprob's terms).
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, fused[:, None]).squeeze(1)
+    torch.testing.assert_close(fused_out.sampled_logprobs, expected, atol=2e-4, rtol=1e-4)
+    same = fused == reference
+    torch.testing.assert_close(reference_out.sampled_logprobs[same], expected[same], atol=1e-5, rtol=1e-5)
 
 
 def test_fused_sampling_follows_the_distribution(ops):
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
     logits = probs.log().expand(20000, 5).contiguous()  # the last token can never be drawn
-    tokens = kernels.sample(logits, torch.ones(20000), torch.rand(20000, generator=torch.Generator().manual_seed(0)))
+    tokens, _ = kernels.sample(logits, torch.ones(20000), torch.rand(20000, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(tokens, minlength=5).float() / 20000
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
