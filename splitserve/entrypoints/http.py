@@ -120,11 +120,55 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(chunks)
 
 
+# Limits of a JSON request body, besides its size (docs/serving.md, "Errors and limits").
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects
+MAX_JSON_ARRAY_ITEMS = 1 << 20  # items of one array (a prompt of token ids is one)
+MAX_JSON_OBJECT_KEYS = 1 << 16  # keys of one object
+MAX_JSON_STRING_CHARS = 4 << 20  # characters of one string
+
+
 def parse_json_object(data: bytes) -> dict:
+    """The body as a JSON object, within the limits above: deeper nesting is a 400, a longer array,
+    object or string a 413; invalid UTF-8 or JSON a 400."""
     try:
-        body = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"The request body is not valid UTF-8: {exc}") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise APIError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # deeper than the parser can go, far past MAX_JSON_DEPTH
+        raise _too_deep() from None
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
+    _check_json_limits(body)
     return body
+
+
+def _too_deep() -> APIError:
+    return APIError(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.")
+
+
+def _check_json_limits(body) -> None:
+    """Walk the parsed body without recursion, checking each limit."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if len(value) > MAX_JSON_STRING_CHARS:
+                raise APIError(f"A string of the request body is longer than {MAX_JSON_STRING_CHARS} characters.", 413)
+            continue
+        if isinstance(value, dict):
+            if len(value) > MAX_JSON_OBJECT_KEYS:
+                raise APIError(f"An object of the request body has more than {MAX_JSON_OBJECT_KEYS} keys.", 413)
+            children = [*value, *value.values()]  # the keys are strings too
+        elif isinstance(value, list):
+            if len(value) > MAX_JSON_ARRAY_ITEMS:
+                raise APIError(f"An array of the request body has more than {MAX_JSON_ARRAY_ITEMS} items.", 413)
+            children = value
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, str)))

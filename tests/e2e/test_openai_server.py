@@ -222,6 +222,26 @@ def test_completion_errors(server, body, status, param):
         assert error["param"] == param
 
 
+@pytest.mark.parametrize(
+    "data, status",
+    [
+        (b"[" * 10_000 + b"]" * 10_000, 400),
+        (b'{"prompt": "' + b"[" * 100 + b'"}', 200),  # brackets inside a string are text
+        (b'{"prompt": [' * 70 + b"1" + b"]}" * 70, 400),
+        (b'{"prompt": "\xff\xfe"}', 400),
+        (b'{"prompt": [' + b"1," * (1 << 20) + b"1]}", 413),
+    ],
+)
+def test_json_body_limits(server, data, status):
+    """docs/serving.md's body limits: hostile bodies get OpenAI's error body with a 4xx, never a 500."""
+    if status == 200:
+        data = data[:-1] + b', "max_tokens": 1}'
+    r = _post(server, "/v1/completions", data)
+    assert r.status_code == status, r.text[:300]
+    if status != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_chat_errors(server):
     tools = [{"type": "function", "function": {"name": "f"}}]
     # Without --enable-auto-tool-choice, tools default to tool_choice "none": plain text.

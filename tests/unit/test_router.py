@@ -675,6 +675,12 @@ def test_bad_bodies_are_refused_before_any_instance(cluster):
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
     r = server.client.post("/v1/completions", content=b"x" * (8 * 1024 * 1024 + 1))
     assert r.status_code == 413
+    # The server's limits, at the router too: a body nested 10,000 deep, one that is not UTF-8.
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"):
+        r = server.client.post(path, content=b"[" * 10_000 + b"]" * 10_000)
+        assert r.status_code == 400 and "deeper than 64" in r.json()["error"]["message"], (path, r.text)
+        r = server.client.post(path, content=b'{"prompt": "\xff"}')
+        assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], (path, r.text)
     assert p.bodies == [] and d.bodies == []
 
 

@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.disagg.policies import Upstream
-from splitserve.entrypoints.http import error_body, error_response, read_body, read_json_body
+from splitserve.entrypoints.http import error_body, error_response, parse_json_object, read_body, read_json_body
 from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES
 from splitserve.entrypoints.router.pool import UpstreamPool
 from splitserve.entrypoints.router.relay import (
@@ -264,6 +264,8 @@ class Router(UpstreamPool):
         """/v1/models, /tokenize, /detokenize, /version: any up decode instance answers them (all
         serve the same model); retried on another one on a connection error or 5xx."""
         data = await read_body(request) if method == "POST" else None
+        if data is not None:
+            parse_json_object(data)  # the same limits as the instances': refused here, as there
         content_type = request.headers.get("content-type") if method == "POST" else None
         reasons: list[str] = []
         for inst in self._attempts(DECODE, {}):
@@ -289,6 +291,7 @@ class Router(UpstreamPool):
         serve the same adapters, so the call goes to all of them. The answer is the first failure
         (naming the instance) or, when all agree, their answer."""
         data = await read_body(request)
+        parse_json_object(data)
         content_type = request.headers.get("content-type")
         answers = []
         for inst in self.all_instances():
