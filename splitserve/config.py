@@ -244,6 +244,7 @@ class EngineConfig:
     use_tqdm_on_load: bool = True
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     lora_config: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
+    health_timeout: float = 30.0  # a step running longer is reported by the engine's watchdog (the server's)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 _LIVENESS_CHECK_S = 1.0
 
 
+_PING_WAIT_S = 1.0  # how long a health check waits for an engine that has been silent
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -159,8 +162,9 @@ class AsyncLLM(FrontEnd):
 
     async def check_health(self, timeout: float) -> bool:
         """True when the engine process is alive and has spoken within `timeout` seconds, or answers
-        a ping within them. The engine answers between steps, so a long step delays a ping; hearing
-        from it recently is proof enough that it is not stuck."""
+        a ping at once. The engine speaks after every step and every half second when idle, so one
+        silent for `timeout` is stuck in a step (its watchdog logs where) unless a ping proves
+        otherwise within a second: /health turns 503 at most a second after `timeout` of silence."""
         self._start()
         if self.dead_reason is not None or not process_alive(self.engine_pid):
             return False
@@ -171,7 +175,7 @@ class AsyncLLM(FrontEnd):
         self._pings[nonce] = future
         try:
             await self._send(Ping(nonce))
-            await asyncio.wait_for(future, timeout)
+            await asyncio.wait_for(future, min(timeout, _PING_WAIT_S))
             return True
         except asyncio.TimeoutError:
             return False

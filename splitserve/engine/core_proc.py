@@ -32,6 +32,7 @@ from splitserve.engine.messages import (
     LoRACall,
     Ping,
 )
+from splitserve.engine.watchdog import StepWatchdog
 from splitserve.process_utils import exit_with_parent
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class EngineCoreProc:
         self.step_seconds = 0.0
         self.steps = 0
         self.last_log = time.monotonic()
+        self.watchdog = StepWatchdog(config.health_timeout, self._describe)
 
     def run(self) -> None:
         while True:
@@ -71,7 +73,7 @@ class EngineCoreProc:
                 self.core.executor.check_health()  # a rank that died while idle fails the engine now
             self.core.poll_connector()
             mid = time.perf_counter()
-            outputs = self.core.step_fn() if self.core.has_unfinished_requests() else []
+            outputs = self._step() if self.core.has_unfinished_requests() else []
             end = time.perf_counter()
             self._send(outputs, force_stats=busy and not self.core.has_unfinished_requests())
             self.ipc_seconds += (mid - start if busy else 0.0) + time.perf_counter() - end
@@ -79,6 +81,23 @@ class EngineCoreProc:
                 self.steps += 1
                 self.step_seconds += end - mid
             self._maybe_log()
+
+    def _step(self) -> list:
+        self.watchdog.begin()
+        try:
+            return self.core.step_fn()
+        finally:
+            self.watchdog.end()
+
+    def _describe(self) -> str:
+        """What the engine holds, for the watchdog's report (read from another thread: approximate)."""
+        sched = self.core.scheduler
+        running = [r.request_id for r in list(sched.running)[:8]]
+        return (
+            f"{len(sched.running) + len(sched.waiting)} request(s), {len(sched.running)} running "
+            f"(first: {', '.join(running) or 'none'}) and {len(sched.waiting)} waiting, "
+            f"KV cache {100 * self.core.kv_manager.usage:.0f}% used"
+        )
 
     # --- input ------------------------------------------------------------------------------
     def _drain(self, block: bool) -> None:

@@ -44,7 +44,9 @@ class RemoteServer:
         env: dict | None = None,
         port: int | None = None,
         startup_timeout: float = 180.0,
+        log_path: str | None = None,
     ):
+        """`log_path`: write the server's output there (default: this process's stdout and stderr)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if model is None:
@@ -52,8 +54,13 @@ class RemoteServer:
         else:
             cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--model", model, *args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        self._log = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True
+            cmd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log else None,
         )
         self._wait_healthy(startup_timeout)
 
@@ -83,6 +90,8 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> RemoteServer:
         return self

@@ -413,6 +413,35 @@ def test_engine_death_gives_503_not_a_hang(tiny_chat_model):
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
 
 
+def test_stuck_step_turns_health_to_503_and_is_logged(tiny_chat_model, tmp_path):
+    """A step that stops making progress (simulated: the engine loop sleeps 8 s in its first busy
+    step) turns /health to 503 within --health-timeout (plus the one-second ping), the engine's
+    watchdog logs what it holds and where it is; once the step returns, all is well again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    log = tmp_path / "server.log"
+    env = {"SPLITSERVE_FAULT_STEP_STALL_S": "8"}
+    with RemoteServer(tiny_chat_model, *COMMON, "--health-timeout", "2", env=env, log_path=str(log)) as s:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, headers=headers, timeout=60)
+            time.sleep(0.5)  # the request reaches the engine, whose step then stalls
+            start = time.monotonic()
+            statuses = []
+            while time.monotonic() - start < 5:
+                statuses.append((time.monotonic() - start, httpx.get(f"{s.url}/health", timeout=10).status_code))
+                if statuses[-1][1] == 503:
+                    break
+                time.sleep(0.2)
+            assert statuses[-1][1] == 503 and statuses[-1][0] <= 2 + 1 + 1, statuses
+            assert pending.result().status_code == 200  # the step returned: the request completes
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+    text = log.read_text()
+    assert "longer than the health timeout (2.0 s)" in text and "holds 1 request(s)" in text
+    assert "finished after" in text and "making progress again" in text
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_children_do_not_outlive_the_server(tiny_chat_model, sig):
     """SIGTERM to the server process alone (not its group, as systemd or `kill PID` send it) stops

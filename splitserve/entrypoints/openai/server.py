@@ -38,6 +38,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     from splitserve.entrypoints.openai.metrics import MULTIPROC_ENV
 
     config = engine_args.create_engine_config()
+    config.health_timeout = server_args.health_timeout
     multiproc_dir = None
     if server_args.workers > 1:
         # Must be set before any process imports prometheus_client.
