@@ -117,6 +117,7 @@ class SamplingParams:
 
         check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {self.n}.")
         check(self.best_of is None or self.best_of >= self.n, f"best_of must be >= n ({self.n}), got {self.best_of}.")
+        check(self.best_of is None or self.best_of <= MAX_N, f"best_of must be at most {MAX_N}, got {self.best_of}.")
         check(
             self.best_of is None or self.best_of == self.n or self.temperature > 0.0,
             "best_of > n needs sampling (temperature > 0): greedy samples are all alike.",

@@ -15,6 +15,7 @@ the prefix cache, so a step recomputes only each beam's newest token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +91,7 @@ class BeamSearch:
         width = self.params.beam_width
         full = len(self.finished) == width and self.params.early_stopping is True
         # A Python float divides the float32 score, as in transformers.
-        length = (self.cur_len + 1 - self.prompt_len) ** self.params.length_penalty
+        length = _power(self.cur_len + 1 - self.prompt_len, self.params.length_penalty)
         for ((beam, token, lp), score), ended in zip(top, ends):
             if not ended or full or not self.heuristic_unsatisfied:
                 continue
@@ -108,7 +109,7 @@ class BeamSearch:
             best_length = self.max_length - self.prompt_len
         else:
             best_length = self.cur_len - self.prompt_len
-        best = torch.tensor(self.live[0].score, dtype=torch.float32) / (best_length**lp)
+        best = torch.tensor(self.live[0].score, dtype=torch.float32) / _power(best_length, lp)
         worst = min(score for score, _ in self.finished)
         self.heuristic_unsatisfied = self.heuristic_unsatisfied and float(best) > worst
 
@@ -140,3 +141,11 @@ def step_params(search: BeamSearch):
     return SamplingParams(
         max_tokens=1, temperature=0.0, logprobs=search.candidates_per_beam, ignore_eos=True, detokenize=False
     )
+
+
+def _power(length: int, exponent: float) -> float:
+    """length ** exponent, infinite rather than an OverflowError for an extreme length_penalty."""
+    try:
+        return float(length) ** exponent
+    except (OverflowError, ZeroDivisionError):
+        return math.inf

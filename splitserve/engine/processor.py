@@ -58,6 +58,12 @@ class Processor:
                     f"Token id {token} in logit_bias/allowed_token_ids is outside the "
                     f"vocabulary (0..{self.vocab_size - 1})."
                 )
+        for token in params.stop_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"Token id {token} in stop_token_ids is outside the vocabulary (0..{self.vocab_size - 1}).",
+                    "stop_token_ids",
+                )
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words)

@@ -70,7 +70,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         is_greedy = meta.temperature < GREEDY_TEMPERATURE
-        temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
+        # (capped: an infinite temperature would turn a banned token's -inf into NaN)
+        temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature).clamp(max=1e30)
         logits = logits / temperature[:, None]
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         probs = torch.softmax(logits, dim=-1)

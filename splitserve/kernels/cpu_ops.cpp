@@ -498,7 +498,9 @@ void sample_impl(at::Tensor& tokens, at::Tensor& logprobs, const at::Tensor& log
         out_lp[r] = -std::log(row_exp_sum(row, V, mx));
         continue;
       }
-      const float inv_t = 1.f / tp[r];
+      // A temperature so high that 1/t underflows would turn a banned token's -inf into NaN: keep
+      // 1/t positive, so that banned tokens weigh 0 and the others all but the same.
+      const float inv_t = std::max(1.f / tp[r], 1e-30f);
       float total = 0.f;
       for (int64_t c = 0; c * kChunk < V; ++c) {
         const int64_t lo = c * kChunk, hi = std::min(V, lo + kChunk);

@@ -236,3 +236,20 @@ def test_fused_sampling_follows_the_distribution(ops):
     tokens, _ = kernels.sample(logits, torch.ones(20000), torch.rand(20000, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(tokens, minlength=5).float() / 20000
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1e30, float("inf")])
+def test_sampling_at_an_enormous_temperature_never_picks_a_banned_token(ops, monkeypatch, temperature):
+    """Found by schemathesis: temperature 1.5e308 (inf in float32) made banned (-inf) tokens NaN, and
+    a guided request sampled a token outside its grammar. Both samplers keep banned tokens out."""
+    from splitserve.executor.sampler import Sampler, SamplingMetadata
+
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(3))
+    logits[:, ::2] = float("-inf")  # the even tokens are banned
+    meta = SamplingMetadata(temperature=torch.full((64,), temperature), all_greedy=False)
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setitem(kernels._state, "ops", None)
+        out = Sampler()(logits, meta)
+        assert torch.all(out.token_ids % 2 == 1), fused
+        assert torch.all(torch.isfinite(out.sampled_logprobs)), fused

@@ -281,6 +281,8 @@ def test_best_of():
     assert completion(n=2, best_of=5, temperature=0.8).to_sampling_params(16).best_of == 5
     assert rejected(completion, n=3, best_of=2)[1] == "best_of"
     assert "greedy" in rejected(completion, n=1, best_of=3, temperature=0)[0]
+    # Found by schemathesis: best_of=123897109 hung the server while it made the samples.
+    assert "less than or equal to 128" in rejected(completion, n=1, best_of=123897109, temperature=0.8)[0]
     assert rejected(chat, n=1, best_of=3, temperature=1.0, stream=True)[1] == "best_of"
 
 
@@ -570,3 +572,12 @@ def test_model_list():
         "owned_by": "splitserve",
         "max_model_len": 2048,
     }
+
+
+@pytest.mark.parametrize(
+    "field, bad", [("stop_token_ids", [1, 2**70]), ("prompt", [[1, 2**70]]), ("top_k", -(2**63) - 1)]
+)
+def test_integers_past_64_bits_are_refused_by_name(field, bad):
+    """Found by schemathesis: such integers could not be sent to the engine (a 500)."""
+    message, param = rejected(completion, **{field: bad})
+    assert param == field and "64-bit" in message

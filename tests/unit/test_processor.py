@@ -96,6 +96,15 @@ def test_params_are_completed_on_a_copy(processor):
     assert processor.process_params(SamplingParams(ignore_eos=True)).stop_token_ids == []
 
 
+@pytest.mark.parametrize("bad", [-292336, VOCAB])
+def test_stop_token_ids_must_be_in_the_vocabulary(processor, bad):
+    """Found by schemathesis: a negative stop token id reached a guided request's grammar matcher and
+    killed the engine."""
+    with pytest.raises(InvalidRequestError) as info:
+        processor.process_params(SamplingParams(stop_token_ids=[3, bad]))
+    assert info.value.param == "stop_token_ids" and str(bad) in str(info.value)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(logit_bias={VOCAB: 1.0}), SamplingParams(allowed_token_ids=[VOCAB])])
 def test_token_ids_in_params_must_be_in_the_vocabulary(processor, params):
     error = refused(processor.process_params, params)

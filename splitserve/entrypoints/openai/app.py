@@ -12,6 +12,7 @@ from splitserve import __version__
 from splitserve.config import EngineConfig
 from splitserve.engine.async_llm import AsyncLLM
 from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, install_error_handlers, read_json_body
+from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -20,7 +21,7 @@ from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokeniza
 
 logger = logging.getLogger("splitserve.api_server")
 
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no key needed
 
 
 def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 0) -> FastAPI:
@@ -90,6 +91,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         body, content_type = render_metrics()
         return Response(body, media_type=content_type)
 
+    document_routes(app)
     # /metrics is open to Prometheus unless it has a key of its own.
     app.add_middleware(
         ApiKeyMiddleware,

@@ -11,14 +11,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from splitserve.entrypoints.openai.request_model import ParameterError, RequestModel
-from splitserve.sampling_params import BeamSearchParams
+from splitserve.sampling_params import MAX_N, BeamSearchParams
 
 
 class BeamSearchRequestFields(RequestModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
     def _check_beam_search(self) -> BeamSearchRequestFields:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from splitserve.entrypoints.openai.request_model import RequestModel
 
@@ -52,6 +52,17 @@ class ToolCallParam(RequestModel):
 class ChatMessageParam(RequestModel):
     """One message of a conversation. An assistant message may carry the tool calls it made (and no
     content); a tool message answers one of them by `tool_call_id`."""
+
+    # In the OpenAPI document: content is required, unless an assistant message gives tool_calls.
+    model_config = ConfigDict(
+        **RequestModel.model_config,
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"}}},
+            ]
+        },
+    )
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     tool_calls: list[ToolCallParam] | None = None  # before content: content's check reads it

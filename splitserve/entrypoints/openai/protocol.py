@@ -12,14 +12,21 @@ of a 400 body.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from splitserve.entrypoints.openai.beam_fields import BeamSearchRequestFields
 from splitserve.entrypoints.openai.chat_messages import ChatCompletionTool, ChatMessageParam, NamedToolChoice
 from splitserve.entrypoints.openai.guided import GuidedRequestFields
-from splitserve.entrypoints.openai.request_model import ParameterError, RequestModel, is_token_id
+from splitserve.entrypoints.openai.request_model import (
+    PROMPT_SCHEMA,
+    SOME_TOKEN_IDS_SCHEMA,
+    TOKEN_IDS_SCHEMA,
+    ParameterError,
+    RequestModel,
+    is_token_id,
+)
 from splitserve.entrypoints.openai.unsupported_params import refuse_unsupported
 from splitserve.sampling_params import MAX_N, SamplingParams
 
@@ -69,7 +76,7 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     n: int = Field(1, ge=1, le=MAX_N)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], TOKEN_IDS_SCHEMA] | None = None
     include_stop_str_in_output: bool = False
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -84,7 +91,7 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: Annotated[list[int], SOME_TOKEN_IDS_SCHEMA] | None = None
     return_token_ids: bool = False
     echo: bool = False
     user: str | None = None
@@ -182,7 +189,7 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `max_tokens` defaults to 16 as in OpenAI; an explicit null means "up to
     the context length" (`to_sampling_params`'s `default_max_tokens`)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT_SCHEMA]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

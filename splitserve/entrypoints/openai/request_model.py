@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, WithJsonSchema, model_validator
 from pydantic.fields import FieldInfo
 
 
@@ -26,6 +26,25 @@ def _accepts_none(field: FieldInfo) -> bool:
 def is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
+
+# JSON schemas the OpenAPI document shows for fields whose checks are written by hand (so that a bad
+# value gets one clear message): what a valid value looks like, for clients and fuzzers.
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+TOKEN_IDS_SCHEMA = WithJsonSchema({"type": "array", "items": TOKEN_ID_SCHEMA})
+SOME_TOKEN_IDS_SCHEMA = WithJsonSchema({"type": "array", "minItems": 1, "items": TOKEN_ID_SCHEMA})
+TEXT_OR_TOKEN_IDS_SCHEMA = WithJsonSchema(
+    {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": TOKEN_ID_SCHEMA}]}
+)
+PROMPT_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": TOKEN_ID_SCHEMA},
+            {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": TOKEN_ID_SCHEMA}},
+        ]
+    }
+)
 
 STRICT_FIELDS = "strict_fields"  # validation context: refuse unknown fields instead of ignoring them
 IGNORED_FIELDS = "ignored_fields"  # validation context: a list that collects the unknown fields ignored
@@ -50,7 +69,23 @@ class RequestModel(BaseModel):
         unknown = [k for k in data if k not in fields]
         if unknown:
             _unknown_fields(unknown, info.context or {})
+        for key, value in data.items():
+            if key in fields and _has_huge_int(value):
+                raise ParameterError(key, f"{key}: an integer outside the 64-bit range.")
         return {k: v for k, v in data.items() if k in fields and (v is not None or _accepts_none(fields[k]))}
+
+
+_INT64 = 1 << 63
+
+
+def _has_huge_int(value: Any, depth: int = 0) -> bool:
+    """An integer, or a list (of lists) of integers, that no engine field holds (JSON allows any
+    size; the engine's messages do not). Nested objects are checked by their own models."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -_INT64 <= value < _INT64
+    if isinstance(value, list) and depth < 2:
+        return any(_has_huge_int(item, depth + 1) for item in value)
+    return False
 
 
 def _unknown_fields(names: list[str], context: dict) -> None:

@@ -19,6 +19,12 @@ from pydantic import BaseModel, Field
 from splitserve.entrypoints.openai.tool_parsers import DeltaToolCall, ToolCall
 from splitserve.outputs import Logprob
 
+MIN_LOGPROB = -9999.0  # what a token the sampler could not pick (-inf) reports, as vLLM does: JSON has no -inf
+
+
+def finite_logprob(value: float | None) -> float | None:
+    return None if value is None else max(value, MIN_LOGPROB)
+
 
 def random_id(prefix: str) -> str:
     """A fresh response id such as "cmpl-<32 hex digits>"; stream chunks of one request share one."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from splitserve import __version__
@@ -366,8 +366,9 @@ def sse_event(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-def json_response(model: BaseModel) -> JSONResponse:
-    return JSONResponse(model.model_dump(mode="json"))
+def json_response(model: BaseModel) -> Response:
+    """The model as JSON; a NaN or infinity left anywhere becomes null rather than a 500."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:

@@ -22,6 +22,7 @@ from splitserve.entrypoints.openai.response_models import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
+    finite_logprob,
     random_id,
 )
 from splitserve.entrypoints.openai.serving_base import (
@@ -142,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=plan.finish_reason(c.finish_reason, called),
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if req.return_token_ids else None,
-                    cum_log_probs=c.cumulative_logprob,
+                    cum_log_probs=finite_logprob(c.cumulative_logprob),
                     sentence_length=len(echo + c.text),  # characters, as AIAK counts them
                 )
             )
@@ -260,4 +261,4 @@ class OpenAIServingChat(OpenAIServing):
 
 def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:
     token = lp.decoded_token or ""
-    return ChatCompletionLogProb(token=token, logprob=lp.logprob, bytes=list(token.encode()))
+    return ChatCompletionLogProb(token=token, logprob=finite_logprob(lp.logprob), bytes=list(token.encode()))

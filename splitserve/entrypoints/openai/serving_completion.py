@@ -16,6 +16,7 @@ from splitserve.entrypoints.openai.response_models import (
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    finite_logprob,
     random_id,
 )
 from splitserve.entrypoints.openai.serving_base import (
@@ -76,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_logprobs=output.prompt_logprobs if req.prompt_logprobs is not None else None,
                         token_ids=c.token_ids if req.return_token_ids else None,
                         prompt_token_ids=request.prompt_token_ids if req.return_token_ids else None,
-                        cum_log_probs=c.cumulative_logprob,
+                        cum_log_probs=finite_logprob(c.cumulative_logprob),
                         sentence_length=len(text),  # characters, as AIAK counts them
                     )
                 )
@@ -105,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
             result.text_offset.append(offset)
             offset += len(text)
             result.tokens.append(text)
-            result.token_logprobs.append(None if entry is None else entry[token_id].logprob)
+            result.token_logprobs.append(None if entry is None else finite_logprob(entry[token_id].logprob))
             result.top_logprobs.append(None if entry is None else _top(entry, top_n))
         return result
 
@@ -143,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=c.stop_reason,
                         token_ids=c.token_ids if req.return_token_ids else None,
                         prompt_token_ids=requests[i].prompt_token_ids if req.return_token_ids and first else None,
-                        cum_log_probs=c.cumulative_logprob if state.finished else None,
+                        cum_log_probs=finite_logprob(c.cumulative_logprob) if state.finished else None,
                         sentence_length=len(state.text) if state.finished else None,
                         arrival_time=time.monotonic() - arrival,
                     )
@@ -178,4 +179,4 @@ def _engine_prompt(prompt: str | list[int]) -> PromptType:
 
 
 def _top(entry: dict[int, Logprob], n: int) -> dict[str, float]:
-    return {lp.decoded_token or "": lp.logprob for lp in ranked_logprobs(entry, n)}
+    return {lp.decoded_token or "": finite_logprob(lp.logprob) for lp in ranked_logprobs(entry, n)}

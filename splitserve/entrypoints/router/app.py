@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve import __version__
 from splitserve.entrypoints.http import APIError, ApiKeyMiddleware, install_error_handlers
+from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
 from splitserve.entrypoints.router.router import Router
 
@@ -54,8 +55,13 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def metrics():
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    document_routes(app)
     if config.api_key:  # load balancers and Prometheus need no key
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=("/health", "/metrics"))
+        app.add_middleware(
+            ApiKeyMiddleware,
+            api_key=config.api_key,
+            open_paths=("/health", "/metrics", "/openapi.json", "/docs", "/redoc"),
+        )
     return app
 
 
