@@ -56,20 +56,27 @@ def split_devices(count: int, devices_per_instance: int = 1) -> list[dict[str, s
 
 
 def device_env(device_ids: list[int]) -> dict[str, str]:
-    """The rank table's device ids for this instance: CUDA devices on NVIDIA machines, CPU cores
-    otherwise (ids that are not cores of this machine are refused)."""
+    """The rank table's device ids for this instance: CUDA devices on NVIDIA machines; on CPU
+    machines, cores. Ids that are all cores of this machine name those cores; otherwise they are
+    slots, mapped onto the cores that exist in order: id i takes core number i mod (number of cores)
+    (so the guide's devices 4,5 and 6,7 run on a 2-core machine, sharing its cores), with one warning."""
     import torch
 
     if torch.cuda.is_available():
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, device_ids))}
-    cores = os.sched_getaffinity(0)
-    missing = sorted(set(device_ids) - cores)
-    if missing:
-        raise ValueError(
-            f"The rank table gives this instance devices {device_ids}, but {missing} are not CPU cores "
-            f"of this machine (it has {sorted(cores)}); on CPU machines device ids name cores."
-        )
-    return {CPU_CORES_ENV: ",".join(map(str, device_ids))}
+    cores = sorted(os.sched_getaffinity(0))
+    if set(device_ids) <= set(cores):
+        return {CPU_CORES_ENV: ",".join(map(str, device_ids))}
+    mapped = [cores[i % len(cores)] for i in device_ids]
+    logger.warning(
+        "Rank table devices %s are not all CPU cores of this machine (it has %s): as slots they run on cores %s "
+        "(device id mod %d)",
+        device_ids,
+        cores,
+        mapped,
+        len(cores),
+    )
+    return {CPU_CORES_ENV: ",".join(map(str, mapped))}
 
 
 @dataclasses.dataclass

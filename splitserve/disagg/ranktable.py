@@ -24,12 +24,10 @@ A table that breaks a rule is refused with a RankTableError (a ValueError) whose
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
 import re
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,10 +195,43 @@ def _instance_from_json(obj: Mapping, where: str, source: str) -> RankTableServe
     )
 
 
-def ranktable_from_json(obj: object, source: str = "") -> RankTable:
-    """The typed table of parsed JSON; only the shape is checked here, the rules by validate_ranktable."""
+@dataclass
+class LocalRankTable:
+    """A local table in the deployment guide's shape: one instance (or the scheduler) at the top level,
+    {"version", "status", "group_id": "0", "server_count": "1", "server_list": [server]}; the global
+    table says which role it has."""
+
+    version: str
+    status: str
+    server: RankTableServer
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "status": self.status,
+            "group_id": "0",
+            "server_count": "1",
+            "server_list": [self.server.to_json()],
+        }
+
+
+def local_ranktable(server: RankTableServer) -> LocalRankTable:
+    return LocalRankTable(VERSION, STATUS, server)
+
+
+def ranktable_from_json(obj: object, source: str = "") -> RankTable | LocalRankTable:
+    """The typed table of parsed JSON; only the shape is checked here, the rules by validate_ranktable.
+    A table with a top-level server_list is a local table in the guide's shape (LocalRankTable)."""
     if not isinstance(obj, Mapping):
         raise RankTableError("format", "a rank table must be a JSON object", source)
+    if "server_list" in obj and "server_group_list" not in obj:
+        servers = _expect(obj, "server_list", list, "table", source)
+        if _number(obj, "server_count", "table", source) != len(servers) or len(servers) != 1:
+            raise RankTableError("local-shape", f"a local table holds one server, this one {len(servers)}", source)
+        version, status = obj.get("version", ""), obj.get("status", "")
+        if not (isinstance(version, str) and version and isinstance(status, str) and status):
+            raise RankTableError("version-status", "version and status must both be present and non-empty", source)
+        return LocalRankTable(version, status, _instance_from_json(servers[0], "server_list[0]", source))
     groups = []
     for i, g in enumerate(_expect(obj, "server_group_list", list, "table", source)):
         where = f"server_group_list[{i}]"
@@ -218,7 +249,7 @@ def ranktable_from_json(obj: object, source: str = "") -> RankTable:
     return RankTable(version, status, groups)
 
 
-def load_ranktable(path: str | os.PathLike, *, complete: bool = False) -> RankTable:
+def load_ranktable(path: str | os.PathLike, *, complete: bool = False) -> RankTable | LocalRankTable:
     """Read and validate a table; complete=True for a global table that a deployment will run from."""
     source = str(path)
     try:
@@ -226,11 +257,14 @@ def load_ranktable(path: str | os.PathLike, *, complete: bool = False) -> RankTa
     except json.JSONDecodeError as exc:
         raise RankTableError("format", f"not JSON: {exc}", source) from exc
     table = ranktable_from_json(obj, source)
-    validate_ranktable(table, complete=complete, source=source)
+    if isinstance(table, RankTable):
+        validate_ranktable(table, complete=complete, source=source)
+    elif complete:
+        raise RankTableError("groups", "a local table where the global table was expected", source)
     return table
 
 
-def write_ranktable(table: RankTable, path: str | os.PathLike) -> Path:
+def write_ranktable(table: RankTable | LocalRankTable, path: str | os.PathLike) -> Path:
     """Write the table as indented JSON and return the path, creating its directory when missing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +320,18 @@ def validate_local_ranktable(
     local: RankTable, global_table: RankTable, source: str = ""
 ) -> tuple[str, RankTableServer]:
     """(group id, instance) that a local table describes, after checking that the global table has it in the
-    same group; for the host table the group is "0" and the instance the scheduler."""
+    same group; for the host table the group is "0" and the instance the scheduler. A local table in the
+    guide's shape (LocalRankTable) takes the group of the global table that holds its server."""
+    if isinstance(local, LocalRankTable):
+        entry = local.server
+        groups = [g.group_id for g in global_table.server_group_list if entry.key in {s.key for s in g.server_list}]
+        if not groups:
+            raise RankTableError(
+                "local-in-global",
+                f"the server {entry.server_ip} with devices {entry.device_ids} is in no group of the global table",
+                source,
+            )
+        return groups[0], entry
     validate_ranktable(local, complete=False, source=source)
     scheduler = local.group(SCHEDULER_GROUP).server_list
     entries = scheduler + [inst for _, inst in local.instances()]
@@ -302,87 +347,3 @@ def validate_local_ranktable(
             source,
         )
     return gid, entry
-
-
-def parse_server_list(text: str | None) -> list[list[int]]:
-    """The device ids of each instance: "4,5" is one instance of two devices, "0;1" two of one; empty: none."""
-    text = (text or "").strip()
-    if not text:
-        return []
-    instances = []
-    for part in text.split(";"):
-        ids = [s.strip() for s in part.split(",")]
-        if not all(_NUMBER.fullmatch(s) for s in ids):
-            raise ValueError(
-                f"bad device list {part!r} in {text!r}: expected comma-separated device ids "
-                f"(non-negative integers), instances separated by ';'"
-            )
-        instances.append([int(s) for s in ids])
-    return instances
-
-
-def default_server_ip() -> str:
-    """This machine's address as its hostname resolves (what other machines would use), or 127.0.0.1 when the
-    hostname does not resolve to an IPv4 address. A loopback result (Debian maps the hostname to 127.0.1.1)
-    is kept but warned about: other machines cannot reach it, so pass --server-ip for a multi-machine table."""
-    try:
-        ip = socket.gethostbyname(socket.gethostname())
-        if ipaddress.ip_address(ip).is_loopback:
-            logger.warning(
-                "this machine's hostname resolves to %s, a loopback address; "
-                "pass --server-ip for a table that other machines use",
-                ip,
-            )
-        return ip
-    except (OSError, ValueError):
-        return "127.0.0.1"
-
-
-def _instance(server_ip: str, device_ids: Sequence[int]) -> RankTableServer:
-    return RankTableServer(server_ip, server_ip, [Device(d, server_ip, rank) for rank, d in enumerate(device_ids)])
-
-
-def generate_ranktables(
-    server_ip: str, prefill: Sequence[Sequence[int]], decode: Sequence[Sequence[int]], api_server: bool
-) -> dict[str, RankTable]:
-    """File name -> table for one machine: its part of the global table, one local table per instance, and
-    the host table with api_server. Refuses a bad IP, no instance and no api server, a device used twice and
-    two instances whose file names would collide (device ids 1,23 and 12,3 both give "123")."""
-    try:
-        ipaddress.ip_address(server_ip)
-    except ValueError as exc:
-        raise ValueError(f"--server-ip {server_ip!r} is not an IP address") from exc
-    if not (prefill or decode or api_server):
-        raise ValueError("nothing to generate: give --prefill-server-list, --decode-server-list or --api-server")
-    scheduler = [RankTableServer(server_ip, server_ip)] if api_server else []
-    roles = {
-        PREFILL_GROUP: [_instance(server_ip, ids) for ids in prefill],
-        DECODE_GROUP: [_instance(server_ip, ids) for ids in decode],
-    }
-    part = make_ranktable(scheduler, roles[PREFILL_GROUP], roles[DECODE_GROUP])
-    validate_ranktable(part, complete=False)
-    tables = {f"global_ranktable_{server_ip}.json": part}
-    if api_server:
-        tables[f"local_ranktable_{server_ip}_host.json"] = make_ranktable(scheduler)
-    for gid, inst in part.instances():
-        name = f"local_ranktable_{server_ip}_{''.join(map(str, inst.device_ids))}.json"
-        if name in tables:
-            raise ValueError(f"two instances on {server_ip} would both write {name}; renumber their devices")
-        tables[name] = make_ranktable(
-            prefill=[inst] if gid == PREFILL_GROUP else [], decode=[inst] if gid == DECODE_GROUP else []
-        )
-    return tables
-
-
-def merge_ranktables(tables: Sequence[RankTable], source: str = "") -> RankTable:
-    """One global table from the machines' parts: each group's servers concatenated in the given order, counts
-    recomputed, then validated as complete."""
-    if not tables:
-        raise ValueError("no rank table to merge")
-    versions = {t.version for t in tables}
-    if len(versions) > 1:
-        raise RankTableError("version-status", f"the tables have different versions {sorted(versions)}", source)
-    merged = make_ranktable(*([inst for t in tables for inst in t.group(gid).server_list] for gid in GROUP_IDS))
-    merged.version = tables[0].version
-    validate_ranktable(merged, complete=True, source=source)
-    return merged

@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_arguments(pdb)
     pdb.set_defaults(func=lambda ns: pd.main(ns))
 
-    rt = sub.add_parser("ranktable", help="rank tables of a prefill/decode disaggregated deployment")
+    rt = sub.add_parser(
+        "ranktable",
+        help="rank tables of a prefill/decode disaggregated deployment (also spelled `--mode gen|merge`)",
+    )
     rt_sub = rt.add_subparsers(dest="ranktable_command", required=True)
     from splitserve.entrypoints import ranktable_cli
 
@@ -125,9 +128,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mode_as_subcommand(argv: list[str]) -> list[str]:
+    """`ranktable --mode gen|merge ...`, as the deployment guide's pd_ranktable_tools.py is called, is
+    `ranktable gen|merge ...`."""
+    if argv[:1] != ["ranktable"]:
+        return argv
+    rest = argv[1:]
+    for i, word in enumerate(rest):
+        if word == "--mode" and i + 1 < len(rest):
+            return ["ranktable", rest[i + 1], *rest[:i], *rest[i + 2 :]]
+        if word.startswith("--mode="):
+            return ["ranktable", word.split("=", 1)[1], *rest[:i], *rest[i + 1 :]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(_mode_as_subcommand(list(sys.argv[1:] if argv is None else argv)))
     try:
         ns.func(ns)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -6,27 +6,26 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from splitserve.disagg.ranktable import (
-    MERGED_FILE_NAME,
+from splitserve.disagg.ranktable import MERGED_FILE_NAME, load_ranktable, write_ranktable
+from splitserve.disagg.ranktable_tools import (
     default_server_ip,
     generate_ranktables,
-    load_ranktable,
     merge_ranktables,
     parse_server_list,
-    write_ranktable,
 )
 
 
 def add_gen_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-server-list",
-        default="",
+        nargs="*",
+        default=[],
         help="device ids of this machine's prefill instances: comma-separated within an instance, "
-        "';' between instances (e.g. '4,5' or '0;1'); empty: none",
+        "instances separated by spaces (e.g. '4,5 6,7' is two instances; ';' also separates); none: no prefill",
     )
-    parser.add_argument("--decode-server-list", default="", help="the same for the decode instances")
+    parser.add_argument("--decode-server-list", nargs="*", default=[], help="the same for the decode instances")
     parser.add_argument("--api-server", action="store_true", help="this machine also runs the router (group 0)")
-    parser.add_argument("--save-dir", required=True, help="directory for the tables (created if missing)")
+    parser.add_argument("--save-dir", default=".", help="directory for the tables (created if missing; default: .)")
     parser.add_argument(
         "--server-ip",
         default=None,
@@ -56,7 +55,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="the machines' global_ranktable_<ip>.json files, in the order their instances take",
     )
-    parser.add_argument("--save-dir", required=True, help=f"directory for {MERGED_FILE_NAME} (created if missing)")
+    parser.add_argument(
+        "--save-dir", default=".", help=f"directory for {MERGED_FILE_NAME} (created if missing; default: .)"
+    )
 
 
 def merge_main(ns: argparse.Namespace) -> Path:

@@ -12,12 +12,11 @@ import pytest
 from splitserve.disagg.environment import PDLaunch, parse_node_ports, resolve_pd_environment
 from splitserve.disagg.ranktable import (
     RankTableError,
-    generate_ranktables,
     load_ranktable,
-    parse_server_list,
     ranktable_from_json,
     validate_local_ranktable,
 )
+from splitserve.disagg.ranktable_tools import generate_ranktables, parse_server_list
 from splitserve.entrypoints.cli import main
 
 IP = "10.0.0.1"
@@ -60,6 +59,11 @@ def write(path, obj) -> str:
     return str(path)
 
 
+def local(server: dict) -> dict:
+    """A local rank table in the deployment guide's shape: the one server at the top level."""
+    return {"version": "1.0", "status": "completed", "group_id": "0", "server_count": "1", "server_list": [server]}
+
+
 def read(path) -> dict:
     return json.loads(path.read_text())
 
@@ -92,9 +96,9 @@ def test_gen_specification_example(tmp_path, capsys):
     out = tmp_path / "save_dir"
     expected = {
         f"global_ranktable_{IP}.json": SPEC_GLOBAL,
-        f"local_ranktable_{IP}_host.json": table(scheduler=[SCHEDULER]),
-        f"local_ranktable_{IP}_45.json": table(prefill=[PREFILL_45]),
-        f"local_ranktable_{IP}_67.json": table(decode=[DECODE_67]),
+        f"local_ranktable_{IP}_host.json": local(SCHEDULER),
+        f"local_ranktable_{IP}_45.json": local(PREFILL_45),
+        f"local_ranktable_{IP}_67.json": local(DECODE_67),
     }
     assert sorted(p.name for p in out.iterdir()) == sorted(expected)
     for name, obj in expected.items():
@@ -110,7 +114,7 @@ def test_gen_several_instances_per_role_and_no_api_server(tmp_path):
             "--prefill-server-list",
             "0;1",
             "--decode-server-list",
-            " 2, 3 ",
+            "2,3",
             "--server-ip",
             IP,
             "--save-dir",
@@ -129,7 +133,7 @@ def test_gen_several_instances_per_role_and_no_api_server(tmp_path):
     assert [g["server_count"] for g in part["server_group_list"]] == ["0", "2", "1"]
     prefill = part["server_group_list"][1]["server_list"]
     assert [[d["device_id"] for d in s["device"]] for s in prefill] == [["0"], ["1"]]
-    assert read(tmp_path / f"local_ranktable_{IP}_23.json")["server_group_list"][2]["server_list"][0]["device"] == [
+    assert read(tmp_path / f"local_ranktable_{IP}_23.json")["server_list"][0]["device"] == [
         {"device_id": "2", "device_ip": IP, "rank_id": "0"},
         {"device_id": "3", "device_ip": IP, "rank_id": "1"},
     ]
@@ -138,8 +142,10 @@ def test_gen_several_instances_per_role_and_no_api_server(tmp_path):
 def test_parse_server_list():
     assert parse_server_list("4,5") == [[4, 5]]
     assert parse_server_list("0;1") == [[0], [1]]
-    assert parse_server_list("") == [] and parse_server_list(None) == []
-    for bad in ("a", "4,,5", "4;", "-1", "4.5", "04"):
+    # As the deployment guide writes them: instances separated by spaces, in one word or several.
+    assert parse_server_list("4,5 6,7") == parse_server_list(["4,5", "6,7"]) == [[4, 5], [6, 7]]
+    assert parse_server_list("") == [] and parse_server_list(None) == [] and parse_server_list([]) == []
+    for bad in ("a", "4,,5", "4,", "-1", "4.5", "04"):
         with pytest.raises(ValueError, match="bad device list"):
             parse_server_list(bad)
 
@@ -443,3 +449,55 @@ def test_serve_starts_the_router_of_the_rank_table(tmp_path, monkeypatch):
         config, port = started[-1]
         assert port == 9100 and config.openai_api is openai_api
         assert config.decode_urls == ["http://10.0.0.2:9000"]
+
+
+# ---------------------------------------------------------------- the deployment guide's spellings
+def test_mode_spelling_and_default_save_dir(tmp_path, monkeypatch):
+    """`ranktable --mode gen|merge` as pd_ranktable_tools.py is called; instances separated by spaces;
+    --save-dir defaults to the current directory; local tables in the guide's shape."""
+    monkeypatch.chdir(tmp_path)
+    main(["ranktable", "--mode", "gen", "--prefill-server-list", "4,5", "0,1", "--decode-server-list", "6,7"])
+    main(["ranktable", "--server-ip", IP, "--mode=gen", "--api-server"])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert f"local_ranktable_{IP}_host.json" in names and len([n for n in names if n.endswith("_01.json")]) == 1
+    table_45 = next(tmp_path.glob("local_ranktable_*_45.json"))
+    assert read(table_45)["group_id"] == "0" and len(read(table_45)["server_list"]) == 1
+    glob = next(p for p in tmp_path.glob("global_ranktable_*.json") if IP not in p.name)
+    assert len(read(glob)["server_group_list"][1]["server_list"]) == 2  # two prefill instances
+    main(
+        [
+            "ranktable",
+            "--mode",
+            "merge",
+            "--global-ranktable-list",
+            str(tmp_path / f"global_ranktable_{IP}.json"),
+            str(glob),
+        ]
+    )
+    assert (tmp_path / "global_ranktable_merge.json").exists()
+
+
+def test_local_tables_in_the_guides_shape_take_the_role_the_global_table_gives():
+    global_table = ranktable_from_json(SPEC_GLOBAL)
+    assert validate_local_ranktable(ranktable_from_json(local(DECODE_67)), global_table)[0] == "2"
+    assert validate_local_ranktable(ranktable_from_json(local(PREFILL_45)), global_table)[0] == "1"
+    assert validate_local_ranktable(ranktable_from_json(local(SCHEDULER)), global_table)[0] == "0"
+    stranger = {**DECODE_67, "server_ip": "10.9.9.9", "server_id": "10.9.9.9"}
+    with pytest.raises(RankTableError, match="local-in-global"):
+        validate_local_ranktable(ranktable_from_json(local(stranger)), global_table)
+    with pytest.raises(RankTableError, match="local-shape"):
+        ranktable_from_json({**local(DECODE_67), "server_count": "2", "server_list": [DECODE_67, PREFILL_45]})
+
+
+def test_cpu_device_ids_are_slots_on_the_cores_that_exist(monkeypatch, caplog):
+    import torch
+
+    from splitserve.disagg import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert launch.device_env([1]) == {launch.CPU_CORES_ENV: "1"}  # a core of this machine: itself
+    assert not caplog.records
+    assert launch.device_env([4, 5]) == {launch.CPU_CORES_ENV: "0,1"}
+    assert launch.device_env([6, 7]) == {launch.CPU_CORES_ENV: "0,1"}
+    assert "as slots they run on cores [0, 1] (device id mod 2)" in caplog.text
