@@ -11,7 +11,13 @@ import time
 import torch
 
 from splitserve.quantization.calibration import builtin_sequences, read_token_ids
-from splitserve.quantization.tool import check_shapes, quantization_config, quantize_model, write_checkpoint
+from splitserve.quantization.tool import (
+    check_shapes,
+    default_group_size,
+    quantization_config,
+    quantize_model,
+    write_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +117,11 @@ def main(ns: argparse.Namespace) -> str:
     source, output = _check_paths(ns.input, ns.output)
     _check_options(ns)
     config = load_hf_config(source)
-    group_size = ns.group_size or DEFAULT_GROUP_SIZE
+    group_size = ns.group_size
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
+        if ns.quant_type in ("awq", "gptq"):
+            group_size = default_group_size(config, ns.tp_size, DEFAULT_GROUP_SIZE)
     check_shapes(config, ns.quant_type, group_size, ns.tp_size)
     if ns.multi_query_mode:
         logger.info(

@@ -24,6 +24,40 @@ logger = logging.getLogger(__name__)
 GPTQ_DAMP_PERCENT = 0.01
 
 
+def _group_inputs(config, tp_size: int) -> dict[str, int]:
+    """The input sizes (per rank) that a 4-bit format's groups must divide, by what they are."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    per_rank = " per rank" if tp_size > 1 else ""
+    return {
+        "hidden_size (the input of q/k/v/gate/up_proj)": hidden,
+        f"o_proj's input size{per_rank} ({heads} heads x {head_dim} / {tp_size})": heads * head_dim // tp_size,
+        f"down_proj's input size{per_rank} (intermediate_size / {tp_size})": inter // tp_size,
+    }
+
+
+def default_group_size(config, tp_size: int, preferred: int = 128) -> int:
+    """The largest group size up to `preferred` (of 128, 64, 32, 16, 8) that divides every quantized
+    layer's input; logged when it is not `preferred`. `preferred` when none does (check_shapes says why)."""
+    inputs = _group_inputs(config, max(tp_size, 1))
+    for size in (128, 64, 32, 16, 8):
+        if size <= preferred and all(value % size == 0 for value in inputs.values()):
+            if size != preferred:
+                name, value = next((n, v) for n, v in inputs.items() if v % preferred)
+                logger.info(
+                    "Group size %d: the default %d does not divide %s %d; %d is the largest that divides "
+                    "every quantized layer's input (give --group-size to choose another).",
+                    size,
+                    preferred,
+                    name,
+                    value,
+                    size,
+                )
+            return size
+    return preferred
+
+
 def check_shapes(config, quant_type: str, group_size: int, tp_size: int) -> None:
     """Refuse a model whose shapes the method's layout cannot hold, or that cannot be split
     over `tp_size` ranks: heads, KV heads and intermediate size split evenly; 4-bit formats pack
@@ -45,11 +79,7 @@ def check_shapes(config, quant_type: str, group_size: int, tp_size: int) -> None
     if quant_type not in ("awq", "gptq"):
         return
     per_rank = " per rank" if tp_size > 1 else ""
-    inputs = {
-        "hidden_size (the input of q/k/v/gate/up_proj)": hidden,
-        f"o_proj's input size{per_rank} ({heads} heads x {head_dim} / {tp_size})": heads * head_dim // tp_size,
-        f"down_proj's input size{per_rank} (intermediate_size / {tp_size})": inter // tp_size,
-    }
+    inputs = _group_inputs(config, tp_size)
     for name, value in inputs.items():
         if value % group_size:
             fits = [g for g in (64, 32, 16) if g < group_size and all(v % g == 0 for v in inputs.values())]

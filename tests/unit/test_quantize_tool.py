@@ -495,3 +495,17 @@ def test_smollm2_shapes_ask_for_group_size_64():
     tool.check_shapes(config, "awq", 64, 3)
     with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by -tp 2"):
         tool.check_shapes(config, "gptq", 64, 2)
+
+
+def test_default_group_size_is_the_largest_that_divides(caplog):
+    """`-quant_type awq` on the default model with no --group-size: 64, logged, instead of refusing 128."""
+    import logging
+
+    smol = transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+    )
+    with caplog.at_level(logging.INFO, logger="splitserve.quantization.tool"):
+        assert tool.default_group_size(smol, 1) == 64
+    assert "Group size 64: the default 128 does not divide hidden_size" in caplog.text
+    wide = transformers.LlamaConfig(hidden_size=1024, intermediate_size=4096, num_attention_heads=16)
+    assert tool.default_group_size(wide, 1) == 128
