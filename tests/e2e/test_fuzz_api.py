@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.server import RemoteServer
 
 KEY = "fuzz-key"
-FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--num-gpu-blocks-override", "256"]
+FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "1024"]
 FLAGS += ["--api-key", KEY, "--disable-log-requests"]
 CHECKS = "not_a_server_error,response_schema_conformance,status_code_conformance,content_type_conformance"
 

@@ -296,6 +296,8 @@ def test_models_tokenize_detokenize_version(server, client):
     assert chat["count"] > tokens["count"] - 5
     version = httpx.get(f"{server.url}/version", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     assert version.json()["version"]
+    role = httpx.get(f"{server.url}/pd_role", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert role.json() == {"pd_role": "mixed"}  # what the PD router checks against NODE_PORTS
 
 
 def test_metrics_count_requests(server, client):

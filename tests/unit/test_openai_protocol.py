@@ -581,3 +581,10 @@ def test_integers_past_64_bits_are_refused_by_name(field, bad):
     """Found by schemathesis: such integers could not be sent to the engine (a 500)."""
     message, param = rejected(completion, **{field: bad})
     assert param == field and "64-bit" in message
+
+
+def test_integral_numbers_are_token_ids():
+    """A JSON number such as 5.0 is the token id 5 (pydantic's ints take it too); 5.5 is not."""
+    assert completion(prompt=[5.0, 6]).prompt == [5, 6]
+    assert completion(prompt=[[5.0], [7]]).prompt == [[5], [7]]
+    assert rejected(completion, prompt=[5.5])[1] == "prompt"

@@ -82,6 +82,7 @@ class FakeInstance:
         self.release = threading.Event()
         self.disconnected = threading.Event()
         self.count = 0
+        self.pd_role: str | None = None  # what GET /pd_role answers (None: 404, as an older server)
         app = web.Application()
         app.add_routes(
             [
@@ -89,6 +90,7 @@ class FakeInstance:
                 web.post("/v1/chat/completions", self.generate),
                 web.post("/generate", self.generate),
                 web.get("/health", self.health),
+                web.get("/pd_role", self.answer_role),
                 web.get("/metrics", self.metrics),
                 web.get("/v1/models", self.models),
                 web.post("/tokenize", self.tokenize),
@@ -113,6 +115,11 @@ class FakeInstance:
     async def health(self, request: web.Request) -> web.Response:
         self.health_auth.append(request.headers.get("Authorization"))
         return web.Response(status=self.health_status)
+
+    async def answer_role(self, request: web.Request) -> web.Response:
+        if self.pd_role is None:
+            return web.Response(status=404)
+        return web.json_response({"pd_role": self.pd_role})
 
     async def metrics(self, request: web.Request) -> web.Response:
         running, waiting, kv = self.load
@@ -805,3 +812,40 @@ def test_config_checks_and_cli():
     assert config.prefill_urls == ["http://p:1", "http://p:2"] and config.decode_urls == ["http://d:1"]
     assert (config.policy, config.max_retries, config.instance_api_key) == ("prefix_aware", 1, "k")
     assert (ns.host, ns.port, config.health_interval, config.request_timeout) == ("0.0.0.0", 9000, 2.0, 3600.0)
+
+
+# --- NODE_PORTS order: each instance's own role --------------------------------------------------------
+def test_instances_in_the_wrong_role_are_refused_at_start(fake_loop):
+    """Ports swapped in NODE_PORTS (or --prefill/--decode): the router asks each instance its role
+    at start-up and refuses to start, naming the rule."""
+    from splitserve.entrypoints.router.pool import UpstreamPool
+
+    log: list = []
+    p, d = FakeInstance(fake_loop, PREFILL, "p", log), FakeInstance(fake_loop, DECODE, "d", log)
+    p.pd_role, d.pd_role = "prefill", "decode"
+    try:
+        pool = UpstreamPool(RouterConfig([d.url], [p.url]))  # swapped
+        with pytest.raises(RuntimeError, match="Rule NODE_PORTS order") as info:
+            asyncio.run(pool.start())
+        assert "answers as a decode instance but is listed among the prefill instances" in str(info.value)
+        pool = UpstreamPool(RouterConfig([p.url], [d.url]))
+
+        async def start_and_stop():
+            await pool.start()  # the right order starts
+            await pool.stop()
+
+        asyncio.run(start_and_stop())
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_an_instance_that_changes_role_is_marked_down_and_requests_do_not_hang(cluster):
+    server, [p], [d], _ = cluster(1, 1, health_interval=0.2)
+    d.pd_role = "prefill"  # say a decode port now leads to a prefill instance
+    wait_for(lambda: not server.router.instances[DECODE][0].healthy, what="the role check")
+    assert "Rule NODE_PORTS order" in server.router.instances[DECODE][0].down_reason
+    start = time.monotonic()
+    r = server.client.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 503 and time.monotonic() - start < 5  # never sent to the wrong-role instance
+    assert "NODE_PORTS order" in r.json()["error"]["message"]

@@ -22,6 +22,7 @@ from splitserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from splitserve.entrypoints.openai.request_model import TOKEN_ID_SCHEMA
 from splitserve.entrypoints.openai.response_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -62,6 +63,7 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/v1/models": RouteDoc((), ModelList, errors=(401, 503)),
     "/version": RouteDoc((), None, errors=(401, 503)),
     "/health": RouteDoc((), None, empty=True, errors=(503,)),
+    "/pd_role": RouteDoc((), None, errors=(401,)),
     "/metrics": RouteDoc((), None, text=True, errors=(401,)),
     "/v1/load_lora_adapter": RouteDoc((LoadLoRAAdapterRequest,), None, text=True),
     "/v1/unload_lora_adapter": RouteDoc((UnloadLoRAAdapterRequest,), None, text=True),
@@ -91,9 +93,22 @@ def _responses(doc: RouteDoc) -> dict:
     return answers
 
 
-def document_routes(app: FastAPI) -> None:
+def _bound_token_ids(node, vocab_size: int) -> None:
+    """Token-id schemas (request_model.TOKEN_ID_SCHEMA) with this model's vocabulary as their maximum."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("maximum") == TOKEN_ID_SCHEMA["maximum"]:
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
+
+
+def document_routes(app: FastAPI, vocab_size: int | None = None) -> None:
     """Give every route of ROUTE_DOCS that `app` has its request body and answers in the OpenAPI
-    document, and add the models' schemas to its components."""
+    document, and add the models' schemas to its components; token ids are bounded by `vocab_size`
+    when the app serves one model."""
     models: set[type[BaseModel]] = {ErrorResponse}
     documented: dict[tuple[str, str], RouteDoc] = {}
     for route in app.routes:
@@ -123,6 +138,8 @@ def document_routes(app: FastAPI) -> None:
             for name, sub in definition.pop("$defs", {}).items():
                 components.setdefault(name, sub)
             components[model.__name__] = definition
+        if vocab_size:
+            _bound_token_ids(components, vocab_size)
         return schema
 
     app.openapi = openapi

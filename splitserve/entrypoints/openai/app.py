@@ -80,6 +80,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     async def version():
         return {"version": __version__}
 
+    @app.get("/pd_role")
+    async def pd_role():
+        """Which PD role this instance has: the router checks that it lists it under that role."""
+        return {"pd_role": config.kv_transfer_config.pd_role}
+
     @app.get("/health")
     async def health():
         if await engine.check_health(server_args.health_timeout):
@@ -91,7 +96,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         body, content_type = render_metrics()
         return Response(body, media_type=content_type)
 
-    document_routes(app)
+    document_routes(app, config.model_config.hf_config.vocab_size)
     # /metrics is open to Prometheus unless it has a key of its own.
     app.add_middleware(
         ApiKeyMiddleware,

@@ -13,6 +13,8 @@ from splitserve.entrypoints.openai.request_model import RequestModel
 
 
 class TextContentPart(RequestModel):
+    model_config = ConfigDict(**RequestModel.model_config, json_schema_extra={"additionalProperties": False})
+
     type: Literal["text"]
     text: str
 
@@ -58,9 +60,17 @@ class ChatMessageParam(RequestModel):
         **RequestModel.model_config,
         json_schema_extra={
             "anyOf": [
-                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-                {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"}}},
-            ]
+                {
+                    "required": ["content"],
+                    "properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}},
+                },
+                {
+                    "required": ["role", "tool_calls"],
+                    "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+                },
+            ],
+            # only an assistant message carries tool_calls
+            "dependentSchemas": {"tool_calls": {"properties": {"role": {"const": "assistant"}}}},
         },
     )
 

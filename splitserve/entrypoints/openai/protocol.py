@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from splitserve.entrypoints.openai.beam_fields import BeamSearchRequestFields
 from splitserve.entrypoints.openai.chat_messages import ChatCompletionTool, ChatMessageParam, NamedToolChoice
@@ -36,6 +36,9 @@ MAX_STOP_STRING_LEN = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# A parameter splitserve knows but lacks: accepted only as "off" (unsupported_params.py); the OpenAPI
+# document says null, the one value that always works.
+Unsupported = Annotated[Any, WithJsonSchema({"type": "null"})]
 
 
 class StreamOptions(RequestModel):
@@ -65,6 +68,19 @@ def _check_stop(value: Any) -> Any:
 
 class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     """What /v1/completions and /v1/chat/completions share: sampling, stopping, streaming."""
+
+    # In the OpenAPI document, rules checked by hand: stream_options needs stream; without
+    # use_beam_search, length_penalty and early_stopping keep their defaults.
+    model_config = ConfigDict(
+        **RequestModel.model_config,
+        json_schema_extra={
+            "dependentSchemas": {
+                "stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+            },
+            "if": {"not": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}}},
+            "then": {"properties": {"length_penalty": {"const": 1.0}, "early_stopping": {"const": False}}},
+        },
+    )
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -97,9 +113,9 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (set by the router)
     # Known but unsupported: accepted only as "off" (see unsupported_params.py).
-    suffix: Any = None
-    service_tier: Any = None
-    store: Any = None
+    suffix: Unsupported = None
+    service_tier: Unsupported = None
+    store: Unsupported = None
 
     _refuse = field_validator("suffix", "service_tier", "store")(refuse_unsupported)
     _stop = field_validator("stop", mode="before")(_check_stop)
@@ -185,6 +201,19 @@ _PROMPT_SHAPES = (
 )
 
 
+def _token_ids(values: list) -> list[int] | None:
+    """Token ids as ints (a JSON number like 5.0 is the integer 5, as pydantic's ints take it); None
+    when one is not a non-negative integer."""
+    ids = []
+    for value in values:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not is_token_id(value):
+            return None
+        ids.append(value)
+    return ids
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `max_tokens` defaults to 16 as in OpenAI; an explicit null means "up to
     the context length" (`to_sampling_params`'s `default_max_tokens`)."""
@@ -200,16 +229,15 @@ class CompletionRequest(_GenerationRequest):
         than one error per member of the union."""
         if isinstance(value, str):
             return value
-        if (
-            isinstance(value, list)
-            and value
-            and (
-                all(isinstance(p, str) for p in value)
-                or all(is_token_id(t) for t in value)
-                or all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in value)
-            )
-        ):
-            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return value
+            ids = _token_ids(value)
+            if ids is not None:
+                return ids
+            batch = [_token_ids(p) if isinstance(p, list) and p else None for p in value]
+            if all(ids is not None for ids in batch):
+                return batch
         raise ValueError(_PROMPT_SHAPES)
 
     def prompts(self) -> list[str | list[int]]:
@@ -261,12 +289,12 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # Known but unsupported: accepted only as "off" (see unsupported_params.py).
-    functions: Any = None
-    reasoning_effort: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
+    functions: Unsupported = None
+    reasoning_effort: Unsupported = None
+    audio: Unsupported = None
+    modalities: Unsupported = None
+    prediction: Unsupported = None
+    web_search_options: Unsupported = None
 
     _refuse_chat = field_validator(
         "functions", "reasoning_effort", "audio", "modalities", "prediction", "web_search_options"

@@ -22,6 +22,7 @@ from splitserve.entrypoints.router.relay import (
 )
 
 logger = logging.getLogger("splitserve.router")
+ROLE_RULE = "Rule NODE_PORTS order"  # how the refusal of an instance in the wrong role is named
 
 
 class UpstreamPool:
@@ -51,8 +52,10 @@ class UpstreamPool:
         instance up, the down ones are tried anyway: a health mark is a hint (a busy instance can miss
         a check), and a failed attempt costs less than refusing the request; prefill has its fallback."""
         candidates = [i for i in self.instances[role] if i.healthy and i not in exclude]
-        if not candidates and role == DECODE:
-            candidates = [i for i in self.instances[role] if i not in exclude]
+        if not candidates and role == DECODE:  # never one in the wrong role: it would not decode
+            candidates = [
+                i for i in self.instances[role] if i not in exclude and ROLE_RULE not in (i.down_reason or "")
+            ]
         return self.policies[role].choose(candidates, request_body) if candidates else None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -65,6 +68,10 @@ class UpstreamPool:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), timeout=timeout
         )
         await self.check_all()
+        wrong = [i for i in self.all_instances() if i.down_reason and ROLE_RULE in i.down_reason]
+        if wrong:
+            await self.session.close()
+            raise RuntimeError("; ".join(f"{i.url} {i.down_reason}" for i in wrong))
         for role in ROLES:
             logger.info(
                 "Router: %d of %d %s instance(s) up: %s",
@@ -128,8 +135,28 @@ class UpstreamPool:
         if status != 200:
             self.mark_down(inst, "/health " + status_reason(status, data))
             return
+        role = await self._fetch_role(inst, timeout)
+        if role is not None and role != inst.role:
+            self.mark_down(
+                inst,
+                f"answers as a {role} instance but is listed among the {inst.role} instances. {ROLE_RULE}: the "
+                "prefill instances' ports first, then the decode instances', in the global rank table's order "
+                "(with --prefill/--decode, each URL under its own role)",
+            )
+            return
         self.mark_up(inst)
         inst.load = await self._fetch_load(inst, timeout)
+
+    async def _fetch_role(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> str | None:
+        """The instance's own PD role (GET /pd_role); None when it does not say (an older server)."""
+        try:
+            async with self.session.get(inst.url + "/pd_role", headers=self._headers(), timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                role = (await resp.json(content_type=None)).get("pd_role")
+        except (*UPSTREAM_ERRORS, ValueError, AttributeError):
+            return None
+        return role if isinstance(role, str) else None
 
     async def _fetch_load(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> InstanceLoad | None:
         """None when the metrics cannot be had (a separate --metrics-port, a metrics key): the
