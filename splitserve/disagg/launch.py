@@ -19,7 +19,7 @@ import time
 import httpx
 
 from splitserve.executor.cpu_binding import CPU_CORES_ENV, split_cores
-from splitserve.process_utils import free_port
+from splitserve.process_utils import exit_with_parent, free_port
 
 logger = logging.getLogger("splitserve.pd")
 
@@ -102,7 +102,9 @@ def start_instance(role: str, flags: list[str], env: dict[str, str] | None = Non
     cmd = [sys.executable, "-m", SERVER_MODULE, *flags, "--host", "127.0.0.1", "--port", str(port)]
     env = env or {}
     logger.info("Starting %s instance on port %d%s", role, port, "".join(f", {k}={v}" for k, v in env.items()))
-    return LocalInstance(role, f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env={**os.environ, **env}))
+    # The instance gets SIGTERM from the kernel if this launcher dies, however it dies (kill -9 too).
+    process = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=exit_with_parent)  # noqa: PLW1509
+    return LocalInstance(role, f"http://127.0.0.1:{port}", process)
 
 
 def stop_all(instances: list[LocalInstance]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from splitserve.disagg import launch
@@ -60,6 +61,11 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
     num_prefill, num_decode = launch.parse_pd_spec(spec)
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     instances: list[launch.LocalInstance] = []
+    # SIGTERM (also re-raised by uvicorn once the router has shut down) unwinds through `finally`,
+    # so the instances are stopped; SIGHUP becomes a SIGTERM (the router then shuts down as for one);
+    # SIGINT unwinds as KeyboardInterrupt; after SIGKILL the instances' parent-death signal stops them.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
         for role, env in zip(roles, launch.split_devices(len(roles), world)):
@@ -74,6 +80,10 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
         run_router(config, server_args.host, server_args.port)
     finally:
         launch.stop_all(instances)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _ranks_from_devices(engine_args: EngineArgs, device_ids: list[int]) -> None:

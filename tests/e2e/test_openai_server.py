@@ -444,12 +444,16 @@ def test_stuck_step_turns_health_to_503_and_is_logged(tiny_chat_model, tmp_path)
     assert "finished after" in text and "making progress again" in text
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_children_do_not_outlive_the_server(tiny_chat_model, sig):
-    """SIGTERM to the server process alone (not its group, as systemd or `kill PID` send it) stops
-    the engine through the server's own shutdown; after SIGKILL the kernel's parent-death signal
-    stops it."""
-    with RemoteServer(tiny_chat_model, *COMMON) as s:
+@pytest.mark.parametrize(
+    "sig, workers",
+    [(signal.SIGTERM, 1), (signal.SIGKILL, 1), (signal.SIGTERM, 2), (signal.SIGINT, 2), (signal.SIGHUP, 2)]
+    + [(signal.SIGKILL, 2)],
+)
+def test_children_do_not_outlive_the_server(tiny_chat_model, sig, workers):
+    """A signal to the server process alone (not its group, as systemd or `kill PID` send it), with
+    one or two API workers: SIGTERM and SIGINT stop the engine and the workers through the server's
+    own shutdown; after SIGHUP or SIGKILL the kernel's parent-death signal stops them."""
+    with RemoteServer(tiny_chat_model, *COMMON, "--workers", str(workers)) as s:
         children = s.child_pids()
         assert children
         os.kill(s.proc.pid, sig)

@@ -231,3 +231,28 @@ def test_rank_table_environment_startup(tmp_path, tiny_chat_model, offline):
     finally:
         for server in servers:
             server.close()
+
+
+# --- no orphans -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
+def test_one_command_deployment_leaves_no_process_behind(tiny_chat_model, sig):
+    """`serve --pd 1p1d` sent a signal (to the launcher alone, as `kill PID` does): every process of
+    the deployment (instances, their engines, the resource trackers) is gone shortly after, read from
+    /proc. SIGKILL leaves no time to clean up: the instances' parent-death signal stops them."""
+    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d") as launcher:
+        processes = launcher.child_pids()
+        assert len(processes) >= 4  # two instances and their engines at least
+        os.kill(launcher.proc.pid, sig)
+        launcher.proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and [p for p in processes if _alive(p)]:
+            time.sleep(0.2)
+        assert not [p for p in processes if _alive(p)], f"left behind after {sig!r}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
