@@ -6,6 +6,16 @@ from splitserve.sampling_params import BeamSearchParams, GuidedDecodingParams, S
 
 __version__ = "0.1.0"
 
+# The LMDeploy-style API (entrypoints/lmdeploy_api.py), imported when first asked for.
+_LMDEPLOY_NAMES = (
+    "pipeline",
+    "GenerationConfig",
+    "TurbomindEngineConfig",
+    "PytorchEngineConfig",
+    "ChatTemplateConfig",
+    "Response",
+)
+
 __all__ = [
     "LLM",
     "SamplingParams",
@@ -16,12 +26,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
-    "pipeline",
-    "GenerationConfig",
-    "TurbomindEngineConfig",
-    "PytorchEngineConfig",
-    "ChatTemplateConfig",
-    "Response",
+    *_LMDEPLOY_NAMES,
 ]
 
 
@@ -31,14 +36,7 @@ def __getattr__(name: str):
         from splitserve.entrypoints.llm import LLM
 
         return LLM
-    if name in (
-        "pipeline",
-        "GenerationConfig",
-        "TurbomindEngineConfig",
-        "PytorchEngineConfig",
-        "ChatTemplateConfig",
-        "Response",
-    ):
+    if name in _LMDEPLOY_NAMES:
         from splitserve.entrypoints import lmdeploy_api
 
         return getattr(lmdeploy_api, name)

@@ -19,6 +19,7 @@ import pytest
 from splitserve import LLM, SamplingParams
 from tests.e2e.server import RemoteServer, free_port
 from tests.e2e.test_openai_server import _engine_pid, _metric
+from tests.e2e.test_parallel_serving import _alive
 
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--disable-log-requests"]
 PROMPTS = [
@@ -248,11 +249,3 @@ def test_one_command_deployment_leaves_no_process_behind(tiny_chat_model, sig):
         while time.monotonic() < deadline and [p for p in processes if _alive(p)]:
             time.sleep(0.2)
         assert not [p for p in processes if _alive(p)], f"left behind after {sig!r}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
