@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 
 import torch
@@ -35,6 +36,7 @@ class EngineArgs:
     use_tqdm_on_load: bool = True
     seed: int = 0
     max_model_len: int | None = None
+    hf_overrides: dict | None = None  # config.json keys to change (rope_scaling, use_logn_attn ...)
     served_model_name: str | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
@@ -232,7 +234,10 @@ _ENGINE_HELP = {
     "tokenizer": "tokenizer directory or hub id, when it is not the model's",
     "dtype": "auto, float32, bfloat16 or float16 (auto: the checkpoint's; float16 becomes bfloat16 on CPU)",
     "load_format": "auto, safetensors, pt, gguf, or dummy (random weights from the config, for benchmarks)",
-    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
+    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings "
+    "(longer only with dynamic NTK rope scaling)",
+    "hf_overrides": "JSON object of config.json keys to change (vLLM's --hf-overrides), e.g. "
+    "rope_scaling (which keeps the rope's frequency base) or use_logn_attn",
     "block_size": "tokens per KV-cache block",
     "kv_cache_dtype": "KV-cache storage: auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 or int4, "
     "quantized with a scale per token and KV head",
@@ -303,7 +308,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = int
         elif field.type in ("float", "float | None"):
             kwargs["type"] = float
+        elif field.type == "dict | None":
+            kwargs["type"] = _json_object
         group.add_argument(*flags, **kwargs)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -322,6 +339,8 @@ def engine_flags(args: EngineArgs, skip: tuple[str, ...] = ()) -> list[str]:
             flags.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
             flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags

@@ -34,6 +34,7 @@ from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
 from splitserve.executor.factory import create_executor
 from splitserve.executor.step_input import ModelRunnerOutput
+from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class EngineCore:
         one; an engine process loads its own on the first guided request)."""
         self.config = config
         self._tokenizer = tokenizer
+        hf_config = config.model_config.hf_config
+        # Dynamic NTK rope: prompts longer than this rotate their keys by their own length.
+        self._ntk_length = hf_config.max_position_embeddings if is_dynamic_ntk(hf_config) else None
         self.executor = executor if executor is not None else create_executor(config)
         try:
             self._initialize(config)
@@ -112,6 +116,8 @@ class EngineCore:
         if request.lora_request is not None:
             self.loras.check_request(request.lora_request)
         core_request = Request.from_engine_core_request(request)
+        if self._ntk_length is not None and core_request.num_prompt_tokens > self._ntk_length:
+            core_request.rope_scaling_len = core_request.num_prompt_tokens
         guide = core_request.sampling_params.guided_decoding
         if guide is None:
             self.scheduler.add_request(core_request)

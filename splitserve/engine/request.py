@@ -61,6 +61,9 @@ class Request:
     # (at most 1 between engine steps, 2 while one is launched and the one before it is being
     # finished). The scheduler counts them as tokens; the model runner takes them from the device.
     num_pending_tokens: int = 0
+    # Dynamic NTK rope, a prompt past the trained length: its keys are rotated for this length, so
+    # prefix caching may share its blocks only with prompts of the same length (0: any).
+    rope_scaling_len: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -87,9 +90,11 @@ class Request:
 
     @property
     def block_hash_salt(self) -> bytes:
-        """What sets its KV apart from the same tokens' under another adapter (prefix caching)."""
+        """What sets its KV apart from the same tokens' under another adapter, or under another
+        dynamic NTK scaling length (prefix caching)."""
         lora = self.lora_request
-        return b"" if lora is None else b"lora:%d:%s" % (lora.lora_int_id, lora.lora_path.encode())
+        salt = b"" if lora is None else b"lora:%d:%s" % (lora.lora_int_id, lora.lora_path.encode())
+        return salt + (b"ntk:%d" % self.rope_scaling_len if self.rope_scaling_len else b"")
 
     @property
     def wants_remote_prefill(self) -> bool:

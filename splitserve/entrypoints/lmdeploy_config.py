@@ -316,8 +316,10 @@ class TurbomindEngineConfig:
     (cache_block_seq_len -> block_size; the other shared fields map the same way). The engine runs
     on CUDA when it is there and on the CPU otherwise. model_format 'awq' / 'gptq' / 'fp8' ->
     quantization (the checkpoint must be in that format; None, 'hf' or 'llama' take whatever the checkpoint's
-    quantization_config says). TurboMind-only features (RoPE scaling and log-n attention overrides,
-    the iteration knobs) are refused."""
+    quantization_config says). rope_scaling_factor > 0 is dynamic NTK rope scaling with that factor, as
+    transformers' LlamaAttention does it (session_len may then exceed max_position_embeddings);
+    use_logn_attn scales queries past the training length by log-n (Qwen-1's). Both reach the model as
+    hf_overrides. The iteration knobs are refused."""
 
     dtype: str = "auto"
     model_name: str | None = None
@@ -343,19 +345,33 @@ class TurbomindEngineConfig:
                 f"TurbomindEngineConfig.model_format must be one of {sorted(_MODEL_FORMATS, key=str)}, "
                 f"got {self.model_format!r}."
             )
+        _check_range(self, "rope_scaling_factor", self.rope_scaling_factor >= 0, ">= 0 (0: no rope scaling)")
+        _check_range(self, "use_logn_attn", isinstance(self.use_logn_attn, bool), "True or False")
         _refuse_unsupported(
             self,
             {
-                "rope_scaling_factor": (0.0, "RoPE scaling comes from the model's config.json only."),
-                "use_logn_attn": (False, "log-n attention scaling is not implemented."),
                 "download_dir": (None, _DOWNLOAD_WHY),
                 "num_tokens_per_iter": (0, "the step budget is max_prefill_token_num; there is no separate one."),
                 "max_prefill_iters": (1, "long prompts are chunked by the step budget, not by an iteration count."),
             },
         )
         return _common_engine_args(
-            self, model_path, self.cache_block_seq_len, "auto", quantization=_MODEL_FORMATS[self.model_format]
+            self,
+            model_path,
+            self.cache_block_seq_len,
+            "auto",
+            quantization=_MODEL_FORMATS[self.model_format],
+            hf_overrides=self._hf_overrides(),
         )
+
+    def _hf_overrides(self) -> dict | None:
+        """The model config changes that rope_scaling_factor and use_logn_attn ask for."""
+        overrides: dict = {}
+        if self.rope_scaling_factor:
+            overrides["rope_scaling"] = {"rope_type": "dynamic", "factor": float(self.rope_scaling_factor)}
+        if self.use_logn_attn:
+            overrides["use_logn_attn"] = True
+        return overrides or None
 
 
 def _device(device_type: str) -> str:

@@ -80,6 +80,7 @@ class CUDAGraphRunner:
         block_size: int,
         pad_block: int,
         device: torch.device,
+        uses_rope_lengths: bool = False,
     ):
         self.forward, self.backend, self.sizes = forward, backend, sizes
         self.max_model_len, self.block_size, self.pad_block = max_model_len, block_size, pad_block
@@ -90,6 +91,8 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((largest,), pad_block * block_size, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.block_tables = torch.full((largest, width), pad_block, dtype=torch.int32, device=device)
+        # Dynamic NTK rope: each token's scaling length (AttentionMetadata.rope_lengths) is an input too.
+        self.rope_lengths = torch.ones(largest, dtype=torch.long, device=device) if uses_rope_lengths else None
         self.captured: dict[int, tuple] = {}
         self._dirty_rows = 0  # rows [0, _dirty_rows) of the buffers hold the last batch's requests
 
@@ -124,6 +127,7 @@ class CUDAGraphRunner:
             slot_mapping=self.slot_mapping[:size],
             block_size=self.block_size,
             decode_len_bound=self.max_model_len,
+            rope_lengths=None if self.rope_lengths is None else self.rope_lengths[:size],
         )
         return self.input_ids[:size], self.positions[:size], meta
 
@@ -138,6 +142,7 @@ class CUDAGraphRunner:
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step of n = len(input_ids) requests (n <= max_batch_size): final hidden [n, H]."""
         n, width = len(input_ids), block_tables.shape[1]
@@ -147,6 +152,8 @@ class CUDAGraphRunner:
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if self.rope_lengths is not None:
+            self.rope_lengths[:n].copy_(rope_lengths, non_blocking=True)
         self._pad_rows(n)
         graph, hidden = self.captured[size]
         graph.replay()
@@ -162,4 +169,6 @@ class CUDAGraphRunner:
             self.block_tables[rows].fill_(self.pad_block)
             self.positions[rows].zero_()
             self.input_ids[rows].zero_()
+            if self.rope_lengths is not None:
+                self.rope_lengths[rows].fill_(1)
         self._dirty_rows = n

@@ -129,6 +129,17 @@ class InputBatch:
             count = min(end, state.num_prompt_tokens - 1) - start
             self.prompt_logprob_spans.append(PromptLogprobSpan(index, self.query_start_loc[-2], start, count))
 
+    def rope_lengths(self) -> list[int]:
+        """Per token, the sequence length dynamic NTK rope scales its rotation for: the prompt's
+        length for prompt tokens, position + 1 past it. That is what transformers uses for one
+        sequence (the highest position of the forward + 1), and a prompt chunked, batched or
+        recomputed after a preemption gets the same rotations."""
+        lengths = []
+        for i, request in enumerate(self.requests):
+            positions = self.positions[self.query_start_loc[i] : self.query_start_loc[i + 1]]
+            lengths.extend(max(request.num_prompt_tokens, p + 1) for p in positions)
+        return lengths
+
     @property
     def sampling_requests(self) -> list[CachedRequestState]:
         return [self.requests[i] for i in self.sample_rows]

@@ -20,6 +20,7 @@ from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
+from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
 from splitserve.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class ModelRunner:
         self.rank = get_parallel_rank()
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load and self.rank.rank == 0)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
+        self.uses_rope_lengths = is_dynamic_ntk(config.model_config.hf_config)  # AttentionMetadata.rope_lengths
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the runner's own view of each live request
         self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)
@@ -174,11 +176,10 @@ class ModelRunner:
         """Capture the decode forwards (after initialize_kv_cache); nothing without CUDA graphs."""
         if not self.use_cuda_graphs:
             return
-        cfg = self.config
-        sizes = capture_sizes(cfg.cuda_graph_sizes, cfg.scheduler_config.max_num_seqs)
-        pad_block = self.kv_caches[0].shape[2] - 1
+        sc, pad_block = self.config.scheduler_config, self.kv_caches[0].shape[2] - 1
+        sizes, max_len = capture_sizes(self.config.cuda_graph_sizes, sc.max_num_seqs), sc.max_model_len
         self.graph_runner = CUDAGraphRunner(
-            self.model, self.backend, sizes, cfg.scheduler_config.max_model_len, self.block_size, pad_block, self.device
+            self.model, self.backend, sizes, max_len, self.block_size, pad_block, self.device, self.uses_rope_lengths
         )
         self.graph_runner.capture_all()
 
@@ -259,7 +260,7 @@ class ModelRunner:
         positions = to_device(batch.positions, torch.long, self.device)
         if self._replays(batch):
             hidden = self.graph_runner.run(
-                input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor, meta.block_tables
+                input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor, meta.block_tables, meta.rope_lengths
             )
         else:
             hidden = self._forward(input_ids, positions, meta)
@@ -329,6 +330,7 @@ class ModelRunner:
             block_tables=to_device(batch.padded_block_tables(), torch.int32, dev),
             slot_mapping=to_device(batch.slot_mapping, torch.long, dev),
             block_size=self.block_size,
+            rope_lengths=to_device(batch.rope_lengths(), torch.long, dev) if self.uses_rope_lengths else None,
         )
 
     def _input_ids(self, batch: InputBatch, previous: InFlightStep | None) -> torch.Tensor:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import logging
 import os
 
 import torch
 
 from splitserve.config import ModelConfig, resolve_dtype
+from splitserve.layers.rotary import is_dynamic_ntk, set_rope_scaling
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,8 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "internlm3": "InternLM3ForCausalLM",
 }
 
 
@@ -166,7 +170,9 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     directory, gguf_file = split_gguf(path)
     if gguf_file is None and not os.path.isfile(os.path.join(directory, "config.json")):
         raise FileNotFoundError(f"{directory} has no config.json: it is not a Hugging Face model directory.")
-    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    config = _native_config(directory) if gguf_file is None else None
+    if config is None:
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     if not getattr(config, "architectures", None):
         arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
         if arch is None:
@@ -176,6 +182,32 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
             )
         config.architectures = [arch]
     return config
+
+
+def _native_config(directory: str):
+    """The config of a model whose config class is remote code (InternLM, InternLM2), read from
+    config.json by splitserve itself: no remote code runs, with or without trust_remote_code. None
+    for every other model (transformers reads those)."""
+    from splitserve.models.registry import native_config_reader
+
+    with open(os.path.join(directory, "config.json")) as f:
+        raw = json.load(f)
+    reader = native_config_reader(raw.get("model_type"))
+    return reader(raw) if reader is not None else None
+
+
+def apply_hf_overrides(hf_config, overrides: dict | None) -> None:
+    """vLLM's hf_overrides: config.json keys set on the loaded config. `rope_scaling` replaces the
+    rope's scaling and keeps its frequency base (transformers >= 5 keeps both in rope_parameters)."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys, got {overrides!r}.")
+    for key, value in (overrides or {}).items():
+        if key == "rope_scaling":
+            if not isinstance(value, dict):
+                raise ValueError(f"hf_overrides['rope_scaling'] must be a dict, got {value!r}.")
+            set_rope_scaling(hf_config, value)
+        else:
+            setattr(hf_config, key, value)
 
 
 def _config_dtype(hf_config) -> torch.dtype | None:
@@ -188,11 +220,16 @@ def _config_dtype(hf_config) -> torch.dtype | None:
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:
+    """Default: max_position_embeddings. Dynamic NTK rope scales its frequencies for any longer
+    sequence, so there a longer max_model_len (LMDeploy's session_len) is allowed."""
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     if requested is None:
         return limit
-    if requested < 1 or requested > limit:
-        raise ValueError(f"max_model_len={requested} is outside 1..{limit} (the model's max_position_embeddings).")
+    if requested < 1 or (requested > limit and not is_dynamic_ntk(hf_config)):
+        raise ValueError(
+            f"max_model_len={requested} is outside 1..{limit} (the model's max_position_embeddings; "
+            "longer only with dynamic NTK rope scaling)."
+        )
     return requested
 
 
@@ -222,6 +259,7 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         else (resolve_model_path(args.model, args.revision), None)
     )
     hf_config = load_builtin_config(builtin) if builtin else load_hf_config(path, args.trust_remote_code)
+    apply_hf_overrides(hf_config, args.hf_overrides)
     get_model_class(hf_config)
     substitute_tokenizer = False
     if args.tokenizer is not None:

@@ -21,7 +21,13 @@ from torch import nn
 from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.layers.attention import Attention
 from splitserve.layers.basic import Embedding, Linear, RMSNorm, silu_and_mul
-from splitserve.layers.rotary import RotaryEmbedding, apply_rotary
+from splitserve.layers.rotary import (
+    PositionEncoding,
+    apply_rotary,
+    logn_query_scale,
+    logn_training_length,
+    rotary_embedding,
+)
 
 # checkpoint projection name -> (fused module name, shard index)
 _STACKED = {
@@ -50,6 +56,9 @@ def _method(quant_config, prefix: str):
 
 
 class LlamaAttention(nn.Module):
+    # The dtype of the rotation (None: the model's); architectures that rotate in float32 set it.
+    rotary_dtype: torch.dtype | None = None
+
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, quant_config=None, prefix: str = ""):
         super().__init__()
         tp = get_parallel_rank().tp_size
@@ -61,11 +70,11 @@ class LlamaAttention(nn.Module):
         # Fewer KV heads than ranks: each rank holds one, shared by the ranks of its query heads.
         self.num_heads, self.num_kv_heads = total_heads // tp, max(total_kv_heads // tp, 1)
         q_size, kv_size = total_heads * self.head_dim, total_kv_heads * self.head_dim
-        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = Linear(
             config.hidden_size,
             [q_size, kv_size, kv_size],
-            bias=bias,
+            bias=qkv_bias,
             dtype=dtype,
             quant_method=_method(quant_config, f"{prefix}.qkv_proj"),
             parallel="column",
@@ -74,7 +83,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             q_size,
             [config.hidden_size],
-            bias=getattr(config, "attention_bias", False),
+            bias=o_bias,
             dtype=dtype,
             quant_method=_method(quant_config, f"{prefix}.o_proj"),
             parallel="row",
@@ -91,7 +100,16 @@ class LlamaAttention(nn.Module):
             sliding_window=_sliding_window(config, layer_idx),
         )
 
-    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
+    @staticmethod
+    def biases(config) -> tuple[bool, bool]:
+        """(q/k/v, o) biases: Llama's attention_bias covers all four projections, Qwen2 biases q/k/v."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return config.model_type == "qwen2" or attention_bias, attention_bias
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, encoding: PositionEncoding):
+        return apply_rotary(q, k, encoding)
+
+    def forward(self, x: torch.Tensor, encoding: PositionEncoding, meta) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -99,14 +117,14 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
+        q, k = self.rotate(q, k, encoding)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, dtype: torch.dtype, quant_config=None, prefix: str = ""):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = self.has_bias(config)
         self.gate_up_proj = Linear(
             config.hidden_size,
             [config.intermediate_size] * 2,
@@ -126,27 +144,39 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
 
+    @staticmethod
+    def has_bias(config) -> bool:
+        return bool(getattr(config, "mlp_bias", False))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype, quant_config=None):
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant_config=None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        mlp_cls: type[LlamaMLP] = LlamaMLP,
+    ):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, quant_config, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.self_attn = attention_cls(config, layer_idx, dtype, quant_config, f"{prefix}.self_attn")
+        self.mlp = mlp_cls(config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, encoding: PositionEncoding, meta):
         """vLLM's residual form: x is the previous layer's output, not yet added to the residual
         stream; each norm adds it in (fused on CPU). Returns (this layer's output, residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, meta)
+        x = self.self_attn(x, encoding, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -162,7 +192,15 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
+    def __init__(
+        self,
+        config,
+        dtype: torch.dtype,
+        max_position: int,
+        quant_config=None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        mlp_cls: type[LlamaMLP] = LlamaMLP,
+    ):
         super().__init__()
         rank = get_parallel_rank()
         self.is_first_stage, self.is_last_stage = rank.is_first_stage, rank.is_last_stage
@@ -171,16 +209,28 @@ class LlamaModel(nn.Module):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         # Layers of other stages are empty placeholders, so that parameter names keep their indices.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, quant_config) if i in self.layer_range else nn.Module()
+            LlamaDecoderLayer(config, i, dtype, quant_config, attention_cls, mlp_cls)
+            if i in self.layer_range
+            else nn.Module()
             for i in range(config.num_hidden_layers)
         )
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.rotary = rotary_embedding(config, head_dim, max_position)
+        self.rotary_dtype = attention_cls.rotary_dtype
+        self.logn_length = logn_training_length(config)
 
     def local_layers(self) -> list[LlamaDecoderLayer]:
         return [self.layers[i] for i in self.layer_range]
+
+    def position_encoding(self, positions: torch.Tensor, dtype: torch.dtype, meta) -> PositionEncoding:
+        """Computed once per forward for every layer: the rotation (in the attention's rotary dtype;
+        dynamic NTK reads each token's sequence length from meta) and the log-n query factor."""
+        cos, sin = self.rotary.cos_sin(positions, self.rotary_dtype or dtype, meta.rope_lengths)
+        if self.logn_length is None:
+            return PositionEncoding(cos, sin)
+        return PositionEncoding(cos, sin, logn_query_scale(positions, self.logn_length, dtype))
 
     def forward(
         self,
@@ -195,9 +245,9 @@ class LlamaModel(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        encoding = self.position_encoding(positions, x.dtype, meta)
         for layer in self.local_layers():
-            x, residual = layer(x, residual, cos_sin, meta)
+            x, residual = layer(x, residual, encoding, meta)
         if not self.is_last_stage:
             return x, residual
         return self.norm(x, residual)[0]
@@ -205,12 +255,16 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`quant_config` (a QuantizationConfig, or None) picks the method of every decoder-layer
-    linear; embeddings and the LM head stay in the model dtype."""
+    linear; embeddings and the LM head stay in the model dtype. Architectures that differ only in
+    their attention or MLP subclass it with other `attention_cls` / `mlp_cls`."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[LlamaMLP] = LlamaMLP
 
     def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, max_position, quant_config)
+        self.model = LlamaModel(config, dtype, max_position, quant_config, self.attention_cls, self.mlp_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied embeddings on a last stage that is not also the first: the head is a copy of them.
         self.head_is_embedding = self.tie_word_embeddings and self.model.is_first_stage

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
+from splitserve.models.ernie4_5 import Ernie4_5ForCausalLM
+from splitserve.models.internlm import InternLM2ForCausalLM, internlm2_config, internlm_config
 from splitserve.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -11,11 +15,26 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "InternLMForCausalLM": LlamaForCausalLM,  # its config is read as a LlamaConfig (models/internlm.py)
+    "InternLM2ForCausalLM": InternLM2ForCausalLM,
+    "InternLM3ForCausalLM": LlamaForCausalLM,  # transformers' own InternLM3 is its Llama too
+}
+
+# Model types whose config class is remote code: splitserve reads their config.json itself.
+_NATIVE_CONFIG_READERS: dict[str, Callable[[dict], object]] = {
+    "internlm": internlm_config,
+    "internlm2": internlm2_config,
 }
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def native_config_reader(model_type: str | None) -> Callable[[dict], object] | None:
+    """How splitserve reads the config.json of `model_type` without remote code; None: transformers reads it."""
+    return _NATIVE_CONFIG_READERS.get(model_type)
 
 
 def get_model_class(hf_config) -> type[nn.Module]:

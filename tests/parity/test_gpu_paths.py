@@ -129,6 +129,25 @@ def test_sequences_past_max_seq_len_to_capture_run_eagerly(tiny_models, emulated
     assert got == _staggered_run(eager, prompts, lengths)
 
 
+def test_cuda_graph_decode_with_dynamic_ntk_rope(tmp_path, smollm_tokenizer, emulated_graphs):
+    """A dynamic NTK rope reads each token's scaling length (AttentionMetadata.rope_lengths): the
+    graphs take it from a static buffer, as they take positions, and give eager's tokens past
+    max_position_embeddings (32)."""
+    from tests.parity.test_rope_scaling import PROMPTS, _dynamic_llama
+
+    _dynamic_llama().save_pretrained(tmp_path)
+    smollm_tokenizer.save_pretrained(tmp_path)
+    kwargs = dict(dtype="float32", max_model_len=96, cuda_graph_sizes=[1, 2, 4], max_num_seqs=4)
+    kwargs.update(use_tqdm_on_load=False, num_gpu_blocks_override=64)
+    prompts, lengths = PROMPTS[2:6], [20, 6, 14, 10]  # 31 to 40 prompt tokens
+    graphs = LLM(str(tmp_path), **kwargs)
+    assert graphs.llm_engine.engine_core.executor.runner.graph_runner.rope_lengths is not None
+    got = _staggered_run(graphs, prompts, lengths)
+    assert sum(g.replays for g in emulated_graphs.captures) > 10
+    eager = LLM(str(tmp_path), enforce_eager=True, **kwargs)
+    assert got == _staggered_run(eager, prompts, lengths)
+
+
 def test_padding_rows_never_touch_request_blocks(tiny_models, emulated_graphs):
     """A batch of 3 replayed in the size-4 graph after a batch of 4: the stale fourth row must
     write into the padding block, not into the finished request's (freed, maybe reused) block."""

@@ -28,6 +28,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [R, max_blocks] int32 on device (rows padded with 0)
     slot_mapping: torch.Tensor  # [T] int64 on device: where each token's K/V is written
     block_size: int
+    # Dynamic NTK rope only (None otherwise): per token, the sequence length its rotation is scaled
+    # for, max(its request's prompt length, its position + 1) ([T] int64 on device).
+    rope_lengths: torch.Tensor | None = None
     # CUDA graphs: the steps replayed from one capture may have any length up to this bound, so a
     # backend must not size its work from seq_lens (the host list is the capture's, not the step's).
     decode_len_bound: int | None = None
