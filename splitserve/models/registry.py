@@ -16,6 +16,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_ForCausalLM": Ernie4_5ForCausalLM,  # Baidu's own name for it (remote code), same config and tensors
     "InternLMForCausalLM": LlamaForCausalLM,  # its config is read as a LlamaConfig (models/internlm.py)
     "InternLM2ForCausalLM": InternLM2ForCausalLM,
     "InternLM3ForCausalLM": LlamaForCausalLM,  # transformers' own InternLM3 is its Llama too
