@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_arguments(pdb)
     pdb.set_defaults(func=lambda ns: pd.main(ns))
 
+    from splitserve.benchmarks import soak
+
+    sk = bench_sub.add_parser(
+        "soak",
+        help="mixed traffic (aborts and invalid requests included) for a long time: memory growth of every "
+        "process, KV blocks left in use, 5xx answers",
+    )
+    soak.add_arguments(sk)
+    sk.set_defaults(func=lambda ns: soak.main(ns))
+
     rt = sub.add_parser(
         "ranktable",
         help="rank tables of a prefill/decode disaggregated deployment (also spelled `--mode gen|merge`)",

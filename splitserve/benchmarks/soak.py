@@ -1,0 +1,221 @@
+"""`splitserve bench soak`: a long run of mixed traffic against a deployment, to show leaks.
+
+`--concurrency` client streams each send one request after another for `--duration` seconds: most
+are ordinary completions and chats (streamed or not, prompt and output lengths drawn at random),
+some are abandoned by the client after a few streamed chunks (an abort the server must clean up),
+some are invalid on purpose (each must be refused with a 4xx). Every `--sample-interval` seconds
+the resident memory (RSS) of every process of the deployment is read from /proc. At the end the
+soak waits for every instance to go idle and reports: the memory growth from the first sample after
+`--warmup` to the last, against the goal max(2%, 50 MB); the KV cache still in use once idle (must
+be 0); and the count of 5xx answers and other failures (must be 0).
+
+Without --base-url the soak starts the deployment itself (`splitserve serve [--pd XpYd]`), so it
+knows every process; with --base-url it needs --pid, the deployment's root process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import time
+from collections import Counter
+
+from splitserve.benchmarks import soak_probe as probe
+from splitserve.benchmarks.soak_traffic import run_stream
+from splitserve.disagg.launch import LocalInstance, start_instance, wait_healthy
+
+_GOAL_FRACTION, _GOAL_BYTES = 0.02, 50 * 2**20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
+    parser.add_argument("--concurrency", type=int, default=16, help="client streams, each one request at a time")
+    parser.add_argument("--sample-interval", type=float, default=60.0, help="seconds between RSS samples")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds before the baseline RSS sample")
+    parser.add_argument("--max-input-len", type=int, default=512, help="prompt lengths uniform in [4, this] words")
+    parser.add_argument("--max-output-len", type=int, default=256, help="max_tokens uniform in [1, this]")
+    parser.add_argument("--abort-fraction", type=float, default=0.1, help="requests the client abandons mid-stream")
+    parser.add_argument("--error-fraction", type=float, default=0.1, help="invalid requests (each must get a 4xx)")
+    parser.add_argument("--idle-timeout", type=float, default=120.0, help="seconds allowed to go idle at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-result", metavar="FILE.json", help="write the result JSON there")
+    own = parser.add_argument_group("deployment started by the soak (without --base-url)")
+    own.add_argument("--model", help="the served model (default: the embedded default model)")
+    own.add_argument("--pd", help="a PD deployment, e.g. 1p1d (default: one instance)")
+    own.add_argument("--server-args", default="", help='extra `splitserve serve` flags, e.g. "--max-num-seqs 32"')
+    running = parser.add_argument_group("a running deployment")
+    running.add_argument("--base-url", help="its root URL, e.g. http://127.0.0.1:8000")
+    running.add_argument("--pid", type=int, help="its root process: the server, or the PD launcher")
+
+
+def check_arguments(ns: argparse.Namespace) -> None:
+    if (ns.base_url is None) != (ns.pid is None):
+        raise ValueError(
+            "--base-url and --pid go together: the soak samples the memory of the process --pid and below."
+        )
+    if ns.base_url and (ns.pd or ns.model or ns.server_args):
+        raise ValueError("--pd, --model and --server-args start a deployment; they do not apply with --base-url.")
+    if ns.concurrency < 1 or ns.duration <= 0 or ns.sample_interval <= 0:
+        raise ValueError("--concurrency, --duration and --sample-interval must be positive.")
+    if not 0 <= ns.abort_fraction + ns.error_fraction <= 1 or min(ns.abort_fraction, ns.error_fraction) < 0:
+        raise ValueError("--abort-fraction and --error-fraction must be >= 0 and add up to at most 1.")
+    if ns.warmup >= ns.duration:
+        raise ValueError(f"--warmup ({ns.warmup:g} s) must be shorter than --duration ({ns.duration:g} s).")
+
+
+def _start(ns: argparse.Namespace) -> LocalInstance:
+    flags = ["--disable-log-requests", *shlex.split(ns.server_args)]
+    flags += ["--model", ns.model] if ns.model else []
+    flags += ["--pd", ns.pd] if ns.pd else []
+    deployment = start_instance("router" if ns.pd else "server", flags)
+    wait_healthy([deployment])
+    return deployment
+
+
+def _instances(base_url: str) -> list[str]:
+    """The URLs whose metrics say whether KV blocks are still in use: the instances behind a PD
+    router, or the server itself."""
+    behind = probe.router_instances(base_url)
+    return [url for url, _ in behind] if behind else [base_url]
+
+
+def sample_memory(root: int, started: float) -> dict:
+    """One RSS sample of every process under `root`."""
+    processes = {}
+    for pid in probe.process_tree(root):
+        rss = probe.rss_bytes(pid)
+        if rss is not None:
+            processes[str(pid)] = {"name": probe.describe(pid), "rss_bytes": rss}
+    total = sum(p["rss_bytes"] for p in processes.values())
+    return {"t_s": round(time.monotonic() - started, 1), "total_rss_bytes": total, "processes": processes}
+
+
+async def _sampler(root: int, started: float, interval: float, samples: list, stop: asyncio.Event) -> None:
+    """A sample every `interval` seconds, and one more when the traffic stops."""
+    while True:
+        samples.append(await asyncio.to_thread(sample_memory, root, started))
+        mb = samples[-1]["total_rss_bytes"] / 2**20
+        print(f"[soak] t={samples[-1]['t_s']:7.0f} s  RSS of the deployment {mb:9.1f} MB", flush=True)
+        if stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _drive(ns: argparse.Namespace, base_url: str, root: int, started: float) -> tuple[Counter, list[dict]]:
+    """The client streams until the deadline, with the RSS sampler beside them."""
+    import aiohttp
+
+    counts, samples, stop = Counter(), [], asyncio.Event()
+    deadline = started + ns.duration
+    sampler = asyncio.create_task(_sampler(root, started, ns.sample_interval, samples, stop))
+    connector = aiohttp.TCPConnector(limit=ns.concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        rngs = [random.Random(ns.seed * 1000 + i) for i in range(ns.concurrency)]
+        await asyncio.gather(*(run_stream(session, base_url, ns, rng, deadline, counts) for rng in rngs))
+    stop.set()
+    await sampler
+    return counts, samples
+
+
+def wait_idle(urls: list[str], timeout: float) -> dict[str, dict]:
+    """Each instance's idle gauges once all are 0, or as they stand when `timeout` runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = {url: probe.instance_load(url) for url in urls}
+        if all(probe.is_idle(load) for load in loads.values()) or time.monotonic() > deadline:
+            return loads
+        time.sleep(1.0)
+
+
+def memory_growth(samples: list[dict], warmup: float) -> dict:
+    """Growth of the deployment's total RSS from the first sample at or after `warmup` to the last,
+    and whether it stays under the goal max(2%, 50 MB)."""
+    after = [s for s in samples if s["t_s"] >= warmup] or samples[-1:]
+    base, last = after[0], samples[-1]
+    growth = last["total_rss_bytes"] - base["total_rss_bytes"]
+    allowed = max(_GOAL_FRACTION * base["total_rss_bytes"], _GOAL_BYTES)
+    per_process = {
+        pid: last["processes"][pid]["rss_bytes"] - p["rss_bytes"]
+        for pid, p in base["processes"].items()
+        if pid in last["processes"]
+    }
+    return {
+        "baseline_t_s": base["t_s"],
+        "baseline_bytes": base["total_rss_bytes"],
+        "final_bytes": last["total_rss_bytes"],
+        "growth_bytes": growth,
+        "allowed_bytes": int(allowed),
+        "within_goal": growth <= allowed,
+        "per_process_growth_bytes": per_process,
+    }
+
+
+def print_report(result: dict) -> None:
+    counts, memory = result["requests"], result["memory"]
+    mb = 2**20
+    print(f"\nsoak: {result['duration_s']:.0f} s, {result['concurrency']} streams against {result['base_url']}")
+    print("requests: " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())))
+    first = {pid: p for pid, p in result["samples"][0]["processes"].items()}
+    last = result["samples"][-1]["processes"]
+    print(f"{'process':<34}{'first MB':>10}{'last MB':>10}{'growth MB':>11}  (after warm-up)")
+    for pid, p in last.items():
+        grown = memory["per_process_growth_bytes"].get(pid)
+        start = first.get(pid, p)["rss_bytes"]
+        shown = f"{grown / mb:>11.1f}" if grown is not None else f"{'new':>11}"
+        print(f"{pid + ' ' + p['name']:<34}{start / mb:>10.1f}{p['rss_bytes'] / mb:>10.1f}{shown}")
+    print(
+        f"deployment RSS: {memory['baseline_bytes'] / mb:.1f} MB at t={memory['baseline_t_s']:.0f} s -> "
+        f"{memory['final_bytes'] / mb:.1f} MB: growth {memory['growth_bytes'] / mb:+.1f} MB, allowed "
+        f"{memory['allowed_bytes'] / mb:.1f} MB ({'within' if memory['within_goal'] else 'OVER'} the goal)"
+    )
+    idle_mb = result["idle_sample"]["total_rss_bytes"] / mb
+    print(f"deployment RSS once idle (t={result['idle_sample']['t_s']:.0f} s): {idle_mb:.1f} MB")
+    for url, load in result["idle"].items():
+        print(f"idle at the end, {url}: " + ", ".join(f"{k}={v:g}" for k, v in load.items() if v is not None))
+    print(f"verdict: {'PASS' if result['passed'] else 'FAIL'} ({'; '.join(result['problems']) or 'no problem found'})")
+
+
+def _problems(counts: Counter, memory: dict, idle: dict[str, dict]) -> list[str]:
+    problems = [f"{counts[kind]} {kind}" for kind in ("5xx", "failed", "unexpected 4xx") if counts[kind]]
+    problems += [] if memory["within_goal"] else ["memory grew past the goal"]
+    problems += [f"{url} not idle at the end: {load}" for url, load in idle.items() if not probe.is_idle(load)]
+    return problems
+
+
+def main(ns: argparse.Namespace) -> dict:
+    check_arguments(ns)
+    deployment = None if ns.base_url else _start(ns)
+    try:
+        base_url = (ns.base_url or deployment.url).rstrip("/")
+        root, started = ns.pid or deployment.process.pid, time.monotonic()
+        counts, samples = asyncio.run(_drive(ns, base_url, root, started))
+        idle = wait_idle(_instances(base_url), ns.idle_timeout)
+        idle_sample = sample_memory(root, started)
+    finally:
+        if deployment is not None:
+            deployment.stop(timeout=60)
+    memory = memory_growth(samples, ns.warmup)
+    result = {
+        "duration_s": ns.duration,
+        "concurrency": ns.concurrency,
+        "base_url": base_url,
+        "requests": dict(counts),
+        "memory": memory,
+        "idle": idle,
+        "samples": samples,
+        "idle_sample": idle_sample,
+    }
+    result["problems"] = _problems(counts, memory, idle)
+    result["passed"] = not result["problems"]
+    print_report(result)
+    if ns.save_result:
+        with open(ns.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"Result written to {ns.save_result}")
+    return result
