@@ -4,6 +4,7 @@ follow vLLM."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import torch
 
 _CPU_KVCACHE_SPACE_ENV = "SPLITSERVE_CPU_KVCACHE_SPACE"  # GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
 _DEFAULT_CPU_KVCACHE_GIB = 4.0
+logger = logging.getLogger(__name__)
+
 _STR_TO_DTYPE = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -259,13 +262,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype; float16 on CPU becomes bfloat16, as in vLLM's CPU backend."""
+    """'auto' takes the checkpoint's dtype (bfloat16 when it names none), except that on a CPU
+    half-precision weights run in bfloat16 only where the CPU computes bfloat16 natively
+    (AVX512-BF16 or AMX), else in float32: emulated bfloat16 matmuls are about four times slower
+    than float32 ones. float16 is not a CPU dtype (vLLM's CPU backend also takes bfloat16)."""
     if isinstance(dtype, torch.dtype):
         chosen = dtype
     elif dtype == "auto":
         chosen = config_dtype if config_dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
-        if device.type == "cpu" and chosen == torch.float16:
-            chosen = torch.bfloat16
+        if device.type == "cpu" and chosen != torch.float32:
+            chosen = _cpu_auto_dtype()
     elif dtype in _STR_TO_DTYPE:
         chosen = _STR_TO_DTYPE[dtype]
     else:
@@ -273,6 +279,20 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
     if device.type == "cpu" and chosen == torch.float16:
         raise ValueError("float16 is not supported on CPU: use bfloat16 or float32.")
     return chosen
+
+
+def _cpu_auto_dtype() -> torch.dtype:
+    from splitserve.kernels import cpu_features
+
+    if cpu_features.native_bf16():
+        logger.info("dtype auto: bfloat16, which this CPU computes natively (%s).", cpu_features.describe())
+        return torch.bfloat16
+    logger.info(
+        "dtype auto: float32, as this CPU has no bfloat16 arithmetic (%s) and would emulate it about four "
+        "times more slowly; --dtype bfloat16 halves the memory of weights and KV cache instead.",
+        cpu_features.describe(),
+    )
+    return torch.float32
 
 
 def cpu_kv_cache_bytes() -> int:

@@ -8,6 +8,7 @@ code it replaces, which stays the reference the kernels are tested against.
 
 SPLITSERVE_CPU_KERNELS=0 turns the C++ kernels off (to compare, or to rule them out); a build
 that fails is logged once, with the compiler's reason, and the torch code runs instead.
+SPLITSERVE_CPU_ISA=avx2 builds them without AVX-512 (cpu_features.py), as on AVX2 machines.
 
 On CUDA, RMSNorm (with or without the residual add), rotary and SiLU-and-mul of float16, bfloat16
 and float32 tensors run as Triton kernels (triton_ops.py): one launch each, float32 math; RMSNorm
@@ -53,17 +54,28 @@ def _build():
         return None
     from torch.utils.cpp_extension import load
 
+    from splitserve.kernels import cpu_features
+
+    isa = cpu_features.isa()
     source = os.path.join(os.path.dirname(__file__), "cpu_ops.cpp")
     start = time.perf_counter()
     try:
-        # -march=native: the code runs on the machine that compiles it. -ffp-contract=off: no fused
-        # multiply-adds, so the element-wise kernels round exactly as the torch ops they replace.
+        # -march=native: the code runs on the machine that compiles it (without AVX-512 when an AVX2
+        # build is asked for, under a name of its own so that both builds stay cached).
+        # -ffp-contract=off: no fused multiply-adds, so the element-wise kernels round exactly as
+        # the torch ops they replace.
         load(
-            name="splitserve_cpu_ops",
+            name="splitserve_cpu_ops" if cpu_features.requested_isa() == "native" else "splitserve_cpu_ops_avx2",
             sources=[source],
             is_python_module=False,
             verbose=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+            extra_cflags=[
+                "-O3",
+                *_ISA_FLAGS[cpu_features.requested_isa()],
+                "-fopenmp",
+                "-fno-math-errno",
+                "-ffp-contract=off",
+            ],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # a missing compiler, or a torch without its headers
@@ -73,10 +85,16 @@ def _build():
         )
         return None
     logger.info(
-        "CPU kernels ready in %.1f s (built once per machine, then loaded from torch's cache).",
+        "CPU kernels (%s code, %s) ready in %.1f s (built once per machine, then loaded from torch's cache).",
+        _ISA_NAMES[isa],
+        cpu_features.describe(),
         time.perf_counter() - start,
     )
     return torch.ops.splitserve_cpu
+
+
+_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}
+_ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "generic": "generic"}
 
 
 def enable_transparent_huge_pages() -> None:

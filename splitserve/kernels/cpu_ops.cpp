@@ -21,8 +21,12 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+// The explicit vector paths: AVX-512, else AVX2 with FMA; the plain loops elsewhere.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define SPLITSERVE_AVX2 1
 #endif
 
 namespace {
@@ -121,6 +125,45 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#elif defined(SPLITSERVE_AVX2)
+// lane j of the result = the sum of the 8 lanes of v[j]: pairwise adds within each 128-bit half,
+// then the two halves of every sum added together.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0123 = _mm256_hadd_ps(a01, a23), b4567 = _mm256_hadd_ps(a45, a67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0123, b4567, 0x20), _mm256_permute2f128_ps(b0123, b4567, 0x31));
+}
+
+// scores[0, m) = q . row_j for the m <= 8 rows at buf (D = kD floats each), eight dot products at a time.
+template <int64_t kD>
+inline void score8(const float* q, const float* buf, int64_t m, float* scores) {
+  __m256 dots[8];
+  for (int64_t j = 0; j < 8; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    if (j < m)
+      for (int64_t c = 0; c < kD / 8; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(buf + j * kD + 8 * c), a);
+    dots[j] = a;
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, reduce8(dots));
+  std::memcpy(scores, sums, m * sizeof(float));
+}
+
+// acc[0, kD) += sum_j p[j] row_j over the m rows at buf, eight accumulator registers at a time.
+template <int64_t kD>
+inline void accumulate8(const float* p, const float* buf, int64_t m, float* acc) {
+  for (int64_t c0 = 0; c0 < kD / 8; c0 += 8) {
+    const int64_t cn = std::min<int64_t>(8, kD / 8 - c0);
+    __m256 a[8];
+    for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+    for (int64_t j = 0; j < m; ++j) {
+      const __m256 w = _mm256_set1_ps(p[j]);
+      for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(buf + j * kD + 8 * (c0 + c)), a[c]);
+    }
+    for (int64_t c = 0; c < cn; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
+  }
+}
 #endif
 
 // fn(t0, m) for each group of m <= kGroup rows starting at row t0, with the rows widened into buf.
@@ -154,6 +197,13 @@ void score_keys(RowWalker<T> walk, const float* query, int64_t G, int64_t D, int
       }
       return;
     }
+#elif defined(SPLITSERVE_AVX2)
+    if constexpr (kD != kDynamic && kD % 8 == 0) {
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j0 = 0; j0 < m; j0 += 8)
+          score8<kD>(query + g * kD, buf + j0 * kD, std::min<int64_t>(8, m - j0), scores + g * n + t0 + j0);
+      return;
+    }
 #endif
     for (int64_t g = 0; g < G; ++g)
       for (int64_t j = 0; j < m; ++j) {
@@ -183,6 +233,11 @@ void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, 
         }
         for (int64_t c = 0; c < kD / 16; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, a[c]);
       }
+      return;
+    }
+#elif defined(SPLITSERVE_AVX2)
+    if constexpr (kD != kDynamic && kD % 8 == 0) {
+      for (int64_t g = 0; g < G; ++g) accumulate8<kD>(p + g * n + t0, buf, m, acc + g * kD);
       return;
     }
 #endif

@@ -3,10 +3,15 @@ splitserve.kernels as the reference, and in the torch attention backend)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from splitserve import kernels
+from splitserve.kernels import cpu_features
 from splitserve.executor.attention.backend import AttentionMetadata
 from splitserve.executor.attention.torch_ref import TorchAttentionBackend, _decode
 
@@ -116,7 +121,7 @@ class _Layer:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,window", [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 32, 7)])
+@pytest.mark.parametrize("hq,hkv,d,window", [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 32, 7), (4, 2, 128, 40)])
 def test_decode_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window):
     gen = torch.Generator().manual_seed(hq * d)
     bs, num_blocks = 16, 40
@@ -253,3 +258,31 @@ def test_sampling_at_an_enormous_temperature_never_picks_a_banned_token(ops, mon
         out = Sampler()(logits, meta)
         assert torch.all(out.token_ids % 2 == 1), fused
         assert torch.all(torch.isfinite(out.sampled_logprobs)), fused
+
+
+@pytest.mark.skipif(
+    cpu_features.requested_isa() == "avx2" or cpu_features.isa() != "avx512",
+    reason="this run is the AVX2 build already (or the machine has no AVX-512 to leave out)",
+)
+def test_the_avx2_build_passes_these_tests_too():
+    """On an AVX-512 machine, the same tests again with the kernels built without AVX-512, so that
+    the AVX2 code paths (the ones AVX2-only machines run) are tested wherever the suite runs."""
+    env = {**os.environ, cpu_features.ISA_ENV: "avx2"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
+
+
+def test_kernels_are_built_for_the_isa_asked_for(ops):
+    flags = cpu_features.cpu_flags()
+    if cpu_features.requested_isa() == "avx2":
+        assert cpu_features.isa() in ("avx2", "generic") and not cpu_features.native_bf16()
+    elif {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        assert cpu_features.isa() == "avx512"
+    assert cpu_features.native_bf16() == (cpu_features.isa() == "avx512" and bool({"avx512_bf16", "amx_bf16"} & flags))

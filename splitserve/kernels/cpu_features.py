@@ -1,0 +1,64 @@
+"""What this CPU computes natively, read once from /proc/cpuinfo.
+
+Two kinds of x86 machines matter: AVX-512 ones, some with bfloat16 dot products (avx512_bf16, or
+AMX), and AVX2 + FMA ones, where bfloat16 matmuls are emulated (about four times slower than
+float32). The kernels are compiled for the kind found (`isa()`), and `dtype="auto"` picks bfloat16
+only where the CPU computes it natively (`native_bf16()`).
+
+SPLITSERVE_CPU_ISA=avx2 makes an AVX-512 machine behave as an AVX2 one: kernels compiled without
+AVX-512 (a build of their own) and no native bfloat16. The kernel tests use it so that the AVX2
+code is tested on every machine; it also lets one measure the AVX2 path where only AVX-512 exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+ISA_ENV = "SPLITSERVE_CPU_ISA"
+_ISAS = ("native", "avx2")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def requested_isa() -> str:
+    value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if value not in _ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(_ISAS)}, got {value!r}.")
+    return value
+
+
+def isa() -> str:
+    """ "avx512", "avx2" or "generic": the widest vector code the kernels are built for here."""
+    flags = cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "generic"
+    if requested_isa() == "native" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+
+
+def native_bf16() -> bool:
+    """Whether bfloat16 matmuls run on bf16 hardware here (not emulated through float32)."""
+    return isa() == "avx512" and any(flag in cpu_flags() for flag in _BF16_FLAGS)
+
+
+def describe() -> str:
+    """The CPU's relevant flags in words, for logs and benchmark reports."""
+    flags = cpu_flags()
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    forced = f" ({ISA_ENV}=avx2: treated as AVX2)" if requested_isa() == "avx2" else ""
+    return f"{platform.machine()} [{' '.join(shown) or 'no AVX2'}]{forced}"
