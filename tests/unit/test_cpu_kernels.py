@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from splitserve import kernels
-from splitserve.kernels import cpu_features
 from splitserve.executor.attention.backend import AttentionMetadata
 from splitserve.executor.attention.torch_ref import TorchAttentionBackend, _decode
+from splitserve.kernels import cpu_features
 
 
 @pytest.fixture(scope="module")
