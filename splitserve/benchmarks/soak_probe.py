@@ -94,5 +94,12 @@ def instance_load(url: str) -> dict[str, float | None]:
     return {name.split(":", 1)[1]: metric_value(text, name) for name in IDLE_GAUGES}
 
 
+def kv_resident_bytes(url: str) -> int:
+    """How much of an instance's KV cache is resident (on CPU the cache is mapped lazily: it
+    becomes resident as blocks are first used, which is not a leak)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return int(metric_value(text, "splitserve:kv_cache_resident_bytes") or 0)
+
+
 def is_idle(load: dict[str, float | None]) -> bool:
     return all(not value for value in load.values())

@@ -38,6 +38,7 @@ from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+_KV_MEMORY_REFRESH_S = 5.0  # how often stats ask the ranks how much of their KV cache is resident
 
 
 class EngineCore:
@@ -66,6 +67,7 @@ class EngineCore:
         if swapping and cc.num_cpu_blocks < 1:
             raise ValueError("preemption_mode='swap' needs host memory for at least one block: raise --swap-space.")
         self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks)
+        self._kv_memory, self._kv_memory_at = (0, 0), -_KV_MEMORY_REFRESH_S
         self.executor.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.num_cpu_blocks)
         lora_config = config.lora_config
@@ -348,4 +350,13 @@ class EngineCore:
             s.prefix_cache_stats.hits,
             kv_stats,
             self.loras.version,
+            *self._kv_cache_memory(),
         )
+
+    def _kv_cache_memory(self) -> tuple[int, int]:
+        """The executor's answer, asked at most every few seconds (it asks every rank, and a rank
+        answers after the step it is running)."""
+        now = time.monotonic()
+        if now - self._kv_memory_at >= _KV_MEMORY_REFRESH_S:
+            self._kv_memory, self._kv_memory_at = self.executor.kv_cache_memory(), now
+        return self._kv_memory

@@ -112,6 +112,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int
     kv_transfer: KVTransferStats | None = None
     lora_version: int = 0  # changes whenever an adapter is added or removed
+    kv_cache_bytes: int = 0  # allocated for the KV cache, every rank
+    kv_cache_resident_bytes: int = 0  # of those, backed by memory (Executor.kv_cache_memory)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

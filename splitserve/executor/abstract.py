@@ -37,6 +37,11 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None: ...
 
     @abstractmethod
+    def kv_cache_memory(self) -> tuple[int, int]:
+        """(bytes allocated, bytes resident) of the KV cache over all ranks: a CPU cache is mapped
+        lazily and becomes resident as its blocks are first used."""
+
+    @abstractmethod
     def capture_cuda_graphs(self) -> None: ...
 
     @abstractmethod

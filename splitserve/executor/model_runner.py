@@ -16,6 +16,7 @@ from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
+from splitserve.executor.kv_memory import kv_memory_use, kv_zeros
 from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
@@ -143,17 +144,20 @@ class ModelRunner:
         spec, layers = self.kv_spec, self.model.attention_layers()
         # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
         shape = (2, layers[0].num_kv_heads, num_blocks, self.block_size, spec.packed_head_dim(layers[0].head_dim))
-        caches = [torch.zeros(shape, dtype=spec.storage_dtype, device=self.device) for _ in layers]
+        caches = [kv_zeros(shape, spec.storage_dtype, self.device) for _ in layers]
         scales = None
         if spec.quantized:
             # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
-            scales = [
-                torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=self.device) for _ in layers
-            ]
+            scale_shape = (*shape[:-1], spec.num_scale_fields)
+            scales = [kv_zeros(scale_shape, SCALE_DTYPE, self.device) for _ in layers]
         for i, layer in enumerate(layers):
             layer.kv_cache = caches[i]
             layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
         return caches, scales
+
+    def kv_cache_memory(self) -> tuple[int, int]:
+        """(bytes allocated, bytes resident) of this rank's KV cache, values and scales."""
+        return kv_memory_use(self.kv_caches + (self.kv_scales or []))
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Blocks 0..num_blocks-1 are the block manager's; with CUDA graphs one more is allocated,

@@ -175,6 +175,10 @@ class MultiprocExecutor(Executor):
     def determine_num_cpu_blocks(self) -> int:
         return min(self._call("determine_num_cpu_blocks"))
 
+    def kv_cache_memory(self) -> tuple[int, int]:
+        per_rank = self._call("kv_cache_memory")
+        return sum(a for a, _ in per_rank), sum(r for _, r in per_rank)
+
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self._call("initialize_kv_cache", num_blocks, num_cpu_blocks)
 

@@ -23,6 +23,9 @@ class UniProcExecutor(Executor):
     def determine_num_cpu_blocks(self) -> int:
         return self.runner.determine_num_cpu_blocks()
 
+    def kv_cache_memory(self) -> tuple[int, int]:
+        return self.runner.kv_cache_memory()
+
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
 

@@ -58,6 +58,7 @@ _CALLS = (
     "determine_num_cpu_blocks",
     "initialize_kv_cache",
     "capture_cuda_graphs",
+    "kv_cache_memory",
     "ready",
     "kv_connector",
     "add_lora",
@@ -138,6 +139,9 @@ class Worker:
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()
+
+    def kv_cache_memory(self) -> tuple[int, int]:
+        return self.runner.kv_cache_memory()
 
     def add_lora(self, lora: dict) -> None:
         self.runner.add_lora(msgspec.convert(lora, LoRARequest))

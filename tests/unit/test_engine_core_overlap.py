@@ -52,6 +52,9 @@ class FakeExecutor:
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         pass
 
+    def kv_cache_memory(self) -> tuple[int, int]:
+        return self.num_blocks * 1024, 0
+
     def capture_cuda_graphs(self) -> None:
         pass
 

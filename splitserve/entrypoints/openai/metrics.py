@@ -97,6 +97,11 @@ class Metrics:
         self.num_requests_running = gauge("num_requests_running", "Requests being computed in the engine.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes allocated for the KV cache (every rank).")
+        self.kv_cache_resident_bytes = gauge(
+            "kv_cache_resident_bytes",
+            "Bytes of the KV cache backed by memory: on CPU it is mapped lazily and grows as blocks are first used.",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = Counter(
@@ -121,6 +126,8 @@ class Metrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.kv_cache_bytes.set(stats.kv_cache_bytes)
+        self.kv_cache_resident_bytes.set(stats.kv_cache_resident_bytes)
         if not self.records_engine_counters:
             return
         last = self._last

@@ -1,0 +1,57 @@
+"""Memory for the KV cache.
+
+On CPU the cache is mapped lazily: anonymous memory that the OS fills with zero pages when a page
+is first written, so that allocating a 4 GiB cache takes microseconds instead of seconds of page
+faults and zeroing, and the process's resident memory grows with the blocks actually used (the
+block pool hands out blocks in ascending order until it has used them all, so the used part is the
+front of every layer's cache). Transparent huge pages are asked for where torch's allocator uses
+them too: requests' blocks are scattered, and 2 MiB pages spare the TLB. On CUDA the cache is
+torch.zeros, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import mmap
+import os
+
+import numpy as np
+import torch
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU, backed by lazily mapped zero pages (the tensor keeps the mapping)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=dtype).view(shape)
+
+
+def kv_memory_use(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(bytes allocated, bytes resident) of KV cache tensors: on CPU the resident pages as the
+    kernel reports them (mincore), elsewhere all of them."""
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    if not tensors or tensors[0].device.type != "cpu":
+        return allocated, allocated
+    return allocated, sum(_resident(t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+
+
+def _resident(address: int, nbytes: int) -> int:
+    """Bytes of [address, address + nbytes) that are in memory, counted page by page."""
+    page = mmap.PAGESIZE
+    start = address - address % page
+    length = address + nbytes - start
+    pages = (ctypes.c_ubyte * -(-length // page))()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on the KV cache")
+    return int((np.frombuffer(pages, dtype=np.uint8) & 1).sum()) * page
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
