@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from splitserve.loader.gguf_cache import hf_dir_for_gguf
 from splitserve.loader.resolve import split_gguf
 
 
 def get_tokenizer(path: str, trust_remote_code: bool = False):
+    """A .gguf file's tokenizer is read from the file once and then from splitserve's cache
+    (loader/gguf_cache.py)."""
     from transformers import AutoTokenizer
 
     directory, gguf_file = split_gguf(path)
+    if gguf_file is not None and (saved := hf_dir_for_gguf(path)) is not None:
+        directory, gguf_file = saved, None
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -12,6 +12,7 @@ import torch
 
 from splitserve.config import ModelConfig, resolve_dtype
 from splitserve.layers.rotary import is_dynamic_ntk, set_rope_scaling
+from splitserve.loader.gguf_cache import hf_dir_for_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,8 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     if gguf_file is None and not os.path.isfile(os.path.join(directory, "config.json")):
         raise FileNotFoundError(f"{directory} has no config.json: it is not a Hugging Face model directory.")
     config = _native_config(directory) if gguf_file is None else None
+    if gguf_file is not None and (saved := hf_dir_for_gguf(path)) is not None:
+        directory, gguf_file = saved, None
     if config is None:
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     if not getattr(config, "architectures", None):

@@ -9,10 +9,12 @@ import os
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from splitserve.config import ModelConfig
+from splitserve.loader.gguf_file import GGUFFile, GGUFTensor
 from splitserve.models.registry import get_model_class
 from splitserve.quantization.linear import weight_bytes
 
@@ -130,19 +132,25 @@ def pt_weights(directory: str) -> WeightIterator:
 
 
 def gguf_weights(path: str, hf_config) -> WeightIterator:
-    """Tensors of a .gguf file, dequantized to float32 by the `gguf` package, under HF names."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    """Tensors of a .gguf file, dequantized to float32, under HF names."""
+    gguf_file = GGUFFile(path)
+    arch_name = gguf_file.architecture
     names = _gguf_to_hf_names(arch_name, hf_config.num_hidden_layers)
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         base, _, suffix = tensor.name.rpartition(".")
         if base not in names:
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch_name}) has no Hugging Face counterpart.")
         hf_name = f"{names[base]}.{suffix}"
-        weight = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type).copy())
+        weight = dequantize_gguf(tensor)
         yield hf_name, _unpermute_gguf(hf_name, weight, hf_config) if arch_name in _GGUF_PERMUTED_ARCHS else weight
+
+
+def dequantize_gguf(tensor: GGUFTensor) -> torch.Tensor:
+    """A GGUF tensor in float32, in its torch shape (the `gguf` package's dequantization)."""
+    import gguf
+
+    values = gguf.dequantize(tensor.data.numpy(), gguf.GGMLQuantizationType(tensor.qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(tensor.shape)
 
 
 def _gguf_to_hf_names(arch_name: str, num_layers: int) -> dict[str, str]:

@@ -1,0 +1,128 @@
+"""A .gguf file's tensors, memory-mapped, without parsing more metadata than loading needs.
+
+The `gguf` package's GGUFReader builds a Python object for every element of every metadata array
+(SmolLM2's 49,152 tokens, their scores and types, 48,900 merges): 4-9 s before the first tensor.
+The weights need only the tensor index, the architecture name and the alignment, so this reader
+skips the arrays by their lengths and maps the file: each tensor is a zero-copy view of it, in
+its GGUF blocks ([rows, row bytes] uint8 for a quantized tensor). The layout is GGUF's v2/v3
+(little-endian): header, metadata key/values, tensor infos, aligned data.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+# metadata value types: the fixed-size ones by struct format; 8 is a string, 9 an array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    qtype: int  # ggml type id (gguf.GGMLQuantizationType)
+    shape: tuple[int, ...]  # torch order: outermost first ([out_features, in_features] for a weight)
+    data: torch.Tensor  # uint8 [rows, row bytes] (2-d tensors), or [bytes] (1-d), a view of the file
+
+    @property
+    def row_elements(self) -> int:
+        return self.shape[-1]
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        length = self.unpack("Q")  # (not `self.pos += self.unpack(...)`: that would drop the unpack's own advance)
+        self.pos += length
+
+
+def _read_value(cur: _Cursor, vtype: int):
+    """A scalar or string value; arrays are skipped (None), strings inside them by their lengths."""
+    if vtype in _SCALARS:
+        return cur.unpack(_SCALARS[vtype])
+    if vtype == _STRING:
+        return cur.string()
+    if vtype != _ARRAY:
+        raise ValueError(f"unknown GGUF metadata value type {vtype}")
+    etype, count = cur.unpack("IQ")
+    if etype in _SCALARS:
+        cur.pos += count * struct.calcsize(_SCALARS[etype])
+    elif etype == _STRING:
+        for _ in range(count):
+            cur.skip_string()
+    else:
+        for _ in range(count):
+            _read_value(cur, etype)
+    return None
+
+
+class GGUFFile:
+    """The scalar metadata and the tensors of a .gguf file, mapped copy-on-write (the tensors keep the
+    mapping alive)."""
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        cur = _Cursor(memoryview(self._map))
+        if bytes(cur.buf[:4]) != _MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic number).")
+        cur.pos = 4
+        version, n_tensors, n_kv = cur.unpack("IQQ")
+        if version < 2:
+            raise ValueError(f"{path} is GGUF version {version}; versions 2 and 3 are supported.")
+        self.metadata = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = _read_value(cur, cur.unpack("I"))
+        infos = [self._tensor_info(cur) for _ in range(n_tensors)]
+        alignment = self.metadata.get("general.alignment") or _DEFAULT_ALIGNMENT
+        data_start = -(-cur.pos // alignment) * alignment
+        whole = torch.frombuffer(self._map, dtype=torch.uint8) if len(self._map) else torch.empty(0, dtype=torch.uint8)
+        self.tensors = [self._tensor(whole, data_start, *info) for info in infos]
+
+    @staticmethod
+    def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        dims = struct.unpack_from(f"<{n_dims}Q", cur.buf, cur.pos)
+        cur.pos += 8 * n_dims
+        qtype, offset = cur.unpack("IQ")
+        return name, tuple(reversed(dims)), qtype, offset
+
+    @staticmethod
+    def _tensor(whole: torch.Tensor, data_start: int, name: str, shape, qtype: int, offset: int) -> GGUFTensor:
+        import gguf
+
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        if shape[-1] % block_elems:
+            raise ValueError(
+                f"GGUF tensor {name}: rows of {shape[-1]} values are not whole {block_elems}-value blocks."
+            )
+        row_bytes = shape[-1] // block_elems * block_bytes
+        rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+        start = data_start + offset
+        data = whole[start : start + rows * row_bytes]
+        return GGUFTensor(name, qtype, shape, data.view(rows, row_bytes) if len(shape) > 1 else data)
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
