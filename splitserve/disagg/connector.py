@@ -11,6 +11,7 @@ pulls only from a prefill instance with as many ranks as itself (rank r from ran
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,9 @@ from splitserve.distributed.kv_transfer import KVTransferStats, PullResult
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0  # with nothing outstanding, the ranks' counters are still refreshed this often
+# Fault injection for tests: a prefill instance holds the engine this many seconds after leasing a
+# request's blocks, before its answer leaves, so that a test can kill a process in that window.
+FAULT_LEASE_DELAY_ENV = "SPLITSERVE_FAULT_KV_LEASE_DELAY_S"
 
 
 class KVConnectorGroup:
@@ -33,6 +37,7 @@ class KVConnectorGroup:
         self._done: list[PullResult] = []  # pulls refused before they started
         self._stats = KVTransferStats()
         self._last_poll = 0.0
+        self._lease_delay_s = float(os.environ.get(FAULT_LEASE_DELAY_ENV, "0") or 0)
 
     @property
     def num_ranks(self) -> int:
@@ -46,6 +51,14 @@ class KVConnectorGroup:
     def add_lease(self, request_id: str, block_ids: list[int], num_pulls: int) -> None:
         self._call("add_lease", request_id, list(block_ids), num_pulls)
         self._leases[request_id] = self.num_ranks
+        if self._lease_delay_s > 0:
+            logger.warning(
+                "Fault injection (%s): request %s is leased; its answer waits %.1f s",
+                FAULT_LEASE_DELAY_ENV,
+                request_id,
+                self._lease_delay_s,
+            )
+            time.sleep(self._lease_delay_s)
 
     # --- decode side ------------------------------------------------------------------------
     def submit_pull(self, request_id: str, params, first_block: int, dest_block_ids: list[int]) -> None:

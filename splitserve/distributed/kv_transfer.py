@@ -11,10 +11,13 @@ model step:
   expires; once it has expired a late pull is refused (the blocks may already hold other data).
 - decode side (KV client): pulls blocks into blocks the scheduler allocated, one job at a time,
   and reports each job's result to the engine loop, which then lets the request run (or, on any
-  failure, computes the prompt itself).
+  failure, computes the prompt itself). A pull fails at once when the prefill instance's KV
+  server cannot be reached or drops the connection (it died), else after PULL_TIMEOUT_S without
+  an answer.
 
-Messages are typed msgspec structs (never pickle). A KV frame carries the request id, the block
-ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match is refused.
+Messages are typed msgspec structs (never pickle). A KV frame (kv_frames.py) carries the request
+id, the block ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match is
+refused.
 With a quantized KV cache (--kv-cache-dtype) the blocks' scales travel in a third frame, and both
 instances must store the same kv_cache_dtype.
 """
@@ -22,23 +25,30 @@ instances must store the same kv_cache_dtype.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.config import KVTransferConfig
+from splitserve.distributed.kv_frames import KVFrameHeader, crc32, dtype_name, frame_shape, gather, scatter
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-_BLOCK_DIM = 2  # of a layer's cache [2, num_kv_heads, num_blocks, block_size, head_dim]
-PULL_TIMEOUT_S = 30.0
+PULL_TIMEOUT_S = 30.0  # a KV server that neither answers nor drops the connection (a lost host)
+# Fault injection for tests: the KV server waits this many seconds per block before sending a
+# pull's blocks, so that a test can kill an instance while the pull is under way.
+FAULT_BLOCK_DELAY_ENV = "SPLITSERVE_FAULT_KV_BLOCK_DELAY_S"
+# The events of a pull's connection that mean the KV server is gone: it dropped the connection,
+# or it refused one (ZMQ then retries, which would last until the timeout).
+_PEER_GONE = {zmq.EVENT_DISCONNECTED: "closed the connection", zmq.EVENT_CONNECT_RETRIED: "refused the connection"}
 
 
 class KVTransferStats(msgspec.Struct, array_like=True):
@@ -68,18 +78,6 @@ class Release(msgspec.Struct, tag="release", array_like=True):
 ConnectorMessage = PullRequest | Release
 
 
-class KVFrameHeader(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    first_block: int = 0
-    block_ids: list[int] = []
-    shape: list[int] = []
-    dtype: str = ""
-    checksum: int = 0  # CRC-32 of the data frame, continued over the scales frame if any
-    error: str | None = None
-    kv_cache_dtype: str = "auto"
-    scale_shape: list[int] = []  # a quantized cache's scales (float32); [] when none travel
-
-
 @dataclass
 class Lease:
     block_ids: list[int]
@@ -105,36 +103,6 @@ class PullResult:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _gather(tensors: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-    """Blocks `index` of every layer's tensor: one CPU tensor [layers, 2, heads, len(index), block_size, last]."""
-    return torch.stack([t.index_select(_BLOCK_DIM, index) for t in tensors]).cpu().contiguous()
-
-
-def _scatter(tensors: list[torch.Tensor], index: torch.Tensor, data: torch.Tensor) -> None:
-    """The inverse of _gather: data's blocks into blocks `index` of every layer's tensor."""
-    for tensor, blocks in zip(tensors, data):
-        if tensor.element_size() == 1:  # int8, fp8, packed int4: CPU index_copy_ has no float8 kernel
-            tensor, blocks = tensor.view(torch.uint8), blocks.view(torch.uint8)
-        tensor.index_copy_(_BLOCK_DIM, index, blocks.to(tensor.device))
-
-
-def _frame_shape(tensors: list[torch.Tensor], num_blocks: int) -> list[int]:
-    shape = [len(tensors), *tensors[0].shape]
-    shape[1 + _BLOCK_DIM] = num_blocks
-    return shape
-
-
-def _crc32(buffers) -> int:
-    checksum = 0
-    for buffer in buffers:
-        checksum = zlib.crc32(buffer, checksum)
-    return checksum
 
 
 class KVConnector:
@@ -165,6 +133,7 @@ class KVConnector:
                 server.bind(f"tcp://{config.kv_host}:{config.kv_port}")
             else:
                 self.port = server.bind_to_random_port(f"tcp://{config.kv_host}")
+            self._block_delay_s = float(os.environ.get(FAULT_BLOCK_DELAY_ENV, "0") or 0)
             self._start(self._serve, server)
             logger.info(
                 "KV server listening on %s:%d (leases expire after %.0f s)",
@@ -213,9 +182,23 @@ class KVConnector:
                     self._end_lease(msg.request_id)
                 else:
                     header, payloads = self._read_blocks(msg)
+                    self._inject_delay(header)
                     sock.send_multipart([identity, encoder.encode(header), *payloads], copy=False)
             self._expire()
         sock.close()
+
+    def _inject_delay(self, header: KVFrameHeader) -> None:
+        """Fault injection (FAULT_BLOCK_DELAY_ENV): hold a pull's blocks back, as a slow link would."""
+        if self._block_delay_s > 0 and header.block_ids:
+            delay = self._block_delay_s * len(header.block_ids)
+            logger.warning(
+                "Fault injection (%s): sending %d KV blocks of request %s in %.1f s",
+                FAULT_BLOCK_DELAY_ENV,
+                len(header.block_ids),
+                header.request_id,
+                delay,
+            )
+            time.sleep(delay)
 
     def _read_blocks(self, msg: PullRequest) -> tuple[KVFrameHeader, list[memoryview | bytes]]:
         """The header and the payload frames: the blocks' data, then their scales if the cache has any."""
@@ -233,8 +216,8 @@ class KVConnector:
                     f"blocks {msg.first_block}..{msg.first_block + msg.num_blocks - 1} asked",
                 ), [b""]
             index = torch.tensor(ids, device=self.kv_caches[0].device)
-            data = _gather(self.kv_caches, index)
-            scales = None if self.kv_scales is None else _gather(self.kv_scales, index)
+            data = gather(self.kv_caches, index)
+            scales = None if self.kv_scales is None else gather(self.kv_scales, index)
             lease.pulls_left -= 1
             if lease.pulls_left == 0:
                 self._end_lease_locked(msg.request_id)
@@ -246,8 +229,8 @@ class KVConnector:
             msg.first_block,
             ids,
             list(data.shape),
-            _dtype_name(data.dtype),
-            _crc32(raws),
+            dtype_name(data.dtype),
+            crc32(raws),
             kv_cache_dtype=self.kv_cache_dtype,
             scale_shape=[] if scales is None else list(scales.shape),
         )
@@ -290,14 +273,13 @@ class KVConnector:
         return _drain(self._results)
 
     def _pull_loop(self) -> None:
-        sockets: dict[tuple[str, int], zmq.Socket] = {}
         while self._running:
             try:
                 job = self._jobs.get(timeout=_POLL_MS / 1000)
             except queue.Empty:
                 continue
             start = time.perf_counter()
-            error = self._pull(job, sockets)
+            error = self._pull(job)
             if error is None:
                 self.stats.transfer_seconds += time.perf_counter() - start
             else:
@@ -310,21 +292,26 @@ class KVConnector:
                     error,
                 )
             self._results.put(PullResult(job.request_id, error))
-        for sock in sockets.values():
+
+    def _pull(self, job: PullJob) -> str | None:
+        """One pull over a connection of its own, watched: a KV server that dies mid-pull (or was
+        gone before) fails the pull as soon as the connection drops, not after PULL_TIMEOUT_S."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(sum(_PEER_GONE))  # the events are bit flags
+        try:
+            sock.connect(f"tcp://{job.host}:{job.port}")
+            sock.send(
+                msgspec.msgpack.encode(PullRequest(job.remote_request_id, job.first_block, len(job.dest_block_ids)))
+            )
+            error = _await_answer(sock, monitor)
+            return error if error is not None else self._receive(job, sock)
+        finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
-    def _pull(self, job: PullJob, sockets: dict) -> str | None:
-        key = (job.host, job.port)
-        sock = sockets.get(key)
-        if sock is None:
-            sock = sockets[key] = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{job.host}:{job.port}")
-        sock.send(msgspec.msgpack.encode(PullRequest(job.remote_request_id, job.first_block, len(job.dest_block_ids))))
-        if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
-            sock.close()  # a late answer must not be taken for the next job's
-            del sockets[key]
-            return f"no answer within {PULL_TIMEOUT_S:.0f} s"
+    def _receive(self, job: PullJob, sock: zmq.Socket) -> str | None:
         frames = sock.recv_multipart(copy=False)
         if len(frames) < 2:
             return f"expected a header and payload frames, got {len(frames)} frames"
@@ -345,7 +332,7 @@ class KVConnector:
         targets = [self.kv_caches] if self.kv_scales is None else [self.kv_caches, self.kv_scales]
         if len(payloads) != len(targets):
             return f"refused a KV frame: {len(payloads)} payload frames, expected {len(targets)}"
-        shapes = [_frame_shape(tensors, len(job.dest_block_ids)) for tensors in targets]
+        shapes = [frame_shape(tensors, len(job.dest_block_ids)) for tensors in targets]
         scale_shape = shapes[1] if self.kv_scales is not None else []
         cache = self.kv_caches[0]
         problems = [
@@ -354,8 +341,8 @@ class KVConnector:
             (len(header.block_ids) != len(job.dest_block_ids), f"{len(header.block_ids)} blocks"),
             (header.shape != shapes[0], f"shape {header.shape}, expected {shapes[0]}"),
             (header.scale_shape != scale_shape, f"scale shape {header.scale_shape}, expected {scale_shape}"),
-            (header.dtype != _dtype_name(cache.dtype), f"dtype {header.dtype}, expected {_dtype_name(cache.dtype)}"),
-            (_crc32(payloads) != header.checksum, "checksum mismatch"),
+            (header.dtype != dtype_name(cache.dtype), f"dtype {header.dtype}, expected {dtype_name(cache.dtype)}"),
+            (crc32(payloads) != header.checksum, "checksum mismatch"),
         ]
         for bad, what in problems:
             if bad:
@@ -363,10 +350,24 @@ class KVConnector:
         index = torch.tensor(job.dest_block_ids, device=cache.device)
         for tensors, shape, payload in zip(targets, shapes, payloads):
             dtype = tensors[0].dtype
-            _scatter(tensors, index, torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape))
+            scatter(tensors, index, torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape))
         self.stats.blocks_received += len(job.dest_block_ids)
         self.stats.bytes_received += sum(payload.nbytes for payload in payloads)
         return None
+
+
+def _await_answer(sock: zmq.Socket, monitor: zmq.Socket) -> str | None:
+    """None once the answer is there; else why it will not come."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    ready = dict(poller.poll(int(PULL_TIMEOUT_S * 1000)))
+    if sock in ready:
+        return None
+    if monitor in ready:
+        event = recv_monitor_message(monitor)["event"]
+        return f"the prefill instance's KV server {_PEER_GONE[event]} (is it down?)"
+    return f"no answer within {PULL_TIMEOUT_S:.0f} s"
 
 
 def _drain(items: queue.Queue) -> list:

@@ -31,6 +31,7 @@ from splitserve.engine.messages import (
     GrammarVocabulary,
     LoRACall,
     Ping,
+    SchedulerStats,
 )
 from splitserve.engine.watchdog import StepWatchdog
 from splitserve.process_utils import exit_with_parent
@@ -63,6 +64,7 @@ class EngineCoreProc:
         self.steps = 0
         self.last_log = time.monotonic()
         self.watchdog = StepWatchdog(config.health_timeout, self._describe)
+        self._audit: tuple[tuple, int] | None = None  # (what the engine held, blocks held) at the last audit
 
     def run(self) -> None:
         while True:
@@ -128,15 +130,34 @@ class EngineCoreProc:
             for rid in msg.request_ids:
                 self.owner.pop(rid, None)
         elif isinstance(msg, Ping):
-            self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), pong=msg.nonce))
+            self._send_to(identity, EngineCoreOutputs(stats=self._stats(), pong=msg.nonce))
         elif isinstance(msg, LoRACall):
             reply = self.core.lora_call(msg)
-            self._send_to(identity, EngineCoreOutputs(stats=self.core.stats(), lora_reply=reply))
+            self._send_to(identity, EngineCoreOutputs(stats=self._stats(), lora_reply=reply))
             self.last_stats = 0.0  # every client hears the new registry version at the next send
         elif isinstance(msg, GrammarVocabulary):
             self.core.structured_output.set_tokenizer_info(msg.tokenizer_info)
 
     # --- output -----------------------------------------------------------------------------
+    def _stats(self) -> SchedulerStats:
+        stats = self.core.stats()
+        stats.taken_at = time.time()
+        if not self.core.has_unfinished_requests():
+            stats.kv_blocks_held = self._audit_kv()
+        return stats
+
+    def _audit_kv(self) -> int:
+        """The KV blocks requests hold (on an idle engine: only leases), counted block by block after
+        the scheduler's and block pool's invariant checks; a failed check raises, which stops the
+        engine with its message. It walks every block, so it runs again only when the engine has
+        stepped, or its requests or free blocks changed, since the last audit."""
+        core = self.core
+        state = (self.watchdog.step, len(core.scheduler.requests), core.kv_manager.pool.num_free_blocks)
+        if self._audit is None or self._audit[0] != state:
+            core.scheduler.check_invariants()
+            self._audit = (state, core.kv_manager.num_held_blocks())
+        return self._audit[1]
+
     def _send(self, outputs: list[EngineCoreOutput], force_stats: bool) -> None:
         by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         for out in outputs:
@@ -150,7 +171,7 @@ class EngineCoreProc:
         broadcast = force_stats or now - self.last_stats >= _STATS_INTERVAL_S
         if not by_client and not broadcast:
             return
-        stats = self.core.stats()
+        stats = self._stats()
         for identity in self.clients if broadcast else by_client:
             self._send_to(identity, EngineCoreOutputs(by_client.get(identity, []), stats))
         if broadcast:

@@ -123,6 +123,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    def num_held_blocks(self) -> int:
+        """Blocks with a reference, counted one by one (`usage` reads the free queue's length instead)."""
+        return sum(1 for block in self.pool.blocks if block.ref_cnt > 0)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids, in order (the manager's own list: do not modify it)."""
         return self.req_to_block_ids.get(request_id, [])

@@ -114,6 +114,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_version: int = 0  # changes whenever an adapter is added or removed
     kv_cache_bytes: int = 0  # allocated for the KV cache, every rank
     kv_cache_resident_bytes: int = 0  # of those, backed by memory (Executor.kv_cache_memory)
+    # KV blocks that requests hold, counted block by block by the invariant check the engine runs
+    # while it is idle (None while requests run): 0 on an idle instance that holds no lease.
+    kv_blocks_held: int | None = None
+    taken_at: float = 0.0  # Unix time at which the engine process took these stats
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

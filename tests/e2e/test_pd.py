@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.e2e.pd_helpers import COMMON, idle, wait_for
 from tests.e2e.server import RemoteServer, free_port
 from tests.e2e.test_openai_server import _engine_pid, _metric
 from tests.e2e.test_parallel_serving import _alive
 
-COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--disable-log-requests"]
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a land far away, there lived a dragon who " * 3,
@@ -53,23 +53,6 @@ def _check_parity(url: str, offline: LLM) -> None:
         expected = _expected(offline, prompt)
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == expected
         assert _stream_text(url, body) == expected
-
-
-def _wait(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _idle(url: str) -> bool:
-    return (
-        _metric(url, "splitserve:kv_cache_usage_perc") == 0
-        and _metric(url, "splitserve:num_requests_running") == 0
-        and _metric(url, "splitserve:kv_transfer_leases_active") == 0
-    )
 
 
 # --- one command ------------------------------------------------------------------------------
@@ -167,7 +150,7 @@ def test_killed_decode_engine_fails_requests_and_frees_prefill_blocks(pd_cluster
     assert r.status_code >= 500 and r.json()["error"]["message"]
     # Whatever the prefill side leased for the dead decode instance expires and is freed.
     for p in prefill:
-        _wait(lambda url=p.url: _idle(url), what=f"{p.url} to free its blocks")
+        wait_for(lambda url=p.url: idle(url), what=f"{p.url} to free its blocks")
 
 
 def test_client_aborts_free_both_sides(pd_cluster):
@@ -180,7 +163,7 @@ def test_client_aborts_free_both_sides(pd_cluster):
                 json={"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True},
             )
     for server in (decode, *prefill):
-        _wait(lambda url=server.url: _idle(url), what=f"{server.url} to free its blocks")
+        wait_for(lambda url=server.url: idle(url), what=f"{server.url} to free its blocks")
 
 
 # --- the rank-table environment -----------------------------------------------------------------

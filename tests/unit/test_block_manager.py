@@ -281,12 +281,14 @@ def test_ref_counts_with_two_requests_sharing_blocks():
     admit(m, a)
     admit(m, b)
     assert m.get_block_ids("a") == [0, 1, 2] and m.get_block_ids("b") == [0, 1, 3]
+    assert m.num_held_blocks() == 4  # a shared block counts once
     m.free(a)
     assert [m.pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
     assert free_ids(m) == [4, 5, 6, 7, 2]  # shared blocks stay out of the free queue
     m.free(b)
     assert [m.pool.blocks[i].ref_cnt for i in range(4)] == [0, 0, 0, 0]
     assert free_ids(m) == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert m.num_held_blocks() == 0  # freed blocks keep their hashes but no reference
 
 
 def test_prompt_logprobs_requests_never_get_hits():

@@ -1,17 +1,22 @@
 """The KV connector between two in-process connectors over loopback TCP: blocks arrive intact, and
-frames that do not match (wrong request, shape, dtype, checksum) or leases that ended are refused."""
+frames that do not match (wrong request, shape, dtype, checksum) or leases that ended are refused;
+a KV server that is gone or dies mid-pull fails the pull at once, one that stays silent after the
+pull timeout."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
 import pytest
 import torch
+import zmq
 
 from splitserve.config import KVTransferConfig
 from splitserve.distributed import kv_transfer as C
 from splitserve.engine.messages import KVTransferParams
+from splitserve.process_utils import free_port
 
 LAYERS, HEADS, BLOCKS, BS, DIM = 2, 2, 8, 4, 8
 
@@ -127,10 +132,66 @@ def test_frames_that_do_not_match_are_refused(pair, monkeypatch, field, value, m
     assert torch.count_nonzero(decode.kv_caches[0]) == 0  # nothing was written
 
 
+def test_a_kv_server_that_is_gone_fails_the_pull_at_once(pair, monkeypatch):
+    _, decode = pair
+    monkeypatch.setattr(C, "PULL_TIMEOUT_S", 20.0)
+    dead = KVTransferParams(remote_host="127.0.0.1", remote_port=free_port(), remote_request_id="x")
+    start = time.monotonic()
+    decode.submit_pull("d1", dead, 0, [0])
+    result = _result(decode)
+    assert not result.ok and "refused the connection" in result.error
+    assert time.monotonic() - start < 5
+
+
+def _silent_kv_server(close_after_request: bool) -> tuple[int, threading.Thread]:
+    """A KV server that takes one pull and never answers it, then (if asked) drops the connection, as
+    a prefill instance killed mid-pull does."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve() -> None:
+        sock.recv_multipart()
+        if not close_after_request:
+            time.sleep(1.0)
+        sock.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return port, thread
+
+
+def test_a_kv_server_that_dies_mid_pull_fails_the_pull_at_once(pair, monkeypatch):
+    _, decode = pair
+    monkeypatch.setattr(C, "PULL_TIMEOUT_S", 20.0)
+    port, _ = _silent_kv_server(close_after_request=True)
+    start = time.monotonic()
+    decode.submit_pull("d1", KVTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id="x"), 0, [0])
+    result = _result(decode)
+    assert not result.ok and "closed the connection" in result.error
+    assert time.monotonic() - start < 5
+
+
 def test_no_answer_is_a_clean_failure(pair, monkeypatch):
     _, decode = pair
     monkeypatch.setattr(C, "PULL_TIMEOUT_S", 0.3)
-    dead = KVTransferParams(remote_host="127.0.0.1", remote_port=1, remote_request_id="x")
-    decode.submit_pull("d1", dead, 0, [0])
+    port, thread = _silent_kv_server(close_after_request=False)
+    decode.submit_pull("d1", KVTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id="x"), 0, [0])
     result = _result(decode)
-    assert not result.ok and "no answer" in result.error
+    assert not result.ok and "no answer within" in result.error
+    thread.join()
+
+
+def test_fault_injection_delays_each_block(monkeypatch, caplog):
+    """SPLITSERVE_FAULT_KV_BLOCK_DELAY_S holds a pull's blocks back (per block), and says so in the log."""
+    monkeypatch.setenv(C.FAULT_BLOCK_DELAY_ENV, "0.2")
+    prefill = C.KVConnector(KVTransferConfig("prefill", "127.0.0.1", 0, lease_seconds=30), _caches(True))
+    decode = C.KVConnector(KVTransferConfig("decode"), _caches(False))
+    prefill.add_lease("p1", [1, 2, 3], num_pulls=1)
+    start = time.monotonic()
+    decode.submit_pull("d1", _params(prefill), 0, [4, 5, 6])
+    assert _result(decode).ok
+    assert time.monotonic() - start >= 0.6
+    assert "Fault injection (SPLITSERVE_FAULT_KV_BLOCK_DELAY_S): sending 3 KV blocks of request p1" in caplog.text
+    prefill.shutdown()
+    decode.shutdown()

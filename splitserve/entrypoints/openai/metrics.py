@@ -102,6 +102,15 @@ class Metrics:
             "kv_cache_resident_bytes",
             "Bytes of the KV cache backed by memory: on CPU it is mapped lazily and grows as blocks are first used.",
         )
+        self.kv_cache_blocks_held = gauge(
+            "kv_cache_blocks_held",
+            "KV-cache blocks that requests hold, counted by the engine's invariant check while it is idle "
+            "(NaN while requests run).",
+        )
+        self.engine_stats_time = gauge(
+            "engine_stats_time_seconds",
+            "Unix time at which the engine took the state the gauges above show (old: a stuck engine).",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = Counter(
@@ -128,6 +137,8 @@ class Metrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.kv_cache_bytes.set(stats.kv_cache_bytes)
         self.kv_cache_resident_bytes.set(stats.kv_cache_resident_bytes)
+        self.kv_cache_blocks_held.set(float("nan") if stats.kv_blocks_held is None else stats.kv_blocks_held)
+        self.engine_stats_time.set(stats.taken_at)
         if not self.records_engine_counters:
             return
         last = self._last
