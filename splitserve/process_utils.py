@@ -3,15 +3,20 @@ loopback port for a process to listen on."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
 
 
-def exit_with_parent() -> None:
+def exit_with_parent(parent_pid: int | None = None) -> None:
     """Have the kernel send this process SIGTERM when the process that started it dies, however it
     dies (SIGKILL, a crash): a server's engine and API workers never outlive it. Linux only; a
-    no-op elsewhere."""
+    no-op elsewhere.
+
+    `parent_pid`: the process that started this one (default: a spawned process's multiprocessing
+    parent). If that parent died before the signal was armed, this process stops now: it has been
+    handed to init, or to a subreaper (systemd, a container's init), and no signal would come."""
     try:
         import ctypes
 
@@ -20,7 +25,10 @@ def exit_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if parent_pid is None:
+        parent = multiprocessing.parent_process()
+        parent_pid = parent.pid if parent is not None else None
+    if os.getppid() == 1 or (parent_pid is not None and os.getppid() != parent_pid):
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -9,6 +9,7 @@ environment (ranktable.py); `device_env` turns those device ids into this proces
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -103,7 +104,8 @@ def start_instance(role: str, flags: list[str], env: dict[str, str] | None = Non
     env = env or {}
     logger.info("Starting %s instance on port %d%s", role, port, "".join(f", {k}={v}" for k, v in env.items()))
     # The instance gets SIGTERM from the kernel if this launcher dies, however it dies (kill -9 too).
-    process = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=exit_with_parent)  # noqa: PLW1509
+    arm = functools.partial(exit_with_parent, os.getpid())
+    process = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=arm)  # noqa: PLW1509
     return LocalInstance(role, f"http://127.0.0.1:{port}", process)
 
 

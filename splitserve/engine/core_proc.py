@@ -222,6 +222,7 @@ def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
         logger.exception("Engine start-up failed")
         ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return
+    signal.signal(signal.SIGTERM, lambda *_: _stop_ranks_and_exit(proc))
     ready_pipe.send({"status": "ready", "num_gpu_blocks": config.cache_config.num_gpu_blocks})
     try:
         proc.run()
@@ -229,6 +230,15 @@ def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
         logger.exception("Engine core died")
         proc.broadcast_dead(f"{type(exc).__name__}: {exc}")
         raise
+
+
+def _stop_ranks_and_exit(proc: EngineCoreProc) -> None:
+    """SIGTERM once the engine runs: stop the rank processes (mp, Ray) here, where they were started,
+    rather than leave it to their parent-death signal alone; then exit at once, as during start-up."""
+    try:
+        proc.core.executor.shutdown()
+    finally:
+        os._exit(0)
 
 
 class EngineProcess:

@@ -451,8 +451,8 @@ def test_stuck_step_turns_health_to_503_and_is_logged(tiny_chat_model, tmp_path)
 )
 def test_children_do_not_outlive_the_server(tiny_chat_model, sig, workers):
     """A signal to the server process alone (not its group, as systemd or `kill PID` send it), with
-    one or two API workers: SIGTERM and SIGINT stop the engine and the workers through the server's
-    own shutdown; after SIGHUP or SIGKILL the kernel's parent-death signal stops them."""
+    one or two API workers: SIGTERM, SIGINT and SIGHUP stop the engine and the workers through the
+    server's own shutdown; after SIGKILL the kernel's parent-death signal stops them."""
     with RemoteServer(tiny_chat_model, *COMMON, "--workers", str(workers)) as s:
         children = s.child_pids()
         assert children

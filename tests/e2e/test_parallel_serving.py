@@ -1,7 +1,8 @@
 """A server whose engine runs two tensor-parallel ranks (a worker process each): the official client
 gets a single-rank engine's tokens; a rank killed mid-generation fails the request with a clear
 error and turns /health to 503; and no process of the deployment outlives the server, whether it is
-stopped with SIGTERM or killed."""
+stopped with SIGTERM, SIGINT or SIGHUP (the server stops the engine, which stops its ranks) or killed
+with SIGKILL (their parent-death signals stop them), read from /proc within a stated time."""
 
 from __future__ import annotations
 
@@ -93,11 +94,18 @@ def test_a_rank_killed_mid_generation_fails_the_request_clearly(tiny_models):
         assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
 def test_no_rank_outlives_the_server(tiny_models, sig):
+    """A signal to the server process alone: it exits within 30 s. After SIGTERM, SIGINT or SIGHUP it
+    has stopped the engine, which has stopped its ranks, before it exits; after SIGKILL the engine and
+    then the ranks get their parent-death signals. Either way every process of the deployment (the
+    ranks, the engine, multiprocessing's resource trackers) is gone 20 s later at the latest."""
     with RemoteServer(tiny_models["llama"], *COMMON, "--tensor-parallel-size", "2") as s:
         everything = s.child_pids()
-        assert len(_rank_pids(s)) == 2
+        ranks = _rank_pids(s)
+        assert len(ranks) == 2
         os.kill(s.proc.pid, sig)
         s.proc.wait(timeout=30)
-        assert not _wait_gone(everything)
+        if sig != signal.SIGKILL:
+            assert not [p for p in ranks if _alive(p)], "the ranks outlived the server's own shutdown"
+        assert not _wait_gone(everything, timeout=20.0)

@@ -53,8 +53,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         address = f"tcp://127.0.0.1:{server_args.engine_worker_queue_port}"
     # uvicorn handles SIGTERM itself and, once it has shut down, raises the signal again for the
     # handler it found: make that handler unwind through `finally`, so the engine and the workers
-    # are stopped instead of outliving this process.
+    # are stopped instead of outliving this process. SIGHUP (the terminal went away) becomes a
+    # SIGTERM, so that it stops them the same way rather than leave it to their parent-death signal.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     engine = EngineProcess(config, address)
     workers: list[multiprocessing.Process] = []
     try:
