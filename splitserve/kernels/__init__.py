@@ -2,9 +2,12 @@
 temperature sampling.
 
 On CPU they come from a small C++ extension (cpu_ops.cpp), compiled with the installed torch the
-first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 20 s once
+first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 30 s once
 per machine). Each function here takes that path for CPU tensors and otherwise runs the torch
 code it replaces, which stays the reference the kernels are tested against.
+
+The same extension holds the GGUF kernels (gguf_ops.cpp, called through splitserve.kernels.gguf):
+products, dequantization and embedding lookups with weights kept in their GGUF quantized blocks.
 
 SPLITSERVE_CPU_KERNELS=0 turns the C++ kernels off (to compare, or to rule them out); a build
 that fails is logged once, with the compiler's reason, and the torch code runs instead.
@@ -57,16 +60,16 @@ def _build():
     from splitserve.kernels import cpu_features
 
     isa = cpu_features.isa()
-    source = os.path.join(os.path.dirname(__file__), "cpu_ops.cpp")
+    sources = [os.path.join(os.path.dirname(__file__), name) for name in ("cpu_ops.cpp", "gguf_ops.cpp")]
     start = time.perf_counter()
     try:
         # -march=native: the code runs on the machine that compiles it (without AVX-512 when an AVX2
         # build is asked for, under a name of its own so that both builds stay cached).
         # -ffp-contract=off: no fused multiply-adds, so the element-wise kernels round exactly as
-        # the torch ops they replace.
+        # the torch ops they replace, and GGUF dequantization as the gguf package's numpy code.
         load(
             name="splitserve_cpu_ops" if cpu_features.requested_isa() == "native" else "splitserve_cpu_ops_avx2",
-            sources=[source],
+            sources=sources,
             is_python_module=False,
             verbose=False,
             extra_cflags=[

@@ -1,0 +1,89 @@
+"""Matrix products, dequantization and embedding lookups with GGUF quantized weights kept in their
+blocks, as they lie in the .gguf file.
+
+Layout: a weight of N output rows and K input values is a uint8 tensor [N, row_bytes], row n holding
+the blocks of row n in file order, row_bytes = K / block_values * block_bytes (gguf.GGML_QUANT_SIZES:
+32 values per block for Q4_0 .. Q8_0, 256 for the K-quants, so K must be a multiple of that).
+The C++ kernels (gguf_ops.cpp) take the types in KERNEL_TYPES.
+
+Which path runs:
+- CPU tensors, C++ kernels built: gguf_ops.cpp. gguf_mm of a few rows (fewer than 8 for bfloat16 x
+  on a CPU with native bf16, else 16) quantizes x to 8 bits per 32 values and multiplies in
+  integers, reading each weight row once for all rows of x: its results differ from x @ W.T by that
+  rounding of x, about 0.5% of the outputs' root mean square. More rows go through dequantized tiles
+  and at::mm (bfloat16 tiles with native bf16 and bfloat16 x, else float32): as exact as F.linear.
+  gguf_dequantize and gguf_embedding equal the gguf package's dequantize, rounded once to dtype.
+- Otherwise the reference: the gguf package's numpy dequantize, then F.linear or indexing. It runs
+  where the C++ kernels are off (SPLITSERVE_CPU_KERNELS=0, or their build failed), for tensors on
+  other devices and for types without a kernel, and says so in the log, once for each reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.kernels import cpu_features, cpu_ops
+
+logger = logging.getLogger(__name__)
+
+# ggml type id -> name, for the types gguf_ops.cpp computes with.
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_logged: set[str] = set()
+
+
+def gguf_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """x [..., K] @ dequantize(w).T -> [..., N] in x's dtype; w [N, row_bytes] uint8 of ggml type
+    qtype. float32 and bfloat16 x go to the kernel as they are, float16 through float32."""
+    ops = _kernel_ops(w, qtype)
+    if ops is None:
+        return F.linear(x, dequantize_reference(w, qtype, n, k).to(x.dtype))
+    flat = x.reshape(-1, k)
+    compute = flat if flat.dtype in _KERNEL_DTYPES else flat.float()
+    out = ops.gguf_mm(compute.contiguous(), w, qtype, n, k, cpu_features.native_bf16())
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def gguf_dequantize(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] in dtype (float32, bfloat16 or float16): w [N, row_bytes] uint8 dequantized."""
+    ops = _kernel_ops(w, qtype)
+    if ops is None:
+        return dequantize_reference(w, qtype, n, k).to(dtype)
+    return ops.gguf_dequantize(w, qtype, n, k, dtype)
+
+
+def gguf_embedding(ids: torch.Tensor, w: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ids (any shape, int64) of w [V, row_bytes] uint8, dequantized: [*ids.shape, K] in dtype."""
+    ops = _kernel_ops(w, qtype)
+    if ops is None:
+        rows = w[ids.reshape(-1).to(w.device)]
+        return dequantize_reference(rows, qtype, rows.shape[0], k).to(dtype).view(*ids.shape, k)
+    return ops.gguf_embedding(ids.reshape(-1).long().contiguous(), w, qtype, k, dtype).view(*ids.shape, k)
+
+
+def dequantize_reference(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """[N, K] float32 on w's device, by the gguf package's numpy dequantize: the reference the C++
+    kernels are tested against, and the path for what they do not take."""
+    import gguf
+
+    values = gguf.quants.dequantize(w.cpu().numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(values.reshape(n, k)).to(w.device)
+
+
+def _kernel_ops(w: torch.Tensor, qtype: int):
+    """torch.ops.splitserve_cpu where the C++ kernels take this weight, else None (logged once per reason)."""
+    if qtype not in KERNEL_TYPES:
+        reason = f"GGUF type {qtype} has no C++ kernel"
+    elif w.device.type != "cpu":
+        reason = f"GGUF weights on {w.device.type} have no kernel"
+    elif cpu_ops() is None:
+        reason = "the C++ CPU kernels are off (SPLITSERVE_CPU_KERNELS=0) or did not build"
+    else:
+        return cpu_ops()
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("%s: GGUF weights are dequantized by the gguf package (numpy) at every use instead.", reason)
+    return None
