@@ -22,6 +22,7 @@
 //    float32 or bfloat16 buffer and multiplies them into their columns of the output with at::mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -684,15 +685,22 @@ void mm_integer(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, 
 // Each thread takes its share of the weight rows, tile by tile: it dequantizes the tile into its own
 // buffer of T and multiplies it into the tile's columns of out with at::mm (single-threaded inside
 // the parallel region). One parallel region per call: a barrier per tile costs a scheduler time
-// slice whenever another process holds a core.
+// slice whenever another process holds a core. Shares and tiles are whole multiples of 64 rows:
+// MKL's float32 GEMM ran 15% slower on 1820-row tiles than on 1792-row ones (M = 2048, K = 576).
 template <class Q, typename T>
 void mm_tiles(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t K, at::Tensor& out) {
+  constexpr int64_t kRows = 64;
   const int64_t row_bytes = K / Q::kValues * Q::kBytes;
-  const int64_t tile_rows = std::max<int64_t>(16, kTileBytes / (K * static_cast<int64_t>(sizeof(T))));
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    at::Tensor tile = at::empty({std::min(tile_rows, end - begin), K}, x.options());
-    for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
-      const int64_t rows = std::min(tile_rows, end - n0);
+  const int64_t tile_rows = std::max<int64_t>(1, kTileBytes / (K * static_cast<int64_t>(sizeof(T))) / kRows) * kRows;
+  // at::mm_out writes into out: the worker threads must share the caller's inference mode, or torch
+  // refuses to update an inference tensor (the engine runs the model under torch.inference_mode).
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
+    const int64_t first = begin * kRows, last = std::min(N, end * kRows);
+    at::Tensor tile = at::empty({std::min(tile_rows, last - first), K}, x.options());
+    for (int64_t n0 = first; n0 < last; n0 += tile_rows) {
+      const int64_t rows = std::min(tile_rows, last - n0);
       for (int64_t n = 0; n < rows; ++n) dequantize_row<Q>(w + (n0 + n) * row_bytes, K, tile.data_ptr<T>() + n * K);
       at::Tensor cols = out.narrow(1, n0, rows);
       at::mm_out(cols, x, tile.narrow(0, 0, rows).t());

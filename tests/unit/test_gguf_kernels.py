@@ -129,17 +129,17 @@ def test_bfloat16_x_with_and_without_native_bf16(ops, qtype, native_bf16):
 
 
 def test_smollm2_shapes_and_float16_and_batched_input(ops):
-    """SmolLM2-135M's down projection (K=1536 -> 576) in Q8_0, x [2, 3, K] float16 (computed in
-    float32), and its q projection (576 -> 576) in Q4_0 for 300 rows (tiles of more than one block
-    of rows per thread)."""
+    """SmolLM2-135M's down projection (K=1536 -> 576) in Q8_0 with x [2, 3, K] float16 (computed in
+    float32); then 576 -> 4000 in Q4_0 for 40 rows of x, more than one tile (1792 rows of float32
+    at K=576) per thread."""
     w = _weight(Q.Q8_0, 576, 1536)
     x = torch.randn(2, 3, 1536, generator=torch.Generator().manual_seed(0)).half()
     out = gguf_kernels.gguf_mm(x, w, int(Q.Q8_0), 576, 1536)
     assert out.shape == (2, 3, 576) and out.dtype == torch.float16
     _check_product(out.view(6, 576).float(), x.view(6, 1536).float(), _reference(w, Q.Q8_0, 576, 1536), False)
-    w = _weight(Q.Q4_0, 576, 576)
-    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(1))
-    _check_product(gguf_kernels.gguf_mm(x, w, int(Q.Q4_0), 576, 576), x, _reference(w, Q.Q4_0, 576, 576), True)
+    w = _weight(Q.Q4_0, 4000, 576)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))
+    _check_product(gguf_kernels.gguf_mm(x, w, int(Q.Q4_0), 4000, 576), x, _reference(w, Q.Q4_0, 4000, 576), True)
 
 
 def test_inputs_are_checked(ops):
