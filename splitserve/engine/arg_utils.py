@@ -253,9 +253,9 @@ _ENGINE_HELP = {
     "actors, across the machines of a Ray cluster), uni (one rank, in the engine "
     "process); default: uni for one rank, ray with RAY_ADDRESS or more ranks than "
     "GPUs, else mp",
-    "quantization": "weight quantization: awq, gptq, weight_only_int8, smooth_quant or fp8 (default: what the "
-    "checkpoint's quantization_config says; weight_only_int8 and fp8 also quantize an "
-    "unquantized model while loading)",
+    "quantization": "weight quantization: awq, gptq, weight_only_int8, smooth_quant, fp8 or gguf (default: what "
+    "the checkpoint's quantization_config says, and gguf for a quantized .gguf on CPU; weight_only_int8 and fp8 "
+    "also quantize an unquantized model while loading; none runs a quantized .gguf dequantized to --dtype)",
     "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
     "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit)",
     "pd_role": "prefill/decode disaggregation role: mixed (default), prefill or decode",

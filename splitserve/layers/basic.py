@@ -10,6 +10,7 @@ from torch import nn
 from splitserve import kernels
 from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
+from splitserve.quantization.gguf_weight import GGUFWeight
 
 
 class LinearMethod:
@@ -160,38 +161,63 @@ class Embedding(nn.Module):
     VocabParallelEmbedding): each rank holds a contiguous share of the rows (the vocabulary padded
     to a multiple of the ranks), looks up the ids it holds, and the ranks' results are summed.
     The untied LM head is one too (vLLM's ParallelLMHead): `logits` multiplies by this rank's rows
-    and gathers the ranks' shares in order."""
+    and gathers the ranks' shares in order. A quantized GGUF embedding (--quantization gguf) stays
+    in its blocks: rows are dequantized as they are looked up, and the logits come from the
+    quantized matmul."""
 
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None):
         super().__init__()
         rank = get_parallel_rank()
-        self.num_embeddings, self.tp_size = num_embeddings, rank.tp_size
+        self.num_embeddings, self.dim, self.tp_size = num_embeddings, dim, rank.tp_size
         self.rows_per_rank = -(-num_embeddings // rank.tp_size)
         self.first_row = rank.tp_rank * self.rows_per_rank
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, dim, dtype=dtype), requires_grad=False)
+        self.gguf_qtype: int | None = None  # set when the weight is kept in GGUF blocks (`gguf_blocks`)
 
-    def load_checkpoint_tensor(self, name: str, shard: int | None, tensor: torch.Tensor) -> None:
+    def load_checkpoint_tensor(self, name: str, shard: int | None, tensor) -> None:
         assert name == "weight" and shard is None
-        if tensor.shape[0] != self.num_embeddings or tensor.shape[1:] != self.weight.shape[1:]:
+        if tensor.shape[0] != self.num_embeddings or tuple(tensor.shape[1:]) != (self.dim,):
             raise ValueError(
-                f"Checkpoint embedding has shape {tuple(tensor.shape)}, expected "
-                f"{(self.num_embeddings, *self.weight.shape[1:])}."
+                f"Checkpoint embedding has shape {tuple(tensor.shape)}, expected {(self.num_embeddings, self.dim)}."
             )
-        rows = tensor[self.first_row : self.first_row + self.rows_per_rank]
-        self.weight.data[: len(rows)].copy_(rows)
-        self.weight.data[len(rows) :].zero_()  # padding rows of the last rank
+        rows = slice(self.first_row, self.first_row + self.rows_per_rank)
+        if isinstance(tensor, GGUFWeight) and tensor.quantized:
+            share = tensor.take(rows, slice(0, self.dim)).padded_rows(self.rows_per_rank)
+            del self.weight
+            self.register_buffer("gguf_blocks", share.data.contiguous())
+            self.gguf_qtype = tensor.qtype
+            return
+        share = (
+            tensor.take(rows, slice(0, self.dim)).dense(self.dtype) if isinstance(tensor, GGUFWeight) else tensor[rows]
+        )
+        self.weight.data[: len(share)].copy_(share)
+        self.weight.data[len(share) :].zero_()  # padding rows of the last rank
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_qtype is None:
+            return F.embedding(ids, self.weight)
+        from splitserve.kernels import gguf as gguf_kernels
+
+        return gguf_kernels.gguf_embedding(ids, self.gguf_blocks, self.gguf_qtype, self.dim, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.first_row
         outside = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0)
         return tp_all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.gguf_qtype is None:
+            logits = F.linear(hidden, self.weight)
+        else:
+            from splitserve.kernels import gguf as gguf_kernels
+
+            flat = hidden.reshape(-1, self.dim)
+            logits = gguf_kernels.gguf_mm(flat, self.gguf_blocks, self.gguf_qtype, self.rows_per_rank, self.dim)
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]

@@ -13,6 +13,7 @@ import torch
 from splitserve.config import ModelConfig, resolve_dtype
 from splitserve.layers.rotary import is_dynamic_ntk, set_rope_scaling
 from splitserve.loader.gguf_cache import hf_dir_for_gguf
+from splitserve.loader.gguf_file import gguf_is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -286,5 +287,7 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         gguf_file=split_gguf(path)[1],
         trust_remote_code=args.trust_remote_code,
         served_model_name=served,
-        quant_config=quantization_config_for(hf_config, args.quantization, load_format),
+        quant_config=quantization_config_for(
+            hf_config, args.quantization, load_format, load_format == "gguf" and gguf_is_quantized(path), device.type
+        ),
     )

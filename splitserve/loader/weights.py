@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from splitserve.config import ModelConfig
 from splitserve.loader.gguf_file import GGUFFile, GGUFTensor
 from splitserve.models.registry import get_model_class
+from splitserve.quantization.gguf_weight import GGUFWeight
 from splitserve.quantization.linear import weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ def load_model(model_config: ModelConfig, device: torch.device, show_progress: b
 def _weight_iterator(model_config: ModelConfig) -> WeightIterator:
     fmt, path = model_config.load_format, model_config.model
     if fmt == "gguf":
-        return gguf_weights(path, model_config.hf_config)
+        qc = model_config.quant_config
+        return gguf_weights(path, model_config.hf_config, keep_quantized=qc is not None and qc.method == "gguf")
     if fmt == "safetensors":
         return safetensors_weights(path)
     return pt_weights(path)
@@ -131,8 +133,9 @@ def pt_weights(directory: str) -> WeightIterator:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def gguf_weights(path: str, hf_config) -> WeightIterator:
-    """Tensors of a .gguf file, dequantized to float32, under HF names."""
+def gguf_weights(path: str, hf_config, keep_quantized: bool = False) -> WeightIterator:
+    """Tensors of a .gguf file under HF names: matrices as GGUFWeights in their blocks when
+    `keep_quantized` (--quantization gguf), every tensor dequantized to float32 otherwise."""
     gguf_file = GGUFFile(path)
     arch_name = gguf_file.architecture
     names = _gguf_to_hf_names(arch_name, hf_config.num_hidden_layers)
@@ -141,14 +144,20 @@ def gguf_weights(path: str, hf_config) -> WeightIterator:
         if base not in names:
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch_name}) has no Hugging Face counterpart.")
         hf_name = f"{names[base]}.{suffix}"
-        weight = dequantize_gguf(tensor)
+        if keep_quantized and len(tensor.shape) == 2:
+            weight = GGUFWeight(tensor.qtype, tensor.shape, tensor.data)
+        else:
+            weight = dequantize_gguf(tensor)
         yield hf_name, _unpermute_gguf(hf_name, weight, hf_config) if arch_name in _GGUF_PERMUTED_ARCHS else weight
 
 
 def dequantize_gguf(tensor: GGUFTensor) -> torch.Tensor:
-    """A GGUF tensor in float32, in its torch shape (the `gguf` package's dequantization)."""
+    """A GGUF tensor in float32, in its torch shape: matrices by splitserve's kernels (the gguf
+    package's numpy code where they are off), vectors by the gguf package."""
     import gguf
 
+    if len(tensor.shape) == 2:
+        return GGUFWeight(tensor.qtype, tensor.shape, tensor.data).dense(torch.float32)
     values = gguf.dequantize(tensor.data.numpy(), gguf.GGMLQuantizationType(tensor.qtype))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(tensor.shape)
 
@@ -170,7 +179,9 @@ def _gguf_to_hf_names(arch_name: str, num_layers: int) -> dict[str, str]:
     return mapping
 
 
-def _unpermute_gguf(hf_name: str, weight: torch.Tensor, hf_config) -> torch.Tensor:
+def _unpermute_gguf(hf_name: str, weight, hf_config):
+    """llama.cpp stores q/k rows of each head interleaved (its rotary pairs neighbours): back to
+    Hugging Face's rotate-half order, as rows of a dense tensor or of a GGUFWeight's blocks."""
     if hf_name.endswith("q_proj.weight"):
         heads = hf_config.num_attention_heads
     elif hf_name.endswith("k_proj.weight"):
@@ -178,7 +189,8 @@ def _unpermute_gguf(hf_name: str, weight: torch.Tensor, hf_config) -> torch.Tens
     else:
         return weight
     rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+    return weight.permute_rows(order) if isinstance(weight, GGUFWeight) else weight.index_select(0, order)
 
 
 @torch.no_grad()

@@ -4,9 +4,12 @@ applied while loading, and the linear method each layer gets from it."""
 from __future__ import annotations
 
 from splitserve.layers.basic import LinearMethod
+from splitserve.quantization.gguf import GGUFLinearMethod
 from splitserve.quantization.linear import Fp8Method, Int4Method, Int8WeightOnlyMethod, W8A8Int8Method
 
-QUANTIZATION_METHODS = ("weight_only_int8", "smooth_quant", "awq", "gptq", "fp8")
+QUANTIZATION_METHODS = ("weight_only_int8", "smooth_quant", "awq", "gptq", "fp8", "gguf")
+# --quantization none: run a quantized GGUF file dequantized to --dtype instead of in its blocks.
+NO_QUANTIZATION = "none"
 # Methods that can quantize an unquantized checkpoint while loading it (no calibration needed).
 ONLINE_METHODS = ("weight_only_int8", "fp8")
 
@@ -41,12 +44,22 @@ class QuantizationConfig:
             return W8A8Int8Method(self.from_checkpoint)
         if self.method == "fp8":
             return Fp8Method(self.from_checkpoint)
+        if self.method == "gguf":
+            return GGUFLinearMethod()
         return Int4Method(self.method, self.group_size, self.from_checkpoint)
 
 
-def quantization_config_for(hf_config, requested: str | None, load_format: str) -> QuantizationConfig | None:
+def quantization_config_for(
+    hf_config, requested: str | None, load_format: str, gguf_quantized: bool = False, device_type: str = "cpu"
+) -> QuantizationConfig | None:
     """The checkpoint's quantization (its `quantization_config`), checked against `--quantization`;
-    or the requested method applied while loading an unquantized checkpoint."""
+    or the requested method applied while loading an unquantized checkpoint. A .gguf file
+    (`load_format` gguf) runs in its blocks (`gguf`) when it holds quantized matrices and the
+    device is a CPU, unless `--quantization none` asks for it dequantized."""
+    if load_format == "gguf" or requested == "gguf":
+        return _gguf_quantization(requested, load_format, gguf_quantized, device_type)
+    if requested == NO_QUANTIZATION:
+        return None
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict()
@@ -81,3 +94,20 @@ def quantization_config_for(hf_config, requested: str | None, load_format: str) 
         group_size = qc.get("group_size", qc.get("q_group_size", 128))
         return QuantizationConfig(method, from_checkpoint, group_size, qc.get("modules_to_not_convert"))
     return QuantizationConfig(method, from_checkpoint, modules_to_not_convert=(qc or {}).get("modules_to_not_convert"))
+
+
+def _gguf_quantization(requested: str | None, load_format: str, quantized: bool, device_type: str):
+    if load_format != "gguf":
+        raise ValueError("--quantization gguf needs a .gguf file.")
+    if requested == NO_QUANTIZATION:
+        return None
+    if requested not in (None, "gguf"):
+        raise ValueError(
+            f"--quantization {requested} does not apply to a .gguf file: it runs in its own blocks (gguf) or "
+            "dequantized to --dtype (--quantization none)."
+        )
+    if device_type != "cpu":
+        if requested == "gguf":
+            raise ValueError("--quantization gguf has CPU kernels only; on this device the file is dequantized.")
+        return None
+    return QuantizationConfig("gguf") if quantized else None

@@ -17,7 +17,8 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", max_model_len=512, use_tqdm_on_load=False)
+    # Dequantized, as transformers runs the file (test_gguf_quantized.py compares the quantized run).
+    return LLM(dtype="float32", max_model_len=512, use_tqdm_on_load=False, quantization="none")
 
 
 def test_default_model_matches_transformers(llm, default_gguf):
