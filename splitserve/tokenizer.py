@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 from splitserve.loader.gguf_cache import hf_dir_for_gguf
 from splitserve.loader.resolve import split_gguf
 
 
+@functools.lru_cache(maxsize=8)
 def get_tokenizer(path: str, trust_remote_code: bool = False):
-    """A .gguf file's tokenizer is read from the file once and then from splitserve's cache
-    (loader/gguf_cache.py)."""
+    """One tokenizer object per path in a process (the server loads it while its engine process
+    starts; the front-end then finds it). A .gguf file's tokenizer is read from the file once and
+    then from splitserve's cache (loader/gguf_cache.py)."""
     from transformers import AutoTokenizer
 
     directory, gguf_file = split_gguf(path)

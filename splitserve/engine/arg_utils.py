@@ -21,6 +21,7 @@ from splitserve.config import (
     SchedulerConfig,
     resolve_device,
 )
+from splitserve.engine import startup
 
 
 @dataclass
@@ -85,7 +86,8 @@ class EngineArgs:
 
         self._verify_supported()
         device = resolve_device(self.device)
-        model_config = load_model_config(self, device)
+        with startup.phase("model config"):
+            model_config = load_model_config(self, device)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from splitserve.config import EngineConfig
+from splitserve.engine import startup
 from splitserve.engine.messages import (
     AbortRequests,
     ClientMessage,
@@ -223,6 +224,7 @@ def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
         ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return
     signal.signal(signal.SIGTERM, lambda *_: _stop_ranks_and_exit(proc))
+    startup.report("engine")
     ready_pipe.send({"status": "ready", "num_gpu_blocks": config.cache_config.num_gpu_blocks})
     try:
         proc.run()
@@ -254,13 +256,18 @@ class EngineProcess:
         self.process = ctx.Process(target=run_engine_core, args=(config, self.address, child), name="splitserve-engine")
         self.process.start()
         child.close()
+        self._config, self._ready_pipe = config, parent
+
+    def wait_ready(self) -> None:
+        """Until the engine process has built its engine (it starts meanwhile: the caller may do
+        other work first); raises with the engine's reason if it failed."""
         try:
-            ready = parent.recv()
+            ready = self._ready_pipe.recv()
         except EOFError:
             raise RuntimeError("The engine process exited during start-up; see its log above.") from None
         if ready["status"] != "ready":
             raise RuntimeError(f"The engine failed to start: {ready['error']}")
-        config.cache_config.num_gpu_blocks = ready["num_gpu_blocks"]
+        self._config.cache_config.num_gpu_blocks = ready["num_gpu_blocks"]
 
     @property
     def pid(self) -> int:

@@ -16,7 +16,9 @@ import time
 from concurrent import futures
 from concurrent.futures import Future
 
+from splitserve import kernels
 from splitserve.config import EngineConfig
+from splitserve.engine import startup
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.lora_registry import LoRANotFoundError, LoRARegistry
 from splitserve.engine.messages import (
@@ -50,7 +52,8 @@ class EngineCore:
         hf_config = config.model_config.hf_config
         # Dynamic NTK rope: prompts longer than this rotate their keys by their own length.
         self._ntk_length = hf_config.max_position_embeddings if is_dynamic_ntk(hf_config) else None
-        self.executor = executor if executor is not None else create_executor(config)
+        with startup.phase("weights"):
+            self.executor = executor if executor is not None else create_executor(config)
         try:
             self._initialize(config)
         except BaseException:
@@ -66,7 +69,8 @@ class EngineCore:
         cc.num_cpu_blocks = self.executor.determine_num_cpu_blocks() if swapping else 0
         if swapping and cc.num_cpu_blocks < 1:
             raise ValueError("preemption_mode='swap' needs host memory for at least one block: raise --swap-space.")
-        self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks)
+        with startup.phase("KV cache"):
+            self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks)
         self._kv_memory, self._kv_memory_at = (0, 0), -_KV_MEMORY_REFRESH_S
         self.executor.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.num_cpu_blocks)
@@ -80,7 +84,11 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
-        self._warm_up()
+        if self.config.device.type == "cpu":
+            with startup.phase("CPU kernels"):  # built once per machine, loaded from torch's cache after
+                kernels.cpu_ops()
+        with startup.phase("warm-up"):
+            self._warm_up()
 
     def _make_connector(self):
         """PD instances move KV blocks between engines. Each rank's connector holds its own share

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from splitserve.config import ModelConfig
+from splitserve.engine import startup
 from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
 from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
 from splitserve.engine.processor import ProcessedRequest, Processor
@@ -19,7 +20,10 @@ from splitserve.tokenizer import get_tokenizer
 class FrontEnd:
     def __init__(self, model_config: ModelConfig, tokenizer=None):
         self.model_config = model_config
-        self.tokenizer = tokenizer or get_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
+        if tokenizer is None:
+            with startup.phase("tokenizer"):
+                tokenizer = get_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
+        self.tokenizer = tokenizer
         self.processor = Processor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from splitserve.config import EngineConfig
+from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd
@@ -18,6 +19,7 @@ class LLMEngine(FrontEnd):
         super().__init__(config.model_config)
         self.config = config
         self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
+        startup.report("offline engine")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_arguments(pdb)
     pdb.set_defaults(func=lambda ns: pd.main(ns))
 
+    from splitserve.benchmarks import startup
+
+    su = bench_sub.add_parser(
+        "startup", help="time to ready of a model, served and offline, cold and warm, phase by phase"
+    )
+    startup.add_arguments(su)
+    su.set_defaults(func=lambda ns: startup.main(ns))
+
     from splitserve.benchmarks import soak
 
     sk = bench_sub.add_parser(

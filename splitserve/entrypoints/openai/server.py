@@ -17,8 +17,10 @@ import socket
 import tempfile
 
 from splitserve.config import EngineConfig
+from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs
+from splitserve.tokenizer import get_tokenizer
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -60,6 +62,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     engine = EngineProcess(config, address)
     workers: list[multiprocessing.Process] = []
     try:
+        with startup.phase("tokenizer"):  # while the engine process starts (serve_worker's front-end finds it)
+            get_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
+        with startup.phase("engine process"):
+            engine.wait_ready()
         if server_args.workers == 1:
             serve_worker(config, server_args, engine.address, engine.pid, 0, sock, metrics_sock)
         else:
@@ -149,6 +155,7 @@ def serve_worker(
             uvicorn.Server(uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level))
         )
         sockets.append([metrics_sock])
+    startup.report("server" if index == 0 else f"server worker {index}")
     logger.info("Serving %s on http://%s:%d", config.model_config.served_model_name, server_args.host, server_args.port)
 
     async def serve_all() -> None:
