@@ -55,7 +55,8 @@ def quantization_config_for(
     """The checkpoint's quantization (its `quantization_config`), checked against `--quantization`;
     or the requested method applied while loading an unquantized checkpoint. A .gguf file
     (`load_format` gguf) runs in its blocks (`gguf`) when it holds quantized matrices and the
-    device is a CPU, unless `--quantization none` asks for it dequantized."""
+    device is a CPU, unless `--quantization none` asks for it dequantized or an online method
+    (weight_only_int8, fp8) for it requantized."""
     if load_format == "gguf" or requested == "gguf":
         return _gguf_quantization(requested, load_format, gguf_quantized, device_type)
     if requested == NO_QUANTIZATION:
@@ -101,10 +102,13 @@ def _gguf_quantization(requested: str | None, load_format: str, quantized: bool,
         raise ValueError("--quantization gguf needs a .gguf file.")
     if requested == NO_QUANTIZATION:
         return None
+    if requested in ONLINE_METHODS:
+        # The file's blocks are dequantized while loading, then quantized again with the method asked for.
+        return QuantizationConfig(requested, from_checkpoint=False)
     if requested not in (None, "gguf"):
         raise ValueError(
-            f"--quantization {requested} does not apply to a .gguf file: it runs in its own blocks (gguf) or "
-            "dequantized to --dtype (--quantization none)."
+            f"--quantization {requested} does not apply to a .gguf file: it runs in its own blocks (gguf), "
+            f"dequantized to --dtype (--quantization none), or requantized while loading ({', '.join(ONLINE_METHODS)})."
         )
     if device_type != "cpu":
         if requested == "gguf":

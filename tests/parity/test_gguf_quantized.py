@@ -63,3 +63,29 @@ def test_perplexity_stays_within_one_percent(engines):
     ours = compute_perplexity(quantized, ids, max_length=256, stride=128).perplexity
     ref = compute_perplexity(dequantized, ids, max_length=256, stride=128).perplexity
     assert math.isfinite(ours) and abs(ours / ref - 1) < 0.01, (ours, ref)
+
+
+@pytest.mark.parametrize(
+    ("requested", "quantized", "device", "expected"),
+    [
+        (None, True, "cpu", ("gguf", True)),
+        (None, False, "cpu", None),
+        ("none", True, "cpu", None),
+        ("weight_only_int8", True, "cpu", ("weight_only_int8", False)),
+        ("fp8", True, "cpu", ("fp8", False)),
+        (None, True, "cuda", None),
+    ],
+)
+def test_which_quantization_a_gguf_file_runs_with(requested, quantized, device, expected):
+    from splitserve.quantization.config import quantization_config_for
+
+    got = quantization_config_for(None, requested, "gguf", gguf_quantized=quantized, device_type=device)
+    assert (got and (got.method, got.from_checkpoint)) == expected
+
+
+@pytest.mark.parametrize("requested", ["awq", "smooth_quant"])
+def test_calibrated_methods_are_refused_for_a_gguf_file(requested):
+    from splitserve.quantization.config import quantization_config_for
+
+    with pytest.raises(ValueError, match="does not apply to a .gguf file"):
+        quantization_config_for(None, requested, "gguf", gguf_quantized=True)
