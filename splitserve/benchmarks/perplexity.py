@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--text-file", help="a UTF-8 text file (default: a built-in text of a few paragraphs)")
     source.add_argument("--text", help="the text itself")
     parser.add_argument(
-        "--max-length", type=int, default=None, help="tokens per window (default: min(max_model_len, 1024))"
+        "--max-length", type=int, default=None, help="tokens per window (default: min(max_model_len - 1, 1024))"
     )
     parser.add_argument("--stride", type=int, default=None, help="tokens between windows (default: max-length / 2)")
 
@@ -100,10 +100,13 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> PerplexityResult:
     else:
         text = ns.text if ns.text is not None else BUILTIN_TEXT
     llm = LLM(**dataclasses.asdict(args))
-    max_length = ns.max_length or min(llm.llm_engine.model_config.max_model_len, 1024)
-    if max_length > llm.llm_engine.model_config.max_model_len:
+    # Each window is scored as a prompt that generates one token, so it needs one slot more.
+    max_model_len = llm.llm_engine.model_config.max_model_len
+    max_length = ns.max_length or min(max_model_len - 1, 1024)
+    if max_length >= max_model_len:
         raise ValueError(
-            f"--max-length {max_length} exceeds max_model_len {llm.llm_engine.model_config.max_model_len}."
+            f"--max-length {max_length} needs --max-model-len of at least {max_length + 1} (each window is "
+            f"scored as a prompt that generates one token); max_model_len is {max_model_len}."
         )
     result = compute_perplexity(llm, llm.get_tokenizer()(text).input_ids, max_length, ns.stride or max_length // 2)
     print(

@@ -1,5 +1,6 @@
-"""The calibrated quantization algorithms of `splitserve quantize`: SmoothQuant's smoothing, AWQ's
-activation-aware scale search, and GPTQ's error-compensating rounding.
+"""The calibrated quantization algorithms of `splitserve quantize`: the input groups and scale
+folding that SmoothQuant (smoothquant.py) and AWQ share, AWQ's activation-aware scale search, and
+GPTQ's error-compensating rounding.
 
 SmoothQuant and AWQ both rescale the input channels of a group of linears that read the same
 input: W' = W diag(s), with 1/s folded into the op that produces that input, so that the float
@@ -29,6 +30,10 @@ class InputGroup:
     kind: str  # "qkv", "o", "gate_up" or "down"
     linears: dict[str, nn.Linear]  # checkpoint name -> module
     prev: nn.Module | None
+    # prev's output row feeding each input channel, where that is not channel j <- row j: with GQA
+    # a v_proj row feeds the same channel of every query head of its KV group, so those channels
+    # can only be rescaled together.
+    source: torch.Tensor | None = None
 
     @property
     def site(self) -> str:
@@ -39,30 +44,53 @@ class InputGroup:
         """The group's weights stacked along the output dim: [sum of out, in]."""
         return torch.cat([m.weight.detach().float() for m in self.linears.values()])
 
+    def tied_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Per input channel [..., in]: the max over the channels fed by the same row of prev, so
+        that scales computed from it fold exactly."""
+        if self.source is None:
+            return values
+        index = self.source.expand_as(values)
+        rows = values.new_full((*values.shape[:-1], self.prev.out_features), -torch.inf)
+        return rows.scatter_reduce(-1, index, values, "amax").gather(-1, index)
+
+    def prev_rows(self, s: torch.Tensor) -> torch.Tensor:
+        """Tied per-input-channel scales [in] as scales of prev's output rows."""
+        if self.source is None:
+            return s
+        return s.new_ones(self.prev.out_features).scatter(0, self.source, s)
+
 
 def decoder_groups(model: nn.Module) -> list[list[InputGroup]]:
     """The input groups of each decoder layer of a Llama-style transformers model."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers: not a Llama-style decoder.")
-    config = model.config
-    heads = config.num_attention_heads
-    mha = (getattr(config, "num_key_value_heads", None) or heads) == heads
+    source = _kv_source(model.config)
     result = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         result.append(
             [
                 InputGroup("qkv", _named(i, attn, "self_attn", "q_proj", "k_proj", "v_proj"), layer.input_layernorm),
-                # Output row j of v_proj is input channel j of o_proj only without GQA; with GQA each
-                # v row feeds several heads' channels, which one scale per channel cannot undo exactly.
-                InputGroup("o", _named(i, attn, "self_attn", "o_proj"), attn.v_proj if mha else None),
+                InputGroup("o", _named(i, attn, "self_attn", "o_proj"), attn.v_proj, source),
                 InputGroup("gate_up", _named(i, mlp, "mlp", "gate_proj", "up_proj"), layer.post_attention_layernorm),
                 # down_proj reads silu(gate) * up, which is linear in up_proj's output rows.
                 InputGroup("down", _named(i, mlp, "mlp", "down_proj"), mlp.up_proj),
             ]
         )
     return result
+
+
+def _kv_source(config) -> torch.Tensor | None:
+    """With GQA, the v_proj row behind each o_proj input channel: query head h reads KV head
+    h // (heads / kv_heads), channel d of a head is row d of its KV head. None without GQA."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if kv_heads == heads:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    channel = torch.arange(heads * head_dim)
+    return channel // head_dim // (heads // kv_heads) * head_dim + channel % head_dim
 
 
 def _named(layer: int, module: nn.Module, kind: str, *names: str) -> dict[str, nn.Linear]:
@@ -72,40 +100,17 @@ def _named(layer: int, module: nn.Module, kind: str, *names: str) -> dict[str, n
 @torch.no_grad()
 def fold_scales(group: InputGroup, s: torch.Tensor) -> None:
     """W <- W diag(s) for the group's linears and the input divided by s in `prev`: the float
-    model's outputs do not change."""
+    model's outputs do not change (s must be tied as `InputGroup.tied_max` ties channels)."""
     prev = group.prev
     if isinstance(prev, nn.Linear):
-        prev.weight.div_(s[:, None].to(prev.weight.dtype))
+        rows = group.prev_rows(s)
+        prev.weight.div_(rows[:, None].to(prev.weight.dtype))
         if prev.bias is not None:
-            prev.bias.div_(s.to(prev.bias.dtype))
+            prev.bias.div_(rows.to(prev.bias.dtype))
     else:
         prev.weight.div_(s.to(prev.weight.dtype))
     for linear in group.linears.values():
         linear.weight.mul_(s[None, :].to(linear.weight.dtype))
-
-
-# --- SmoothQuant ----------------------------------------------------------------------------------
-def smoothquant_scales(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s_j = max|X_j|^alpha / max|W_j|^(1 - alpha): moves part of the activation outliers (hard for
-    per-token int8) into the weights (easy for per-channel int8). Dead channels keep s = 1."""
-    w_absmax = weight.abs().amax(dim=0)
-    s = act_absmax.pow(alpha) / w_absmax.pow(1.0 - alpha)
-    alive = (act_absmax > 0) & (w_absmax > 0)
-    return torch.where(alive, s, torch.ones_like(s)).clamp(min=1e-5)
-
-
-def smooth_model(model: nn.Module, stats: dict[str, InputStats], alpha: float) -> int:
-    """Smooth every group with an exact fold; returns how many were smoothed."""
-    smoothed = 0
-    for groups in decoder_groups(model):
-        for group in groups:
-            # o_proj is not smoothed: with GQA the scales cannot fold exactly into v_proj, and
-            # without it the gain is small; o_proj is quantized per channel as it is.
-            if group.kind == "o" or group.prev is None:
-                continue
-            fold_scales(group, smoothquant_scales(stats[group.site].absmax, group.weight(), alpha))
-            smoothed += 1
-    return smoothed
 
 
 # --- AWQ ------------------------------------------------------------------------------------------
@@ -151,7 +156,7 @@ def awq_scale_model(
         for group in groups:
             moment = stats[group.site].second_moment()
             if group.prev is not None:
-                found = awq_search(moment, stats[group.site].absmean, group.weight(), group_size)
+                found = awq_search(moment, group.tied_max(stats[group.site].absmean), group.weight(), group_size)
                 fold_scales(group, found.scale)
                 ratios.append(found.ratio)
                 moment = moment / found.scale[:, None] / found.scale[None, :]  # the input is now x / s

@@ -5,6 +5,7 @@ forward hooks in one pass of the float model."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,7 @@ class InputStats:
     abssum: torch.Tensor  # [in] sum of |x| per channel (AWQ's scale candidates)
     tokens: int = 0
     gram: torch.Tensor | None = None  # [in, in] sum of x^T x (GPTQ's Hessian, AWQ's objective)
+    fold_absmax: torch.Tensor | None = None  # [folds, in] max |x| per fold of the tokens (`token_folds`)
 
     @property
     def absmean(self) -> torch.Tensor:
@@ -145,38 +147,77 @@ class InputStats:
         return self.gram / max(self.tokens, 1)
 
 
-def collect_input_stats(
-    model: nn.Module, sites: dict[str, nn.Linear], sequences: list[list[int]], *, gram: bool = False
-) -> dict[str, InputStats]:
-    """Run the float model over the sequences (one at a time, so no padding enters the statistics)
-    and record each site's input: per-channel max and mean |x|, and X^T X if asked."""
-    stats = {
-        name: InputStats(
-            torch.zeros(m.in_features),
-            torch.zeros(m.in_features),
-            gram=torch.zeros(m.in_features, m.in_features) if gram else None,
-        )
-        for name, m in sites.items()
-    }
+def token_folds(sequences: list[list[int]], folds: int) -> list[torch.Tensor]:
+    """The fold of every calibration token: the tokens, in order, cut into `folds` contiguous runs
+    of (nearly) equal length. Contiguous, so that a held-out fold is other text, not other tokens of
+    the same sentences."""
+    total = sum(map(len, sequences))
+    result, start = [], 0
+    for ids in sequences:
+        result.append(torch.arange(start, start + len(ids)) * folds // max(total, 1))
+        start += len(ids)
+    return result
+
+
+def run_with_input_hooks(
+    model: nn.Module,
+    sites: dict[str, nn.Linear],
+    sequences: list[list[int]],
+    record: Callable[[str, torch.Tensor, torch.Tensor], None],
+    folds: int = 1,
+    desc: str = "Calibrating",
+) -> None:
+    """Run the float model over the sequences (one at a time, so no padding enters) and call
+    record(site, x [tokens, in] float32, fold of each token [tokens]) at each site's input."""
+    current: list[torch.Tensor] = []
 
     def hook_for(name: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, module.in_features).float()
-            s = stats[name]
-            torch.maximum(s.absmax, x.abs().amax(dim=0), out=s.absmax)
-            s.abssum += x.abs().sum(dim=0)
-            s.tokens += x.shape[0]
-            if s.gram is not None:
-                s.gram.addmm_(x.t(), x)
+            record(name, args[0].detach().reshape(-1, module.in_features).float(), current[0])
 
         return hook
 
     handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in sites.items()]
     try:
         with torch.no_grad():
-            for ids in tqdm(sequences, desc="Calibrating", unit="seq"):
+            for ids, fold in tqdm(list(zip(sequences, token_folds(sequences, folds))), desc=desc, unit="seq"):
+                current[:] = [fold]
                 model(input_ids=torch.tensor([ids]), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def collect_input_stats(
+    model: nn.Module,
+    sites: dict[str, nn.Linear],
+    sequences: list[list[int]],
+    *,
+    gram: bool = False,
+    folds: int = 1,
+) -> dict[str, InputStats]:
+    """Each site's input over the calibration sequences: per-channel max and mean |x|, X^T X if
+    asked, and with `folds` > 1 the per-channel max of each fold (`token_folds`)."""
+    stats = {
+        name: InputStats(
+            torch.zeros(m.in_features),
+            torch.zeros(m.in_features),
+            gram=torch.zeros(m.in_features, m.in_features) if gram else None,
+            fold_absmax=torch.zeros(folds, m.in_features) if folds > 1 else None,
+        )
+        for name, m in sites.items()
+    }
+
+    def record(name: str, x: torch.Tensor, fold: torch.Tensor) -> None:
+        s = stats[name]
+        torch.maximum(s.absmax, x.abs().amax(dim=0), out=s.absmax)
+        s.abssum += x.abs().sum(dim=0)
+        s.tokens += x.shape[0]
+        if s.gram is not None:
+            s.gram.addmm_(x.t(), x)
+        if s.fold_absmax is not None:
+            for k in fold.unique().tolist():
+                torch.maximum(s.fold_absmax[k], x[fold == k].abs().amax(dim=0), out=s.fold_absmax[k])
+
+    run_with_input_hooks(model, sites, sequences, record, folds)
     return stats

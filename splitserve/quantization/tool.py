@@ -15,7 +15,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from splitserve.quantization import algorithms
+from splitserve.quantization import algorithms, smoothquant
 from splitserve.quantization.calibration import collect_input_stats
 from splitserve.quantization.packing import pack_awq, pack_gptq, quantize_int4_groupwise, quantize_int8_per_channel
 
@@ -127,7 +127,13 @@ def quantize_model(
             for g in groups
             if quant_type in ("gptq", "awq") or g.prev is not None
         }
-        stats = collect_input_stats(model, sites, sequences, gram=quant_type in ("gptq", "awq"))
+        stats = collect_input_stats(
+            model,
+            sites,
+            sequences,
+            gram=quant_type in ("gptq", "awq"),
+            folds=smoothquant.SEARCH_FOLDS if quant_type == "smooth_quant" else 1,
+        )
         widest = max(m.in_features for m in sites.values())
         if quant_type == "gptq" and tokens < widest:
             logger.warning(
@@ -137,7 +143,7 @@ def quantize_model(
                 widest,
             )
     if quant_type == "smooth_quant":
-        logger.info("Smoothed %d linear groups (alpha %.2f)", algorithms.smooth_model(model, stats, alpha), alpha)
+        _log_strengths(smoothquant.smooth_model(model, stats, sequences, alpha), alpha)
     elif quant_type == "awq":
         ratios, clips = algorithms.awq_scale_model(model, stats, group_size)
         logger.info("AWQ scaled %d linear groups; mean exponent %.2f", len(ratios), sum(ratios) / max(len(ratios), 1))
@@ -151,6 +157,17 @@ def quantize_model(
                 )
             )
     return result
+
+
+def _log_strengths(chosen: dict[str, float], alpha: float) -> None:
+    """The mean strength each kind of group took, e.g. `down_proj 0.46`."""
+    by_kind: dict[str, list[float]] = {}
+    for site, strength in chosen.items():
+        by_kind.setdefault(site.rsplit(".", 1)[-1], []).append(strength)
+    means = ", ".join(f"{kind} {sum(v) / len(v):.2f}" for kind, v in by_kind.items())
+    logger.info(
+        "Smoothed %d linear groups; mean strength (searched up to %.2f) by input: %s", len(chosen), alpha, means
+    )
 
 
 def _quantize_group(
@@ -195,6 +212,7 @@ def quantization_config(
             "quant_method": "smooth_quant",
             "bits": 8,
             "smoothing_strength": alpha,
+            "smoothing_strength_choice": "per linear group, least held-out W8A8 error, at most smoothing_strength",
             "activation_scheme": "dynamic_per_token",
         }
     elif quant_type == "awq":

@@ -42,3 +42,21 @@ def test_perplexity_matches_transformers(tiny_chat_model, max_length, stride):
     reference = _hf_perplexity(load_hf_model(tiny_chat_model), ids, max_length, stride)
     assert ours.num_tokens_scored == len(ids) - 1
     assert ours.perplexity == pytest.approx(reference, rel=1e-4)
+
+
+def test_the_cli_windows_fit_max_model_len(tiny_chat_model, tmp_path):
+    """The default window leaves the generated token its slot; a window as long as max_model_len is
+    refused with what to change."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "text.txt"
+    text.write_text(BUILTIN_TEXT * 3)
+    command = [sys.executable, "-m", "splitserve.entrypoints.cli", "perplexity", "--model", tiny_chat_model]
+    command += ["--dtype", "float32", "--max-model-len", "64", "--text-file", str(text)]
+    ok = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert "windows of up to 63 tokens" in ok.stdout
+    bad = subprocess.run([*command, "--max-length", "64"], capture_output=True, text=True, timeout=300, check=False)
+    assert bad.returncode == 2
+    assert "--max-length 64 needs --max-model-len of at least 65" in bad.stderr
