@@ -7,8 +7,9 @@
 #   $CACHE_DIR/bin/llama-server -m model.gguf -t 2 -np 64 -c 32768 --port 8080
 #   $CACHE_DIR/bin/llama-bench -m model.gguf -t 2 -p 0 -n 128      # tg128, single stream
 #
-# A portable build (GGML_NATIVE=OFF) with AVX-512 switched on, as on this project's machines;
-# about 15 minutes on 2 cores. LLAMA_CPP_PYTHON_VERSION picks the sdist (default below).
+# A portable build (GGML_NATIVE=OFF) for the instruction sets this CPU has: AVX2 and FMA always,
+# AVX-512 (and its VNNI and BF16 extensions) only where /proc/cpuinfo lists them, so that the
+# binaries run on the AVX2-only hosts of this project's kind too; about 15 minutes on 2 cores. LLAMA_CPP_PYTHON_VERSION picks the sdist (default below).
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -35,11 +36,17 @@ fi
 SRC="$CACHE/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp sources at $SRC" >&2; exit 1; }
 
-echo "Configuring llama.cpp ($SRC)"
-cmake -S "$SRC" -B "$CACHE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+has_flag() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
+AVX512="$(has_flag avx512f)" VNNI="$(has_flag avx512_vnni)" BF16="$(has_flag avx512_bf16)"
+[ "$AVX512" = ON ] || VNNI=OFF BF16=OFF
+# A build for another instruction set (a cache copied between hosts) is configured afresh.
+BUILD="$CACHE/build-avx512-$AVX512-vnni-$VNNI-bf16-$BF16"
+echo "Configuring llama.cpp ($SRC): AVX-512 $AVX512, AVX-512 VNNI $VNNI, AVX-512 BF16 $BF16"
+cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512="$AVX512" \
+    -DGGML_AVX512_VNNI="$VNNI" -DGGML_AVX512_BF16="$BF16" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 echo "Building llama-server and llama-bench with $JOBS jobs"
-cmake --build "$CACHE/build" -j "$JOBS" --target llama-server llama-bench
-cp "$CACHE/build/bin/llama-server" "$CACHE/build/bin/llama-bench" "$CACHE/bin/"
+cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-bench
+cp "$BUILD/bin/llama-server" "$BUILD/bin/llama-bench" "$CACHE/bin/"
 echo "Done: $CACHE/bin/llama-server, $CACHE/bin/llama-bench"

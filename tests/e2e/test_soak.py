@@ -32,14 +32,17 @@ def test_memory_growth_is_measured_from_the_first_sample_after_warmup():
 
 
 def test_process_tree_finds_children_and_their_memory():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    script = "import time; print('up', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline() == "up\n"  # the interpreter runs: its memory is more than exec's
         tree = soak_probe.process_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree
         assert soak_probe.rss_bytes(child.pid) > 1 << 20
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert child.pid not in soak_probe.process_tree(os.getpid())
     assert soak_probe.rss_bytes(child.pid) is None
 
