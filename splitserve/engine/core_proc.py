@@ -23,6 +23,7 @@ import zmq
 
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
+from splitserve.engine.memtrace import MemoryTrace
 from splitserve.engine.messages import (
     AbortRequests,
     ClientMessage,
@@ -66,6 +67,7 @@ class EngineCoreProc:
         self.last_log = time.monotonic()
         self.watchdog = StepWatchdog(config.health_timeout, self._describe)
         self._audit: tuple[tuple, int] | None = None  # (what the engine held, blocks held) at the last audit
+        self.memtrace = MemoryTrace.from_env()
 
     def run(self) -> None:
         while True:
@@ -84,6 +86,8 @@ class EngineCoreProc:
                 self.steps += 1
                 self.step_seconds += end - mid
             self._maybe_log()
+            if self.memtrace is not None:
+                self.memtrace.maybe_report()
 
     def _step(self) -> list:
         self.watchdog.begin()

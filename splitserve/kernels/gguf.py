@@ -25,7 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_features, cpu_ops
+from splitserve.kernels import cpu_features, cpu_ops, row_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,10 @@ def gguf_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> tor
         return F.linear(x, dequantize_reference(w, qtype, n, k).to(x.dtype))
     flat = x.reshape(-1, k)
     compute = flat if flat.dtype in _KERNEL_DTYPES else flat.float()
-    out = ops.gguf_mm(compute.contiguous(), w, qtype, n, k, cpu_features.native_bf16())
+    native_bf16 = cpu_features.native_bf16()
+    if compute.dtype == torch.bfloat16 and native_bf16:  # the tiles of larger batches go through oneDNN
+        compute = row_buckets.padded_rows(compute)
+    out = ops.gguf_mm(compute.contiguous(), w, qtype, n, k, native_bf16)[: flat.shape[0]]
     return out.to(x.dtype).view(*x.shape[:-1], n)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from splitserve import kernels
 from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
+from splitserve.kernels import row_buckets
 from splitserve.quantization.gguf_weight import GGUFWeight
 
 
@@ -135,7 +136,7 @@ class Linear(nn.Module):
             y = tp_all_reduce(y)
             return y if self.bias is None else y + self.bias
         if self.quant_method is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = row_buckets.linear(x, self.weight, self.bias)
         else:
             y = self.quant_method.apply(self, x)
             y = y if self.bias is None else y + self.bias
@@ -146,7 +147,7 @@ class Linear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias."""
         if self.quant_method is None:
-            return F.linear(x, self.weight)
+            return row_buckets.linear(x, self.weight)
         return self.quant_method.apply(self, x)
 
 
@@ -212,7 +213,7 @@ class Embedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gguf_qtype is None:
-            logits = F.linear(hidden, self.weight)
+            logits = row_buckets.linear(hidden, self.weight)
         else:
             from splitserve.kernels import gguf as gguf_kernels
 

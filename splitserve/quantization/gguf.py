@@ -11,8 +11,8 @@ run of shards of the same type. Unquantized GGUF tensors (F32/F16/BF16) become d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
 from splitserve.quantization.gguf_weight import GGUFWeight
 
@@ -52,7 +52,7 @@ class GGUFLinearMethod(LinearMethod):
         for qtype, rows, name in layer.gguf_runs:
             weight = getattr(layer, name)
             if qtype is None:
-                outputs.append(F.linear(x2, weight))
+                outputs.append(row_buckets.linear(x2, weight))
             else:
                 outputs.append(gguf_kernels.gguf_mm(x2, weight, qtype, rows, layer.in_features))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

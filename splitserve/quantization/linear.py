@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
 from splitserve.quantization.kv_cache import fp8_as_bfloat16
 from splitserve.quantization.packing import (
@@ -170,7 +171,7 @@ class Int8WeightOnlyMethod(_RowScaledMethod):
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.weight_scale)
         else:
             # Scaling the output rather than the weight saves a pass over the weight.
-            y = F.linear(x2, layer.qweight.to(x.dtype)) * layer.weight_scale
+            y = row_buckets.linear(x2, layer.qweight.to(x.dtype)) * layer.weight_scale
         return _finish(layer, y, x)
 
 
@@ -212,7 +213,7 @@ def int_mm(a: torch.Tensor, b: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
     when shorter (the extra rows of the product are dropped)."""
     rows = a.shape[0]
     if rows >= min_rows:
-        return torch._int_mm(a, b)
+        return torch._int_mm(row_buckets.padded_rows(a), b)[:rows]
     padded = torch.zeros(min_rows, a.shape[1], dtype=a.dtype, device=a.device)
     padded[:rows] = a
     return torch._int_mm(padded, b)[:rows]
@@ -230,7 +231,7 @@ class Fp8Method(_RowScaledMethod):
     def apply(self, layer, x):
         # Moving bits is exact and several times faster than torch's CPU cast from float8.
         weight = fp8_as_bfloat16(layer.qweight).to(x.dtype)
-        y = F.linear(_flat(x), weight) * layer.weight_scale
+        y = row_buckets.linear(_flat(x), weight) * layer.weight_scale
         return _finish(layer, y, x)
 
 
