@@ -26,8 +26,8 @@ _PER_DOUBLING = 8
 _BUCKETED_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
 
 
-def enabled() -> bool:
-    return os.environ.get("SPLITSERVE_CPU_ROW_BUCKETS", "1") != "0"
+# Read once: padded_rows runs for every linear of every step.
+ENABLED = os.environ.get("SPLITSERVE_CPU_ROW_BUCKETS", "1") != "0"
 
 
 def row_bucket(m: int) -> int:
@@ -43,7 +43,7 @@ def padded_rows(x2: torch.Tensor) -> torch.Tensor:
     """x2 [M, K] with zero rows appended up to row_bucket(M), where the product would go through
     oneDNN (a CPU tensor of a bucketed dtype); x2 itself otherwise."""
     m = x2.shape[0]
-    if x2.device.type != "cpu" or x2.dtype not in _BUCKETED_DTYPES or not enabled():
+    if x2.device.type != "cpu" or x2.dtype not in _BUCKETED_DTYPES or not ENABLED:
         return x2
     rows = row_bucket(m)
     if rows == m:

@@ -38,5 +38,5 @@ def test_padded_rows_and_the_switch(monkeypatch):
     assert padded.shape == (32, 8) and torch.equal(padded[:17], x) and not padded[17:].any()
     assert row_buckets.padded_rows(x[:16]) is not None and row_buckets.padded_rows(x[:16]).shape == (16, 8)
     assert row_buckets.padded_rows(x.float()).shape == (17, 8)  # float32 goes through MKL: no cache
-    monkeypatch.setenv("SPLITSERVE_CPU_ROW_BUCKETS", "0")
+    monkeypatch.setattr(row_buckets, "ENABLED", False)  # SPLITSERVE_CPU_ROW_BUCKETS=0
     assert row_buckets.padded_rows(x) is x
