@@ -12,6 +12,7 @@ from splitserve import kernels
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
 from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
+from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
@@ -73,6 +74,7 @@ class ModelRunner:
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
         self.graph_runner: CUDAGraphRunner | None = None
         self.swap: HostKVSwap | None = None  # host memory for swapped-out KV (preemption_mode "swap")
+        self.decode_stack: CPUDecodeStack | None = None  # CPU decode steps in one C++ call, once the KV is bound
         self.lora_manager = self._lora_manager()
         self.use_cuda_graphs = self._use_cuda_graphs()
         self.num_steps = 0
@@ -165,6 +167,8 @@ class ModelRunner:
         that preempted requests' KV is swapped to (kv_swap.py)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
+        if self.device.type == "cpu":
+            self.decode_stack = CPUDecodeStack.build(self.model, self.backend, self.rank, self.lora_manager is not None)
         spec = self.kv_spec
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
@@ -306,6 +310,8 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """This rank's part of the forward: the final hidden states on the last pipeline stage, None
         on the others (which hand their (hidden, residual) to the next stage)."""
+        if self.decode_stack is not None and self.decode_stack.takes(meta, positions.shape[0]):
+            return self.decode_stack.forward(input_ids, positions, meta)
         intermediate = None
         if not self.rank.is_first_stage:
             shape = (positions.shape[0], self.config.model_config.hf_config.hidden_size)

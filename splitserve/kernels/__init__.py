@@ -60,7 +60,7 @@ def _build():
     from splitserve.kernels import cpu_features
 
     isa = cpu_features.isa()
-    sources = [os.path.join(os.path.dirname(__file__), name) for name in ("cpu_ops.cpp", "gguf_ops.cpp")]
+    sources = [os.path.join(os.path.dirname(__file__), name) for name in _SOURCES]
     start = time.perf_counter()
     try:
         # -march=native: the code runs on the machine that compiles it (without AVX-512 when an AVX2
@@ -96,6 +96,9 @@ def _build():
     return torch.ops.splitserve_cpu
 
 
+# decode_stack.cpp calls the other two through cpu_ops.h (torch rebuilds when a source changes, not
+# when only the header does).
+_SOURCES = ("cpu_ops.cpp", "gguf_ops.cpp", "decode_stack.cpp")
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}
 _ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "generic": "generic"}
 

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -602,6 +604,23 @@ std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Te
 }
 
 }  // namespace
+
+// For the other C++ files of the extension (cpu_ops.h).
+namespace splitserve {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  return ::add_rms_norm(x, residual, weight, eps);
+}
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) { ::rotary(q, k, cos, sin); }
+at::Tensor silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
+void write_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  ::write_kv(kv_cache, k, v, slot_mapping);
+}
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, int64_t num_decodes, double scale, int64_t sliding_window) {
+  ::decode_attention(out, q, kv_cache, block_tables, seq_lens, num_decodes, scale, sliding_window);
+}
+}  // namespace splitserve
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "

@@ -26,6 +26,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -744,6 +746,11 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
 }
 
 }  // namespace
+
+at::Tensor splitserve::gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
+                               bool native_bf16) {
+  return ::gguf_mm(x, w, qtype, N, K, native_bf16);
+}
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("gguf_mm(Tensor x, Tensor w, int qtype, int N, int K, bool native_bf16=False) -> Tensor", &gguf_mm);

@@ -1,0 +1,170 @@
+// The decoder layers of a Llama-family model for one decode step, in one call from Python.
+//
+// A decode step of a small model is short (a few milliseconds for SmolLM2-135M with 4-bit weights
+// on two cores), and the Python around its ~12 kernel calls per layer (module calls, argument
+// parsing, dispatch) cost about as much as the kernels themselves. DecodeStack holds each layer's
+// weights once (built by splitserve/executor/cpu_decode_stack.py after loading) and runs all the
+// layers and the final norm in C++, calling the same kernels, in the same order and with the same
+// row padding, as the Python modules do: its result equals theirs bit for bit (tested).
+//
+// What it runs: RMSNorm (fused with the residual add from the second norm on), q/k/v as one
+// matmul, rotary in place, the paged KV write, paged decode attention, o_proj, SiLU-and-mul between
+// gate/up and down. Linears are dense (at::linear, with the bias fused as F.linear does) or GGUF
+// blocks (splitserve::gguf_mm, then the bias added) in runs of output rows. What it does not run
+// (LoRA, tensor or pipeline parallelism, quantized KV caches, q/k norms ...) the Python side never
+// builds it for.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+struct Run {
+  int64_t qtype;  // ggml type of GGUF blocks, or -1 for a dense [rows, K] weight
+  int64_t rows;
+  at::Tensor weight;
+};
+
+struct StackLinear {
+  std::vector<Run> runs;  // consecutive output rows
+  at::Tensor bias;        // undefined when none
+  bool fused_bias = false;  // a dense linear adds its bias in at::linear, as F.linear does
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  StackLinear linears[4];  // qkv, o, gate_up, down
+  int64_t sliding_window;
+};
+
+enum Slot : int64_t { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+// x [M, K] with zero rows appended up to `rows` (splitserve/kernels/row_buckets.py).
+at::Tensor padded(const at::Tensor& x, int64_t rows) {
+  if (rows <= x.size(0)) return x;
+  at::Tensor out = at::empty({rows, x.size(1)}, x.options());
+  out.narrow(0, 0, x.size(0)).copy_(x);
+  out.narrow(0, x.size(0), rows - x.size(0)).zero_();
+  return out;
+}
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool native_bf16)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        native_bf16_(native_bf16) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window) {
+    StackLayer layer;
+    layer.input_norm = input_norm;
+    layer.post_norm = post_norm;
+    layer.sliding_window = sliding_window;
+    layers_.push_back(std::move(layer));
+  }
+
+  // A run of output rows of linear `slot` of the last layer added.
+  void add_run(int64_t slot, at::Tensor weight, int64_t qtype, int64_t rows) {
+    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "add_run needs a layer and a slot in [0, 4)");
+    TORCH_CHECK(qtype >= 0 ? weight.scalar_type() == at::kByte : weight.dim() == 2 && weight.size(0) == rows,
+                "a run's weight must be GGUF blocks (uint8) or dense [rows, K]");
+    layers_.back().linears[slot].runs.push_back({qtype, rows, weight});
+  }
+
+  void set_bias(int64_t slot, at::Tensor bias, bool fused) {
+    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "set_bias needs a layer and a slot in [0, 4)");
+    layers_.back().linears[slot].bias = bias;
+    layers_.back().linears[slot].fused_bias = fused;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x: [T, hidden] embeddings of T decode tokens (one per request); cos, sin as the rotary kernel
+  // takes them; kv_caches: one per layer; block_tables, seq_lens, slot_mapping as the attention
+  // metadata has them; padded_rows: the rows bfloat16 products are padded to. Returns the final
+  // norm's output [T, hidden].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping, const at::Tensor& final_norm,
+                     int64_t padded_rows) const {
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one KV cache per layer");
+    TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
+    const int64_t T = x.size(0), q_width = num_heads_ * head_dim_, kv_width = num_kv_heads_ * head_dim_;
+    at::Tensor residual = x;
+    at::Tensor h;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const StackLayer& layer = layers_[i];
+      h = i == 0 ? splitserve::rms_norm(residual, layer.input_norm, eps_)
+                 : splitserve::add_rms_norm(h, residual, layer.input_norm, eps_);
+      const at::Tensor qkv = apply(layer.linears[kQKV], h, padded_rows);
+      at::Tensor q = qkv.narrow(1, 0, q_width).view({T, num_heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_width, kv_width).view({T, num_kv_heads_, head_dim_});
+      const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({T, num_kv_heads_, head_dim_});
+      splitserve::rotary(q, k, cos, sin);
+      splitserve::write_kv(kv_caches[i], k, v, slot_mapping);
+      at::Tensor attn = at::empty({T, num_heads_, head_dim_}, q.options());
+      splitserve::decode_attention(attn, q, kv_caches[i], block_tables, seq_lens, T, scale_, layer.sliding_window);
+      const at::Tensor o = apply(layer.linears[kO], attn.view({T, q_width}), padded_rows);
+      h = splitserve::add_rms_norm(o, residual, layer.post_norm, eps_);
+      const at::Tensor act = splitserve::silu_and_mul(apply(layer.linears[kGateUp], h, padded_rows));
+      h = apply(layer.linears[kDown], act, padded_rows);
+    }
+    return splitserve::add_rms_norm(h, residual, final_norm, eps_);
+  }
+
+ private:
+  // x [M, K] times the linear's runs, as Linear.forward and GGUFLinearMethod.apply compute it.
+  at::Tensor apply(const StackLinear& linear, const at::Tensor& x, int64_t padded_rows) const {
+    const int64_t M = x.size(0), K = x.size(1);
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(linear.runs.size());
+    for (const Run& run : linear.runs) {
+      if (run.qtype < 0) {  // bfloat16 products go through oneDNN: padded rows (row_buckets.linear)
+        const at::Tensor xp = x.scalar_type() == at::kBFloat16 ? padded(x, padded_rows) : x;
+        const at::Tensor y = linear.fused_bias ? at::linear(xp, run.weight, linear.bias) : at::linear(xp, run.weight);
+        outputs.push_back(y.narrow(0, 0, M));
+      } else {  // as splitserve.kernels.gguf.gguf_mm
+        const bool pad = x.scalar_type() == at::kBFloat16 && native_bf16_;
+        const at::Tensor xp = (pad ? padded(x, padded_rows) : x).contiguous();
+        outputs.push_back(splitserve::gguf_mm(xp, run.weight, run.qtype, run.rows, K, native_bf16_).narrow(0, 0, M));
+      }
+    }
+    at::Tensor y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+    if (linear.bias.defined() && !linear.fused_bias) y = y + linear.bias;
+    return y;
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  bool native_bf16_;
+  std::vector<StackLayer> layers_;
+};
+
+at::Tensor decode_stack_forward(const c10::intrusive_ptr<DecodeStack>& stack, const at::Tensor& x,
+                                const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kv_caches,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                const at::Tensor& slot_mapping, const at::Tensor& final_norm, int64_t padded_rows) {
+  return stack->forward(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping, final_norm, padded_rows);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, bool>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_run", &DecodeStack::add_run)
+      .def("set_bias", &DecodeStack::set_bias)
+      .def("num_layers", &DecodeStack::num_layers);
+  // An operator rather than a method, so that the call releases the GIL as every torch op does. x (the
+  // residual stream) and the KV caches are written in place.
+  m.def(
+      "decode_stack_forward(__torch__.torch.classes.splitserve_cpu.DecodeStack stack, Tensor(a!) x, Tensor cos, "
+      "Tensor sin, Tensor(b!)[] kv_caches, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
+      "Tensor final_norm, int padded_rows) -> Tensor",
+      &decode_stack_forward);
+}
