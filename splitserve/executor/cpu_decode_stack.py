@@ -6,7 +6,8 @@ layers of module calls and ~12 kernel calls each. The model runner builds a CPUD
 the KV cache is bound; from then on a step whose every request decodes one token runs the
 embedding lookup and the rotary tables in Python, and all the decoder layers and the final norm
 in one call that releases the GIL. The kernels, their order and their row padding are those of
-the Python modules, so the hidden states are the same bit for bit. Steps with prompt tokens run
+the Python modules (packed bfloat16 weights included, kernels/packed_linear.py), so the hidden
+states are the same bit for bit. Steps with prompt tokens run
 the modules as before.
 
 It is built only where it computes exactly what the modules would: a Llama-family model
@@ -31,6 +32,8 @@ from splitserve.quantization.gguf import GGUFLinearMethod
 logger = logging.getLogger(__name__)
 
 ENV = "SPLITSERVE_CPU_DECODE_STACK"
+# DecodeStack.add_run's qtype for weights that are not GGUF blocks (decode_stack.cpp's Run).
+DENSE, PACKED = -1, -2
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -63,11 +66,13 @@ class CPUDecodeStack:
             norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             stack.add_layer(*norms, a.attn.sliding_window or 0)
             for slot, linear in enumerate((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                if linear.quant_method is None:
-                    stack.add_run(slot, linear.weight, -1, linear.out_features)
+                if linear.packed_weight is not None:
+                    stack.add_run(slot, linear.packed_weight, PACKED, linear.out_features)
+                elif linear.quant_method is None:
+                    stack.add_run(slot, linear.weight, DENSE, linear.out_features)
                 else:
                     for qtype, rows, name in linear.gguf_runs:
-                        stack.add_run(slot, getattr(linear, name), -1 if qtype is None else qtype, rows)
+                        stack.add_run(slot, getattr(linear, name), DENSE if qtype is None else qtype, rows)
                 if linear.bias is not None:  # F.linear fuses a dense linear's bias; GGUF adds it after
                     stack.set_bias(slot, linear.bias, linear.quant_method is None)
         logger.info(

@@ -41,7 +41,7 @@ class InFlightStep:
     request_ids: list[str]  # the rows of `sampled`: the requests that sample
     num_logprobs: list[int | None]  # per row: how many top logprobs it asked for
     sampled: SamplerOutput | None = None
-    host: list = field(default_factory=list)  # host copies of _sampler_tensors(sampled)
+    host: list = field(default_factory=list)  # host copies of sampled.host_tensors()
     prompt_host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # host copies, per request
     ready: StepReady | None = None
 
@@ -167,8 +167,7 @@ class ModelRunner:
         that preempted requests' KV is swapped to (kv_swap.py)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
-        if self.device.type == "cpu":
-            self.decode_stack = CPUDecodeStack.build(self.model, self.backend, self.rank, self.lora_manager is not None)
+        self.decode_stack = CPUDecodeStack.build(self.model, self.backend, self.rank, self.lora_manager is not None)
         spec = self.kv_spec
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
@@ -282,7 +281,7 @@ class ModelRunner:
                 self._apply_grammars(logits, sampling, step_input.grammar_bitmasks)
             meta = build_sampling_metadata(sampling, logits.shape[-1], self.device)
             step.sampled = self.sampler(logits, meta)
-            step.host = [start_host_copy(t) for t in _sampler_tensors(step.sampled)]
+            step.host = [start_host_copy(t) for t in step.sampled.host_tensors()]
         for span in batch.prompt_logprob_spans:
             request = batch.requests[span.row]
             tensors = self._prompt_logprobs(request, hidden, span)
@@ -394,12 +393,3 @@ class ModelRunner:
             if k:
                 lps[lo:hi, 1:], ids[lo:hi, 1:] = logprobs.topk(k, dim=-1)
         return ids, lps, ranks
-
-
-def _sampler_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:
-    """What the host reads of a sampler output: the tokens and their logprobs, then the top-k
-    logprob tensors if any."""
-    tensors = [sampled.token_ids, sampled.sampled_logprobs]
-    if sampled.logprobs is None:
-        return tensors
-    return tensors + [sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks]

@@ -47,6 +47,13 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What the host reads: the tokens and their logprobs, then the top-k logprob tensors if any."""
+        tensors = [self.token_ids, self.sampled_logprobs]
+        if self.logprobs is None:
+            return tensors
+        return tensors + [self.logprob_token_ids, self.logprobs, self.sampled_ranks]
+
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:

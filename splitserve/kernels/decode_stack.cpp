@@ -9,11 +9,13 @@
 //
 // What it runs: RMSNorm (fused with the residual add from the second norm on), q/k/v as one
 // matmul, rotary in place, the paged KV write, paged decode attention, o_proj, SiLU-and-mul between
-// gate/up and down. Linears are dense (at::linear, with the bias fused as F.linear does) or GGUF
-// blocks (splitserve::gguf_mm, then the bias added) in runs of output rows. What it does not run
+// gate/up and down. Linears are dense (at::linear, with the bias fused as F.linear does), prepacked
+// bfloat16 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
+// bias added) in runs of output rows. What it does not run
 // (LoRA, tensor or pipeline parallelism, quantized KV caches, q/k norms ...) the Python side never
 // builds it for.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -24,8 +26,11 @@
 
 namespace {
 
+constexpr int64_t kDense = -1;   // a dense [rows, K] weight
+constexpr int64_t kPacked = -2;  // a bfloat16 weight prepacked for oneDNN (kernels/packed_linear.py)
+
 struct Run {
-  int64_t qtype;  // ggml type of GGUF blocks, or -1 for a dense [rows, K] weight
+  int64_t qtype;  // ggml type of GGUF blocks, kDense or kPacked
   int64_t rows;
   at::Tensor weight;
 };
@@ -53,6 +58,20 @@ at::Tensor padded(const at::Tensor& x, int64_t rows) {
   return out;
 }
 
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), through the dispatcher.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x,
+                          packed,
+                          bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool native_bf16)
@@ -70,8 +89,10 @@ class DecodeStack : public torch::CustomClassHolder {
   // A run of output rows of linear `slot` of the last layer added.
   void add_run(int64_t slot, at::Tensor weight, int64_t qtype, int64_t rows) {
     TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "add_run needs a layer and a slot in [0, 4)");
-    TORCH_CHECK(qtype >= 0 ? weight.scalar_type() == at::kByte : weight.dim() == 2 && weight.size(0) == rows,
-                "a run's weight must be GGUF blocks (uint8) or dense [rows, K]");
+    TORCH_CHECK(qtype >= 0 ? weight.scalar_type() == at::kByte
+                           : qtype == kPacked ? weight.is_mkldnn()
+                                              : qtype == kDense && weight.dim() == 2 && weight.size(0) == rows,
+                "a run's weight must be GGUF blocks (uint8), a oneDNN-packed or a dense [rows, K] tensor");
     layers_.back().linears[slot].runs.push_back({qtype, rows, weight});
   }
 
@@ -123,7 +144,10 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<at::Tensor> outputs;
     outputs.reserve(linear.runs.size());
     for (const Run& run : linear.runs) {
-      if (run.qtype < 0) {  // bfloat16 products go through oneDNN: padded rows (row_buckets.linear)
+      if (run.qtype == kPacked) {  // as packed_linear.linear
+        const at::Tensor y = packed_linear(padded(x, padded_rows), run.weight, linear.fused_bias ? linear.bias : at::Tensor());
+        outputs.push_back(y.narrow(0, 0, M));
+      } else if (run.qtype == kDense) {  // bfloat16 products go through oneDNN: padded rows (row_buckets.linear)
         const at::Tensor xp = x.scalar_type() == at::kBFloat16 ? padded(x, padded_rows) : x;
         const at::Tensor y = linear.fused_bias ? at::linear(xp, run.weight, linear.bias) : at::linear(xp, run.weight);
         outputs.push_back(y.narrow(0, 0, M));

@@ -3,6 +3,8 @@ the loader fills every one of them, so random initialisation would only cost tim
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,8 +12,10 @@ from torch import nn
 from splitserve import kernels
 from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
-from splitserve.kernels import row_buckets
+from splitserve.kernels import packed_linear, row_buckets
 from splitserve.quantization.gguf_weight import GGUFWeight
+
+logger = logging.getLogger(__name__)
 
 
 class LinearMethod:
@@ -84,6 +88,18 @@ class Linear(nn.Module):
             quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         self.lora = None  # LoRASlots (layers/lora.py) when the engine serves LoRA adapters
+        self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout (kernels/packed_linear.py)
+
+    def pack_weight(self, packed: torch.Tensor) -> None:
+        """Compute with `packed` (kernels/packed_linear.py) from now on; the dense weight is dropped."""
+        del self.weight
+        self.weight = None
+        self.packed_weight = packed
+
+    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear.linear(x, self.packed_weight, bias)
+        return row_buckets.linear(x, self.weight, bias)
 
     def _partitions(self, given: list[int] | None) -> list[int]:
         if self.parallel != "column":
@@ -136,7 +152,7 @@ class Linear(nn.Module):
             y = tp_all_reduce(y)
             return y if self.bias is None else y + self.bias
         if self.quant_method is None:
-            y = row_buckets.linear(x, self.weight, self.bias)
+            y = self._dense(x, self.bias)
         else:
             y = self.quant_method.apply(self, x)
             y = y if self.bias is None else y + self.bias
@@ -147,7 +163,7 @@ class Linear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias."""
         if self.quant_method is None:
-            return row_buckets.linear(x, self.weight)
+            return self._dense(x, None)
         return self.quant_method.apply(self, x)
 
 
@@ -175,6 +191,7 @@ class Embedding(nn.Module):
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, dim, dtype=dtype), requires_grad=False)
         self.gguf_qtype: int | None = None  # set when the weight is kept in GGUF blocks (`gguf_blocks`)
+        self.packed_weight: torch.Tensor | None = None  # the LM head in oneDNN's layout (kernels/packed_linear.py)
 
     def load_checkpoint_tensor(self, name: str, shard: int | None, tensor) -> None:
         assert name == "weight" and shard is None
@@ -212,7 +229,9 @@ class Embedding(nn.Module):
         return tp_all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gguf_qtype is None:
+        if self.packed_weight is not None:
+            logits = packed_linear.linear(hidden, self.packed_weight)
+        elif self.gguf_qtype is None:
             logits = row_buckets.linear(hidden, self.weight)
         else:
             from splitserve.kernels import gguf as gguf_kernels
@@ -240,3 +259,27 @@ class RMSNorm(nn.Module):
 
 
 silu_and_mul = kernels.silu_and_mul
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Prepack the model's dense bfloat16 CPU linears and its LM head for oneDNN
+    (kernels/packed_linear.py); returns how many weights were packed, and logs it."""
+    if not packed_linear.enabled():
+        logger.info("%s=0: bfloat16 linear weights are reordered by oneDNN at every call.", packed_linear.ENV)
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant_method is None and packed_linear.can_pack(module.weight):
+            module.pack_weight(packed_linear.pack(module.weight))
+            count += 1
+    head = model.compute_logits_embedding() if hasattr(model, "compute_logits_embedding") else None
+    if isinstance(head, Embedding) and head.gguf_qtype is None and packed_linear.can_pack(head.weight):
+        head.packed_weight = packed_linear.pack(head.weight)
+        count += 1
+    if count:
+        logger.info(
+            "CPU: %d bfloat16 weights prepacked for oneDNN once, not reordered at every call (%s=0 turns it off).",
+            count,
+            packed_linear.ENV,
+        )
+    return count

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from splitserve.config import ModelConfig
+from splitserve.layers.basic import pack_cpu_weights
 from splitserve.loader.gguf_file import GGUFFile, GGUFTensor
 from splitserve.models.registry import get_model_class
 from splitserve.quantization.gguf_weight import GGUFWeight
@@ -77,6 +78,8 @@ def load_model(model_config: ModelConfig, device: torch.device, show_progress: b
         model_config.model,
         time.perf_counter() - start,
     )
+    if device.type == "cpu":  # after counting: the packed copies replace the dense weights
+        pack_cpu_weights(model)
     return model
 
 

@@ -276,9 +276,14 @@ class LlamaForCausalLM(nn.Module):
         stage, the (hidden, residual) to hand on)."""
         return self.model(input_ids, positions, meta, intermediate)
 
+    def compute_logits_embedding(self) -> Embedding | None:
+        """The Embedding whose `logits` are the LM head's (None before the last pipeline stage)."""
+        if not self.model.is_last_stage:
+            return None
+        return self.model.embed_tokens if self.head_is_embedding else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.head_is_embedding else self.lm_head
-        return head.logits(hidden)
+        return self.compute_logits_embedding().logits(hidden)
 
     @staticmethod
     def lora_target(module_name: str) -> tuple[str, int]:

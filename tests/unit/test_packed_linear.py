@@ -1,0 +1,53 @@
+"""bfloat16 linears with their weights prepacked for oneDNN (kernels/packed_linear.py) give exactly
+F.linear's results, at every row count and with a bias; an engine packs its dense bfloat16 linears
+and LM head on CPU, and neither float32 weights nor SPLITSERVE_CPU_PACKED_WEIGHTS=0 are packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve import LLM
+from splitserve.kernels import packed_linear
+from splitserve.layers.basic import Linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_f_linear_bit_for_bit(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(320, 192, generator=g).bfloat16()
+    bias = torch.randn(320, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, 192, generator=g).bfloat16()
+    packed = packed_linear.pack(weight)
+    assert torch.equal(packed_linear.linear(x, packed, bias), F.linear(x, weight, bias))
+    # leading dimensions are kept
+    assert torch.equal(packed_linear.linear(x.view(1, rows, 192), packed, bias), F.linear(x, weight, bias)[None])
+
+
+def test_only_bfloat16_cpu_matrices_are_packed():
+    assert packed_linear.can_pack(torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not packed_linear.can_pack(torch.zeros(4, 8))
+    assert not packed_linear.can_pack(torch.zeros(8, dtype=torch.bfloat16))
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.engine_core.executor.runner.model
+
+
+@pytest.mark.parametrize(
+    ("dtype", "env", "packed"), [("bfloat16", "1", True), ("bfloat16", "0", False), ("float32", "1", False)]
+)
+def test_an_engine_packs_its_dense_bfloat16_linears(tiny_models, monkeypatch, dtype, env, packed):
+    monkeypatch.setenv(packed_linear.ENV, env)
+    llm = LLM(tiny_models["llama"], dtype=dtype, max_model_len=64, use_tqdm_on_load=False)
+    model = _model(llm)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all((m.packed_weight is not None) == packed for m in linears)
+    assert all((m.weight is None) == packed for m in linears)  # the packed copy replaces the dense one
+    assert (model.compute_logits_embedding().packed_weight is not None) == packed
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) > 0
