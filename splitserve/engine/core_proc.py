@@ -17,12 +17,14 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.memtrace import MemoryTrace
 from splitserve.engine.messages import (
     AbortRequests,
@@ -212,16 +214,37 @@ class EngineCoreProc:
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 
-def run_engine_core(config: EngineConfig, address: str, ready_pipe) -> None:
+@dataclass
+class DeferredEngineConfig:
+    """Engine arguments the engine process turns into its EngineConfig itself. The server starts its
+    engine process first and builds its own copy of the config meanwhile, so that the two imports of
+    torch and transformers (about 4 s in a fresh interpreter on two cores) overlap instead of
+    following each other. Both copies come from the same arguments, in the same environment."""
+
+    engine_args: EngineArgs
+    health_timeout: float
+
+    def build(self) -> EngineConfig:
+        config = self.engine_args.create_engine_config()
+        config.health_timeout = self.health_timeout
+        return config
+
+
+def run_engine_core(source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe) -> None:
     """Entry point of the engine process: build the core, report readiness, loop until killed."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent()
-    if config.parallel_config.world_size == 1:  # with several ranks, the workers take the cores
-        from splitserve.executor.cpu_binding import apply_cpu_cores_env
-
-        apply_cpu_cores_env()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
+        config = source.build() if isinstance(source, DeferredEngineConfig) else source
+    except Exception as exc:  # bad arguments: the parent, building its own copy, reports them itself
+        ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        return
+    try:
+        if config.parallel_config.world_size == 1:  # with several ranks, the workers take the cores
+            from splitserve.executor.cpu_binding import apply_cpu_cores_env
+
+            apply_cpu_cores_env()
         proc = EngineCoreProc(config, address)
     except Exception as exc:  # report any start-up failure to the parent, then exit
         logger.exception("Engine start-up failed")
@@ -250,28 +273,29 @@ def _stop_ranks_and_exit(proc: EngineCoreProc) -> None:
 class EngineProcess:
     """Starts the engine core process and waits until it is ready (or says why it is not)."""
 
-    def __init__(self, config: EngineConfig, address: str | None = None):
+    def __init__(self, source: EngineConfig | DeferredEngineConfig, address: str | None = None):
         self.address = address or new_ipc_address()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
         # Not a daemon: daemonic processes may not start children, and the engine starts one worker
         # process per rank with tensor/pipeline parallelism. It still never outlives this process
         # (a parent-death signal, and shutdown() below).
-        self.process = ctx.Process(target=run_engine_core, args=(config, self.address, child), name="splitserve-engine")
+        self.process = ctx.Process(target=run_engine_core, args=(source, self.address, child), name="splitserve-engine")
         self.process.start()
         child.close()
-        self._config, self._ready_pipe = config, parent
+        self._ready_pipe = parent
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, config: EngineConfig) -> None:
         """Until the engine process has built its engine (it starts meanwhile: the caller may do
-        other work first); raises with the engine's reason if it failed."""
+        other work first); raises with the engine's reason if it failed. Copies what the engine
+        decided at start-up (the KV cache's size) into the caller's `config`."""
         try:
             ready = self._ready_pipe.recv()
         except EOFError:
             raise RuntimeError("The engine process exited during start-up; see its log above.") from None
         if ready["status"] != "ready":
             raise RuntimeError(f"The engine failed to start: {ready['error']}")
-        self._config.cache_config.num_gpu_blocks = ready["num_gpu_blocks"]
+        config.cache_config.num_gpu_blocks = ready["num_gpu_blocks"]
 
     @property
     def pid(self) -> int:

@@ -36,11 +36,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    from splitserve.engine.core_proc import EngineProcess
+    from splitserve.engine.core_proc import DeferredEngineConfig, EngineProcess
     from splitserve.entrypoints.openai.metrics import MULTIPROC_ENV
 
-    config = engine_args.create_engine_config()
-    config.health_timeout = server_args.health_timeout
     multiproc_dir = None
     if server_args.workers > 1:
         # Must be set before any process imports prometheus_client.
@@ -59,13 +57,16 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     # SIGTERM, so that it stops them the same way rather than leave it to their parent-death signal.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
-    engine = EngineProcess(config, address)
+    # The engine process builds its config from the same arguments while this one builds its own.
+    engine = EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), address)
     workers: list[multiprocessing.Process] = []
     try:
+        config = engine_args.create_engine_config()
+        config.health_timeout = server_args.health_timeout
         with startup.phase("tokenizer"):  # while the engine process starts (serve_worker's front-end finds it)
             get_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
         with startup.phase("engine process"):
-            engine.wait_ready()
+            engine.wait_ready(config)
         if server_args.workers == 1:
             serve_worker(config, server_args, engine.address, engine.pid, 0, sock, metrics_sock)
         else:
