@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // The vector dot products: 512-bit with AVX-512BW (VNNI where present), else 256-bit with AVX2 and
@@ -663,6 +664,34 @@ void dot_rows(const uint8_t* row, int64_t K, const QuantizedX& x, int64_t m0, T*
 }
 #endif
 
+#if defined(GGUF_AVX2)
+// One x row (single-stream decode) against two weight rows at once: each row's sums are computed in
+// the same order as dot_rows<Q, 1> computes them (same results), but the loop carries two independent
+// chains of dependent FMAs instead of one and reads x's codes once for both rows. Measured on one
+// thread (AMD EPYC, AVX-512 VNNI), 576 x 1536 to 16384 x 576: 5-12% faster for Q4_0, Q4_1, Q5_0 and
+// Q5_1; Q8_0 up to 20% slower on the large matrix (its 32-byte codes), and the K-quants unmeasured,
+// so those keep one row at a time.
+template <class Q>
+constexpr bool kTwoWeightRows = std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1> || std::is_same_v<Q, Q5_0> ||
+                                std::is_same_v<Q, Q5_1>;
+
+template <class Q, typename T>
+void dot_two_weight_rows(const uint8_t* row0, const uint8_t* row1, int64_t K, const QuantizedX& x, T* out) {
+  const int64_t chunks = K / kChunk;
+  const int8_t* xq = x.q_row(0);
+  const float* xs = x.scale_row(0);
+  const float* xsum = x.sum_row(0);
+  RowDot dot0, dot1;
+  for (int64_t g = 0; g < chunks; g += 2) {
+    const ChunkPair p0 = unpack_pair<Q>(row0, g, chunks), p1 = unpack_pair<Q>(row1, g, chunks);
+    dot0.template add<Q::kSigned>(prepare<Q::kSigned>(p0), p0, xq + g * kChunk, xs + 2 * g, xsum + 2 * g);
+    dot1.template add<Q::kSigned>(prepare<Q::kSigned>(p1), p1, xq + g * kChunk, xs + 2 * g, xsum + 2 * g);
+  }
+  out[0] = static_cast<T>(dot0.total());
+  out[1] = static_cast<T>(dot1.total());
+}
+#endif
+
 template <class Q, typename T>
 void mm_integer(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, at::Tensor& out) {
   const int64_t M = x.size(0), row_bytes = w.size(1);
@@ -670,6 +699,12 @@ void mm_integer(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+#if defined(GGUF_AVX2)
+    if (kTwoWeightRows<Q> && M == 1) {
+      for (; begin + 1 < end; begin += 2)
+        dot_two_weight_rows<Q, T>(wp + begin * row_bytes, wp + (begin + 1) * row_bytes, K, qx, op + begin);
+    }
+#endif
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
