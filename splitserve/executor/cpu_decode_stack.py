@@ -7,8 +7,7 @@ the KV cache is bound; from then on a step whose every request decodes one token
 embedding lookup and the rotary tables in Python, and all the decoder layers and the final norm
 in one call that releases the GIL. The kernels, their order and their row padding are those of
 the Python modules (packed bfloat16 weights included, kernels/packed_linear.py), so the hidden
-states are the same bit for bit. Steps with prompt tokens run
-the modules as before.
+states are the same bit for bit. Steps with prompt tokens run the modules as before.
 
 It is built only where it computes exactly what the modules would: a Llama-family model
 (LlamaForCausalLM with the stock layers: Llama, SmolLM2, Mistral, Qwen2) in float32 or bfloat16

@@ -167,7 +167,8 @@ class ModelRunner:
         that preempted requests' KV is swapped to (kv_swap.py)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
-        self.decode_stack = CPUDecodeStack.build(self.model, self.backend, self.rank, self.lora_manager is not None)
+        if self.device.type == "cpu":  # deciding builds the CPU kernels: never on another device
+            self.decode_stack = CPUDecodeStack.build(self.model, self.backend, self.rank, self.lora_manager is not None)
         spec = self.kv_spec
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",

@@ -9,8 +9,9 @@ through MKL, whose packed GEMM measured no faster, so float32 weights stay as th
 
 layers.basic.pack_cpu_weights packs every dense bfloat16 Linear of a model on CPU (their dense
 weight is dropped: the packed copy replaces it) and the dense LM head (an Embedding, which keeps its
-dense rows too: a tied head is also the token embedding). SPLITSERVE_CPU_PACKED_WEIGHTS=0 turns it off. Rows are
-padded to bounded sizes as for F.linear (row_buckets), since oneDNN builds a kernel per shape here too.
+dense rows too: a tied head is also the token embedding). SPLITSERVE_CPU_PACKED_WEIGHTS=0 turns it
+off. Rows are padded to bounded sizes as for F.linear (row_buckets), since oneDNN builds a kernel
+per shape here too.
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for the packed weight, x's rows padded by row_buckets."""
-    x2 = x.reshape(-1, x.shape[-1])
-    padded = row_buckets.padded_rows(x2)
-    y = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")
-    if padded is not x2:
-        y = y[: x2.shape[0]]
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return row_buckets.linear(x, packed, bias, product=_packed_product)
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -54,11 +54,13 @@ def padded_rows(x2: torch.Tensor) -> torch.Tensor:
     return padded
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) with x's rows (all leading dims together) padded by `padded_rows`."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, product=None) -> torch.Tensor:
+    """product(x, weight, bias) (F.linear by default, or another with its contract) with x's rows
+    (all leading dims together) padded by `padded_rows`."""
+    product = F.linear if product is None else product
     x2 = x.reshape(-1, x.shape[-1])
     padded = padded_rows(x2)
     if padded is x2:
-        return F.linear(x, weight, bias)
-    y = F.linear(padded, weight, bias)[: x2.shape[0]]
+        return product(x, weight, bias)
+    y = product(padded, weight, bias)[: x2.shape[0]]
     return y.view(*x.shape[:-1], y.shape[-1])
