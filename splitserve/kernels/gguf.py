@@ -12,6 +12,8 @@ Which path runs:
   integers, reading each weight row once for all rows of x: its results differ from x @ W.T by that
   rounding of x, about 0.5% of the outputs' root mean square. More rows go through dequantized tiles
   and at::mm (bfloat16 tiles with native bf16 and bfloat16 x, else float32): as exact as F.linear.
+  Q4_0 and Q4_1 weights of a multiple of 16 rows can be repacked (repack(): 16 rows interleaved, one
+  per vector lane, as llama.cpp's CPU backend repacks them); the model's loader does so on the CPU.
   gguf_dequantize and gguf_embedding equal the gguf package's dequantize, rounded once to dtype.
 - Otherwise the reference: the gguf package's numpy dequantize, then F.linear or indexing. It runs
   where the C++ kernels are off (SPLITSERVE_CPU_KERNELS=0, or their build failed), for tensors on
@@ -31,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 # ggml type id -> name, for the types gguf_ops.cpp computes with.
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# Added to the type id of a weight that repack() interleaved (gguf_ops.cpp's kRepacked), for the
+# types it repacks; such a weight is [N / REPACK_ROWS, REPACK_ROWS * row_bytes].
+REPACKED = 256
+REPACK_TYPES = {2: "Q4_0", 3: "Q4_1"}
+REPACK_ROWS = 16
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _logged: set[str] = set()
 
@@ -67,6 +74,16 @@ def gguf_embedding(ids: torch.Tensor, w: torch.Tensor, qtype: int, k: int, dtype
     return ops.gguf_embedding(ids.reshape(-1).long().contiguous(), w, qtype, k, dtype).view(*ids.shape, k)
 
 
+def repack(w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, int] | None:
+    """(weight, type id) of w interleaved 16 rows at a time for decode's products, or None where
+    it stays as it is: a type without a repacked kernel, rows not a multiple of 16, a tensor off the
+    CPU or no C++ kernels. The repacked weight goes to gguf_mm and gguf_dequantize with its new
+    type id, and has as many bytes."""
+    if qtype not in REPACK_TYPES or n % REPACK_ROWS or w.device.type != "cpu" or cpu_ops() is None:
+        return None
+    return cpu_ops().gguf_repack(w.contiguous(), qtype, n, k), qtype + REPACKED
+
+
 def dequantize_reference(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """[N, K] float32 on w's device, by the gguf package's numpy dequantize: the reference the C++
     kernels are tested against, and the path for what they do not take."""
@@ -78,6 +95,8 @@ def dequantize_reference(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.T
 
 def _kernel_ops(w: torch.Tensor, qtype: int):
     """torch.ops.splitserve_cpu where the C++ kernels take this weight, else None (logged once per reason)."""
+    if qtype >= REPACKED:  # only ever made by the kernels, on the CPU
+        return cpu_ops()
     if qtype not in KERNEL_TYPES:
         reason = f"GGUF type {qtype} has no C++ kernel"
     elif w.device.type != "cpu":

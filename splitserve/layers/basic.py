@@ -45,6 +45,11 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def pack_cpu_weights(self, layer: Linear) -> int:
+        """Rewrite the layer's weights once into the layout the CPU kernels multiply fastest, after
+        loading and on the CPU only (pack_cpu_weights); returns how many were rewritten."""
+        return 0
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), where W may be several checkpoint matrices stacked along the output dim
@@ -262,24 +267,38 @@ silu_and_mul = kernels.silu_and_mul
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Prepack the model's dense bfloat16 CPU linears and its LM head for oneDNN
-    (kernels/packed_linear.py); returns how many weights were packed, and logs it."""
+    """Prepack the model's weights once for the CPU kernels: dense bfloat16 linears and the LM head
+    for oneDNN (kernels/packed_linear.py), and whatever a quantized linear's method repacks (GGUF
+    Q4_0/Q4_1 blocks interleaved 16 rows at a time). Returns how many weights were packed, and logs it."""
     if not packed_linear.enabled():
-        logger.info("%s=0: bfloat16 linear weights are reordered by oneDNN at every call.", packed_linear.ENV)
+        logger.info(
+            "%s=0: bfloat16 linear weights are reordered by oneDNN at every call, quantized ones stay as loaded.",
+            packed_linear.ENV,
+        )
         return 0
-    count = 0
+    dense = quantized = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.quant_method is None and packed_linear.can_pack(module.weight):
+        if not isinstance(module, Linear):
+            continue
+        if module.quant_method is not None:
+            quantized += module.quant_method.pack_cpu_weights(module)
+        elif packed_linear.can_pack(module.weight):
             module.pack_weight(packed_linear.pack(module.weight))
-            count += 1
+            dense += 1
     head = model.compute_logits_embedding() if hasattr(model, "compute_logits_embedding") else None
     if isinstance(head, Embedding) and head.gguf_qtype is None and packed_linear.can_pack(head.weight):
         head.packed_weight = packed_linear.pack(head.weight)
-        count += 1
-    if count:
+        dense += 1
+    if dense:
         logger.info(
             "CPU: %d bfloat16 weights prepacked for oneDNN once, not reordered at every call (%s=0 turns it off).",
-            count,
+            dense,
             packed_linear.ENV,
         )
-    return count
+    if quantized:
+        logger.info(
+            "CPU: %d quantized weights repacked for the decode kernels, 16 rows interleaved (%s=0 turns it off).",
+            quantized,
+            packed_linear.ENV,
+        )
+    return dense + quantized

@@ -44,6 +44,21 @@ class GGUFLinearMethod(LinearMethod):
                 layer.register_buffer(name, torch.cat([p.dense(layer.dtype) for p in run]))
             layer.gguf_runs.append((run[0].qtype if run[0].quantized else None, sum(p.shape[0] for p in run), name))
 
+    def pack_cpu_weights(self, layer: Linear) -> int:
+        """Q4_0/Q4_1 runs of a multiple of 16 rows interleaved for the decode GEMV (kernels.gguf.repack)."""
+        from splitserve.kernels import gguf as gguf_kernels
+
+        count = 0
+        for i, (qtype, rows, name) in enumerate(layer.gguf_runs):
+            repacked = (
+                None if qtype is None else gguf_kernels.repack(getattr(layer, name), qtype, rows, layer.in_features)
+            )
+            if repacked is not None:
+                setattr(layer, name, repacked[0])  # the buffer's bytes, interleaved
+                layer.gguf_runs[i] = (repacked[1], rows, name)
+                count += 1
+        return count
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels import gguf as gguf_kernels
 

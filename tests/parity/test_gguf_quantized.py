@@ -2,7 +2,8 @@
 on CPU) against the same file dequantized (--quantization none): greedy tokens may part only where
 the dequantized model's two best tokens are within a stated margin (the quantized kernels round the
 activations of decode-sized batches to 8 bits, as llama.cpp does), the logprobs before that stay
-close, and the perplexity stays within 1%."""
+close, and the perplexity stays within 1%. Decode's products take the layers' Q4_1 blocks repacked
+16 rows at a time (kernels.gguf.repack)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.benchmarks.perplexity import BUILTIN_TEXT, compute_perplexity
+from splitserve.kernels import gguf as gguf_kernels
+from splitserve.kernels import packed_linear
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a"]
 MAX_TOKENS = 32
@@ -33,6 +36,23 @@ def test_the_default_model_runs_in_its_blocks_by_default(engines):
     assert dequantized.llm_engine.config.model_config.quant_config is None
     default = LLM(max_model_len=256, use_tqdm_on_load=False)
     assert default.llm_engine.config.model_config.quant_config.method == "gguf"
+
+
+def _gguf_runs(llm: LLM) -> list[int]:
+    model = llm.llm_engine.engine_core.executor.runner.model
+    return [qtype for m in model.modules() for qtype, _, _ in getattr(m, "gguf_runs", [])]
+
+
+def test_the_layers_q4_1_blocks_are_repacked_for_decode(engines, monkeypatch):
+    """The default model's layers are Q4_1 (the LM head Q8_0, tied to the embedding): every layer
+    run is interleaved for the 16-row kernels after loading, unless prepacking is turned off."""
+    runs = _gguf_runs(engines[0])
+    assert runs and all(qtype == 3 + gguf_kernels.REPACKED for qtype in runs)
+    monkeypatch.setenv(packed_linear.ENV, "0")
+    unpacked = LLM(quantization="gguf", max_model_len=256, use_tqdm_on_load=False)
+    assert set(_gguf_runs(unpacked)) == {3}
+    out = unpacked.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
 
 
 def _greedy(llm: LLM, logprobs: int):

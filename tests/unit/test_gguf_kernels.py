@@ -142,6 +142,76 @@ def test_smollm2_shapes_and_float16_and_batched_input(ops):
     _check_product(gguf_kernels.gguf_mm(x, w, int(Q.Q4_0), 4000, 576), x, _reference(w, Q.Q4_0, 4000, 576), True)
 
 
+REPACK_TYPES = [Q.Q4_0, Q.Q4_1]
+
+
+def _repacked(w: torch.Tensor, qtype, n: int, k: int) -> tuple[torch.Tensor, int]:
+    repacked = gguf_kernels.repack(w, int(qtype), n, k)
+    assert repacked is not None
+    assert repacked[0].shape == (n // 16, 16 * w.shape[1]) and repacked[1] == int(qtype) + gguf_kernels.REPACKED
+    return repacked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", REPACK_TYPES, ids=[t.name for t in REPACK_TYPES])
+def test_repacked_weights_dequantize_to_the_same_values(ops, qtype, dtype):
+    """Interleaving moves bytes only: every row dequantizes exactly as before (and as the gguf package)."""
+    n, k = 48, _k(qtype)
+    w = _weight(qtype, n, k, seed=3)
+    rw, rtype = _repacked(w, qtype, n, k)
+    assert not torch.equal(rw.view(-1), w.view(-1))  # the bytes did move
+    expected = _reference(w, qtype, n, k).to(dtype)
+    torch.testing.assert_close(gguf_kernels.gguf_dequantize(rw, rtype, n, k, dtype), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 23, 24, 40, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", REPACK_TYPES, ids=[t.name for t in REPACK_TYPES])
+def test_repacked_product_matches_the_dequantized_weights(ops, qtype, dtype, m):
+    """The 16-row integer path (1 .. 4 x rows per pass: M = 1, 2, 3, 4 + 1, 4 x 2, and up to 63
+    float32 rows) and the tiles dequantized from the repacked layout (float32 from 64 rows; bfloat16
+    with native bf16 from 24, which gguf_mm's row padding makes 17): as close to x @ W.T as the
+    blocks' own paths."""
+    n, k = 64, _k(qtype)
+    w = _weight(qtype, n, k, seed=m)
+    rw, rtype = _repacked(w, qtype, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = gguf_kernels.gguf_mm(x, rw, rtype, n, k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tiles = m >= (24 if dtype == torch.bfloat16 and cpu_features.native_bf16() else 64)
+    _check_product(out, x, _reference(w, qtype, n, k), dtype == torch.float32 and tiles)
+
+
+@pytest.mark.parametrize("qtype", REPACK_TYPES, ids=[t.name for t in REPACK_TYPES])
+def test_repacked_single_row_is_the_blocks_integer_product(ops, qtype):
+    """One x row (single-stream decode): the same 8-bit x and integer sums as the blocks' path,
+    summed in another order, so equal to float32 rounding, on SmolLM2's widest shape."""
+    n, k = 1536, 576
+    w = _weight(qtype, n, k, seed=11)
+    rw, rtype = _repacked(w, qtype, n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+    blocks, repacked = ops.gguf_mm(x, w, int(qtype), n, k, False), ops.gguf_mm(x, rw, rtype, n, k, False)
+    torch.testing.assert_close(repacked, blocks, atol=1e-5 * blocks.abs().max().item(), rtol=1e-5)
+
+
+def test_what_is_not_repacked(ops):
+    """Types without a repacked kernel and row counts off the 16-row groups stay as they are; the
+    op itself says why it refuses them, and checks a repacked weight's shape."""
+    w8 = _weight(Q.Q8_0, 32, 64)
+    assert gguf_kernels.repack(w8, int(Q.Q8_0), 32, 64) is None
+    w4 = _weight(Q.Q4_1, 40, 64)
+    assert gguf_kernels.repack(w4, int(Q.Q4_1), 40, 64) is None
+    with pytest.raises(RuntimeError, match="is not repacked here"):
+        ops.gguf_repack(w8, int(Q.Q8_0), 32, 64)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        ops.gguf_repack(w4, int(Q.Q4_1), 40, 64)
+    rw, rtype = _repacked(w4[:32].contiguous(), Q.Q4_1, 32, 64)
+    with pytest.raises(RuntimeError, match=r"must be \[2, 640\] bytes"):
+        ops.gguf_mm(torch.randn(1, 64), rw[:, :600].contiguous(), rtype, 32, 64, False)
+    with pytest.raises(RuntimeError, match="a repacked weight has a multiple of 16 rows"):
+        ops.gguf_dequantize(rw, rtype, 30, 64, torch.float32)
+
+
 def test_inputs_are_checked(ops):
     w = _weight(Q.Q8_0, 4, 64)
     x = torch.randn(2, 64)
