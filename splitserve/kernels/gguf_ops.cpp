@@ -841,6 +841,20 @@ void dot_two_weight_rows(const uint8_t* row0, const uint8_t* row1, int64_t K, co
 }
 #endif
 
+// fn(std::integral_constant<int, R>{}, m0) for the x rows [m0, m0 + R) of M, in passes of up to 4 rows:
+// the integer paths' dot products are templates on R, so that their accumulators stay in registers.
+template <typename Fn>
+inline void in_passes_of_x_rows(int64_t M, Fn&& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 4: fn(std::integral_constant<int, 4>{}, m0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, m0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, m0); break;
+      default: fn(std::integral_constant<int, 1>{}, m0); break;
+    }
+  }
+}
+
 template <class Q, typename T>
 void mm_integer(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, at::Tensor& out) {
   const int64_t M = x.size(0), row_bytes = w.size(1);
@@ -855,16 +869,9 @@ void mm_integer(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, 
     }
 #endif
     for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = wp + n * row_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        T* o = op + m0 * N + n;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: dot_rows<Q, 4>(row, K, qx, m0, o, N); break;
-          case 3: dot_rows<Q, 3>(row, K, qx, m0, o, N); break;
-          case 2: dot_rows<Q, 2>(row, K, qx, m0, o, N); break;
-          default: dot_rows<Q, 1>(row, K, qx, m0, o, N); break;
-        }
-      }
+      in_passes_of_x_rows(M, [&](auto rows, int64_t m0) {
+        dot_rows<Q, decltype(rows)::value>(wp + n * row_bytes, K, qx, m0, op + m0 * N + n, N);
+      });
     }
   });
 }
@@ -997,16 +1004,9 @@ void mm_integer_repacked(const at::Tensor& x, const at::Tensor& w, int64_t N, in
   T* op = out.data_ptr<T>();
   at::parallel_for(0, N / kGroupRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = wp + g * group_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        T* o = op + m0 * N + g * kGroupRows;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: dot_group<Q, 4>(group, chunks, qx, m0, o, N); break;
-          case 3: dot_group<Q, 3>(group, chunks, qx, m0, o, N); break;
-          case 2: dot_group<Q, 2>(group, chunks, qx, m0, o, N); break;
-          default: dot_group<Q, 1>(group, chunks, qx, m0, o, N); break;
-        }
-      }
+      in_passes_of_x_rows(M, [&](auto rows, int64_t m0) {
+        dot_group<Q, decltype(rows)::value>(wp + g * group_bytes, chunks, qx, m0, op + m0 * N + g * kGroupRows, N);
+      });
     }
   });
 }
@@ -1059,37 +1059,45 @@ at::Tensor mm_dequantized(const at::Tensor& x, const at::Tensor& w, int64_t N, i
   return out.to(x.scalar_type());
 }
 
+// x @ W.T for a weight of format Q in the block layout or repacked: integers for a few rows of x,
+// dequantized tiles from the layout's threshold on.
+template <class Q, bool kIsRepacked>
+at::Tensor mm(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, bool native_bf16) {
+  const bool bf16_tiles = x.scalar_type() == at::kBFloat16 && native_bf16;
+  const int64_t from = kIsRepacked ? (bf16_tiles ? kRepackedDequantizeFromRowsBf16 : kRepackedDequantizeFromRows)
+                                   : (bf16_tiles ? kDequantizeFromRowsBf16 : kDequantizeFromRows);
+  if (x.size(0) >= from) return mm_dequantized<Q, kIsRepacked>(x, w, N, K, bf16_tiles);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (kIsRepacked)
+      mm_integer_repacked<Q, T>(x, w, N, K, out);
+    else
+      mm_integer<Q, T>(x, w, N, K, out);
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    run(c10::BFloat16{});
+  else
+    run(float{});
+  return out;
+}
+
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool native_bf16) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with K = ", K, ", got ", x.sizes());
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor, got ", x.scalar_type(), " on ", x.device());
   TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
-  const bool bf16_tiles = x.scalar_type() == at::kBFloat16 && native_bf16;
   if (qtype >= kRepacked) {
-    const bool tiles = x.size(0) >= (bf16_tiles ? kRepackedDequantizeFromRowsBf16 : kRepackedDequantizeFromRows);
     return with_repackable_format(qtype - kRepacked, [&](auto format) {
       using Q = decltype(format);
       check_repacked_weight<Q>(w, N, K);
-      if (tiles) return mm_dequantized<Q, true>(x, w, N, K, bf16_tiles);
-      at::Tensor out = at::empty({x.size(0), N}, x.options());
-      if (x.scalar_type() == at::kBFloat16)
-        mm_integer_repacked<Q, c10::BFloat16>(x, w, N, K, out);
-      else
-        mm_integer_repacked<Q, float>(x, w, N, K, out);
-      return out;
+      return mm<Q, true>(x, w, N, K, native_bf16);
     });
   }
-  const bool tiles = x.size(0) >= (bf16_tiles ? kDequantizeFromRowsBf16 : kDequantizeFromRows);
   return with_format(qtype, [&](auto format) {
     using Q = decltype(format);
     check_weight<Q>(w, N, K);
-    if (tiles) return mm_dequantized<Q, false>(x, w, N, K, bf16_tiles);
-    at::Tensor out = at::empty({x.size(0), N}, x.options());
-    if (x.scalar_type() == at::kBFloat16)
-      mm_integer<Q, c10::BFloat16>(x, w, N, K, out);
-    else
-      mm_integer<Q, float>(x, w, N, K, out);
-    return out;
+    return mm<Q, false>(x, w, N, K, native_bf16);
   });
 }
 
