@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+from splitserve.loader.config_cache import cached_config
 from splitserve.loader.gguf_cache import hf_dir_for_gguf
 from splitserve.loader.resolve import split_gguf
 
@@ -18,7 +19,11 @@ def get_tokenizer(path: str, trust_remote_code: bool = False):
     directory, gguf_file = split_gguf(path)
     if gguf_file is not None and (saved := hf_dir_for_gguf(path)) is not None:
         directory, gguf_file = saved, None
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    # AutoTokenizer reads the model's config to pick a class; the cached one spares importing its class.
+    config = cached_config(directory) if gguf_file is None else None
+    tokenizer = AutoTokenizer.from_pretrained(
+        directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code, **({"config": config} if config else {})
+    )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

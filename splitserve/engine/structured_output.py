@@ -121,10 +121,10 @@ class StructuredOutputManager:
 
     def fill_bitmasks(self, requests: list) -> dict[str, bytes]:
         """The next-token bitmask of each request (that has a matcher), as bytes for the step."""
-        import xgrammar as xgr
-
         if not requests:
             return {}
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(len(requests), self.model_config.vocab_size)
         for i, request in enumerate(requests):
             request.grammar.fill_next_token_bitmask(bitmask, i)

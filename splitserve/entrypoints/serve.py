@@ -14,13 +14,15 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-from splitserve.disagg import launch
 from splitserve.disagg.environment import resolve_pd_environment
 from splitserve.engine.arg_utils import EngineArgs, engine_flags
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server
-from splitserve.entrypoints.router import RouterConfig, run_router
+
+if TYPE_CHECKING:
+    from splitserve.entrypoints.router import RouterConfig
 
 logger = logging.getLogger("splitserve.serve")
 
@@ -49,6 +51,8 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         pd_env.server_ip,
         pd_env.device_ids,
     )
+    from splitserve.disagg import launch
+
     _ranks_from_devices(engine_args, pd_env.device_ids)
     os.environ.update(launch.device_env(pd_env.device_ids))
     engine_args.pd_role, engine_args.kv_host = pd_env.role, pd_env.server_ip
@@ -58,6 +62,8 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
 def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) -> None:
     """`serve --pd XpYd`: start the instances, wait until they are healthy, then run the router;
     the instances are stopped however the router ends."""
+    from splitserve.disagg import launch
+
     num_prefill, num_decode = launch.parse_pd_spec(spec)
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     instances: list[launch.LocalInstance] = []
@@ -113,7 +119,17 @@ def instance_flags(engine_args: EngineArgs, server_args: ServerArgs, role: str) 
     return flags
 
 
+def run_router(config: RouterConfig, host: str, port: int) -> None:
+    """The router; its web stack (aiohttp, the router's app) is imported only when it runs, so that
+    a model server starts its engine process without waiting for it."""
+    from splitserve.entrypoints.router import run_router as run
+
+    run(config, host, port)
+
+
 def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls: list[str]) -> RouterConfig:
+    from splitserve.entrypoints.router import RouterConfig
+
     return RouterConfig(
         prefill_urls=prefill_urls, decode_urls=decode_urls, policy=server_args.policy, api_key=server_args.api_key
     )

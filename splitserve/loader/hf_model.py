@@ -26,9 +26,10 @@ def dummy_hf_model(hf_config, dtype, seed: int, device):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from splitserve.loader.config_cache import as_transformers_config
     from splitserve.loader.weights import fill_dummy
 
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(as_transformers_config(hf_config)), dtype=dtype)
     fill_dummy(model, seed)
     return model.eval()

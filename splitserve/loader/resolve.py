@@ -167,7 +167,11 @@ def split_gguf(path: str) -> tuple[str, str | None]:
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
+    """The model's transformers config; after the first load, rebuilt from splitserve's cache without
+    importing its config class (loader/config_cache.py)."""
     from transformers import AutoConfig
+
+    from splitserve.loader import config_cache
 
     directory, gguf_file = split_gguf(path)
     if gguf_file is None and not os.path.isfile(os.path.join(directory, "config.json")):
@@ -175,8 +179,12 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     config = _native_config(directory) if gguf_file is None else None
     if gguf_file is not None and (saved := hf_dir_for_gguf(path)) is not None:
         directory, gguf_file = saved, None
+    if config is None and gguf_file is None:
+        config = config_cache.cached_config(directory)
     if config is None:
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        if gguf_file is None and not getattr(config, "auto_map", None):  # remote code may change under it
+            config_cache.remember_config(directory, config)
     if not getattr(config, "architectures", None):
         arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
         if arch is None:
