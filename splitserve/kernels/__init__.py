@@ -3,7 +3,8 @@ temperature sampling.
 
 On CPU they come from a small C++ extension (cpu_ops.cpp), compiled with the installed torch the
 first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 30 s once
-per machine). Each function here takes that path for CPU tensors and otherwise runs the torch
+per machine); later starts load that library directly while the sources, flags and torch are the
+same (a note under ~/.cache/splitserve/kernels). Each function here takes that path for CPU tensors and otherwise runs the torch
 code it replaces, which stays the reference the kernels are tested against.
 
 The same extension holds the GGUF kernels (gguf_ops.cpp, called through splitserve.kernels.gguf):
@@ -55,38 +56,26 @@ def _build():
     if not cpu_kernels_enabled():
         logger.info("SPLITSERVE_CPU_KERNELS=0: the CPU runs the plain torch ops instead of splitserve's kernels.")
         return None
-    from torch.utils.cpp_extension import load
-
     from splitserve.kernels import cpu_features
 
     isa = cpu_features.isa()
-    sources = [os.path.join(os.path.dirname(__file__), name) for name in _SOURCES]
+    name = "splitserve_cpu_ops" if cpu_features.requested_isa() == "native" else "splitserve_cpu_ops_avx2"
+    # -march=native: the code runs on the machine that compiles it (without AVX-512 when an AVX2
+    # build is asked for, under a name of its own so that both builds stay cached).
+    # -ffp-contract=off: no fused multiply-adds, so the element-wise kernels round exactly as the
+    # torch ops they replace, and GGUF dequantization as the gguf package's numpy code.
+    cflags = ["-O3", *_ISA_FLAGS[cpu_features.requested_isa()], "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
     start = time.perf_counter()
-    try:
-        # -march=native: the code runs on the machine that compiles it (without AVX-512 when an AVX2
-        # build is asked for, under a name of its own so that both builds stay cached).
-        # -ffp-contract=off: no fused multiply-adds, so the element-wise kernels round exactly as
-        # the torch ops they replace, and GGUF dequantization as the gguf package's numpy code.
-        load(
-            name="splitserve_cpu_ops" if cpu_features.requested_isa() == "native" else "splitserve_cpu_ops_avx2",
-            sources=sources,
-            is_python_module=False,
-            verbose=False,
-            extra_cflags=[
-                "-O3",
-                *_ISA_FLAGS[cpu_features.requested_isa()],
-                "-fopenmp",
-                "-fno-math-errno",
-                "-ffp-contract=off",
-            ],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as exc:  # a missing compiler, or a torch without its headers
-        logger.warning(
-            "splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, which are slower.",
-            str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
-        )
-        return None
+    stamp = _stamp_path(name, cflags)
+    if not _load_built(stamp):
+        try:
+            _compile(name, cflags, stamp)
+        except Exception as exc:  # a missing compiler, or a torch without its headers
+            logger.warning(
+                "splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, which are slower.",
+                str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
+            )
+            return None
     logger.info(
         "CPU kernels (%s code, %s) ready in %.1f s (built once per machine, then loaded from torch's cache).",
         _ISA_NAMES[isa],
@@ -94,6 +83,70 @@ def _build():
         time.perf_counter() - start,
     )
     return torch.ops.splitserve_cpu
+
+
+def _stamp_path(name: str, cflags: list[str]) -> str:
+    """Where the path of the library built from these sources, headers, flags and torch is noted."""
+    import hashlib
+    import sys
+
+    from splitserve.loader.gguf_cache import cache_root
+
+    digest = hashlib.sha256(f"{torch.__version__}\0{sys.version}\0{cflags}".encode())
+    directory = os.path.dirname(__file__)
+    for source in sorted(n for n in os.listdir(directory) if n.endswith((".cpp", ".h"))):
+        with open(os.path.join(directory, source), "rb") as f:
+            digest.update(source.encode() + b"\0" + f.read())
+    return os.path.join(cache_root(), "kernels", f"{name}-{digest.hexdigest()[:16]}")
+
+
+def _load_built(stamp: str) -> bool:
+    """Load the library a previous start built from the same inputs, without torch's build
+    machinery (importing torch.utils.cpp_extension alone takes 0.2 s: it imports setuptools)."""
+    try:
+        with open(stamp, encoding="utf-8") as f:
+            library, noted = f.read().split("\n")[:2]
+        if _identity(library) != noted:  # rebuilt since (from other sources): let torch decide
+            return False
+    except (OSError, ValueError):
+        return False
+    torch.ops.load_library(library)
+    return True
+
+
+def _identity(library: str) -> str:
+    st = os.stat(library)
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _compile(name: str, cflags: list[str], stamp: str) -> None:
+    """Build (or find in torch's cache) the extension and note the library's path at `stamp`."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    sources = [os.path.join(os.path.dirname(__file__), n) for n in _SOURCES]
+    load(
+        name=name,
+        sources=sources,
+        is_python_module=False,
+        verbose=False,
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"],
+    )
+    built = [
+        entry.path
+        for entry in os.scandir(_get_build_directory(name, verbose=False))
+        if entry.name.startswith(name) and entry.name.endswith(".so")
+    ]
+    if not built:
+        return
+    library = max(built, key=os.path.getmtime)  # torch names a rebuild name_v1.so, name_v2.so, ...
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{library}\n{_identity(library)}\n")
+        os.replace(stamp + ".tmp", stamp)
+    except OSError as exc:
+        logger.info("Could not note where the CPU kernels were built (%s); torch finds them at each start.", exc)
 
 
 # decode_stack.cpp calls the other two through cpu_ops.h (torch rebuilds when a source changes, not

@@ -286,3 +286,19 @@ def test_kernels_are_built_for_the_isa_asked_for(ops):
     elif {"avx512f", "avx512bw", "avx512vl"} <= flags:
         assert cpu_features.isa() == "avx512"
     assert cpu_features.native_bf16() == (cpu_features.isa() == "avx512" and bool({"avx512_bf16", "amx_bf16"} & flags))
+
+
+def test_a_built_library_is_loaded_again_only_while_it_is_the_same(ops, tmp_path):
+    """Later starts load the library a previous one built without torch's build machinery, but only
+    while it is the file that was built from these sources and flags."""
+    flags = ["-O3", "-march=native"]
+    assert kernels._stamp_path("splitserve_cpu_ops", flags) != kernels._stamp_path("splitserve_cpu_ops", flags[:1])
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"not a library")
+    stamp = tmp_path / "stamp"
+    stamp.write_text(f"{library}\n{kernels._identity(str(library))}\n")
+    os.utime(library, ns=(0, 10**9))  # rebuilt since the stamp was written
+    assert not kernels._load_built(str(stamp))
+    assert not kernels._load_built(str(tmp_path / "missing"))
+    stamp.write_text(f"{tmp_path / 'gone.so'}\n1 2\n")
+    assert not kernels._load_built(str(stamp))
