@@ -4,8 +4,9 @@ temperature sampling.
 On CPU they come from a small C++ extension (cpu_ops.cpp), compiled with the installed torch the
 first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 30 s once
 per machine); later starts load that library directly while the sources, flags and torch are the
-same (a note under ~/.cache/splitserve/kernels). Each function here takes that path for CPU tensors and otherwise runs the torch
-code it replaces, which stays the reference the kernels are tested against.
+same (a note under ~/.cache/splitserve/kernels). Each function here takes that path for CPU
+tensors and otherwise runs the torch code it replaces, which stays the reference the kernels are
+tested against.
 
 The same extension holds the GGUF kernels (gguf_ops.cpp, called through splitserve.kernels.gguf):
 products, dequantization and embedding lookups with weights kept in their GGUF quantized blocks.
