@@ -7,22 +7,24 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `splitserve serve` parses its flags and
+    import torch  # starts its engine process before its own torch import (1 s)
 
 _CPU_KVCACHE_SPACE_ENV = "SPLITSERVE_CPU_KVCACHE_SPACE"  # GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
 _DEFAULT_CPU_KVCACHE_GIB = 4.0
 logger = logging.getLogger(__name__)
 
-_STR_TO_DTYPE = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+_STR_TO_DTYPE = {  # --dtype spellings -> torch dtype names
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
@@ -251,6 +253,8 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -266,6 +270,8 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
     half-precision weights run in bfloat16 only where the CPU computes bfloat16 natively
     (AVX512-BF16 or AMX), else in float32: emulated bfloat16 matmuls are about four times slower
     than float32 ones. float16 is not a CPU dtype (vLLM's CPU backend also takes bfloat16)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         chosen = dtype
     elif dtype == "auto":
@@ -273,7 +279,7 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
         if device.type == "cpu" and chosen != torch.float32:
             chosen = _cpu_auto_dtype()
     elif dtype in _STR_TO_DTYPE:
-        chosen = _STR_TO_DTYPE[dtype]
+        chosen = getattr(torch, _STR_TO_DTYPE[dtype])
     else:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_STR_TO_DTYPE)}, got {dtype!r}.")
     if device.type == "cpu" and chosen == torch.float16:
@@ -282,6 +288,8 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
 
 
 def _cpu_auto_dtype() -> torch.dtype:
+    import torch
+
     from splitserve.kernels import cpu_features
 
     if cpu_features.native_bf16():

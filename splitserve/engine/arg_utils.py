@@ -8,8 +8,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.config import (
     LOAD_FORMATS,
@@ -22,6 +21,9 @@ from splitserve.config import (
     resolve_device,
 )
 from splitserve.engine import startup
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -216,6 +218,8 @@ def _default_executor_backend(world_size: int, device: torch.device) -> str:
     ray = sys.modules.get("ray")
     if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
         return "ray"
+    import torch
+
     if device.type == "cuda" and world_size > torch.cuda.device_count():
         return "ray"
     return "mp"

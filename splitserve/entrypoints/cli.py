@@ -31,11 +31,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
     serve(*split_args(ns))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description="splitserve: an LLM serving engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for a few prompts (offline)")
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three examples")
     gen.add_argument(
@@ -49,40 +45,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
     from splitserve.entrypoints.openai.args import make_arg_parser
 
-    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     make_arg_parser(serve)
     serve.set_defaults(func=_cmd_serve)
 
+
+def _add_router(rt: argparse.ArgumentParser) -> None:
     from splitserve.entrypoints import router
 
-    rt = sub.add_parser(
-        "router",
-        help="the prefill/decode disaggregation router (an OpenAI-compatible front for prefill and decode instances)",
-    )
     router.add_arguments(rt)
-    rt.set_defaults(func=router.main)
+    rt.set_defaults(func=lambda ns: router.main(ns))  # the app is imported when the router runs
 
+
+def _add_perplexity(ppl: argparse.ArgumentParser) -> None:
     from splitserve.benchmarks import perplexity
 
-    ppl = sub.add_parser("perplexity", help="the model's perplexity on a text (sliding windows)")
     add_engine_args(ppl)
     perplexity.add_arguments(ppl)
     ppl.set_defaults(func=lambda ns: perplexity.main(ns, engine_args_from(ns)))
 
+
+def _add_quantize(qt: argparse.ArgumentParser) -> None:
     from splitserve.entrypoints import quantize_cli
 
-    qt = sub.add_parser(
-        "quantize",
-        help="quantize a model offline (weight_only_int8, smooth_quant, awq, gptq) into a Hugging Face directory",
-    )
     quantize_cli.add_arguments(qt)
     qt.set_defaults(func=quantize_cli.main)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+
+def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from splitserve.benchmarks import serve, throughput
+    from splitserve.benchmarks import pd, quant, serve, soak, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput (vLLM's `bench throughput` workload)")
     add_engine_args(tp)
@@ -95,8 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(sv)
     sv.set_defaults(func=lambda ns: serve.main(ns))
 
-    from splitserve.benchmarks import quant
-
     qb = bench_sub.add_parser(
         "quant",
         help="quantized variants of a model against the base, one run: "
@@ -106,21 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_arguments(qb)
     qb.set_defaults(func=lambda ns: quant.main(ns, engine_args_from(ns)))
 
-    from splitserve.benchmarks import pd
-
     pdb = bench_sub.add_parser("pd", help="a PD deployment against one mixed instance, same workload, one run")
     pd.add_arguments(pdb)
     pdb.set_defaults(func=lambda ns: pd.main(ns))
-
-    from splitserve.benchmarks import startup
 
     su = bench_sub.add_parser(
         "startup", help="time to ready of a model, served and offline, cold and warm, phase by phase"
     )
     startup.add_arguments(su)
     su.set_defaults(func=lambda ns: startup.main(ns))
-
-    from splitserve.benchmarks import soak
 
     sk = bench_sub.add_parser(
         "soak",
@@ -130,10 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_arguments(sk)
     sk.set_defaults(func=lambda ns: soak.main(ns))
 
-    rt = sub.add_parser(
-        "ranktable",
-        help="rank tables of a prefill/decode disaggregated deployment (also spelled `--mode gen|merge`)",
-    )
+
+def _add_ranktable(rt: argparse.ArgumentParser) -> None:
     rt_sub = rt.add_subparsers(dest="ranktable_command", required=True)
     from splitserve.entrypoints import ranktable_cli
 
@@ -143,6 +128,39 @@ def build_parser() -> argparse.ArgumentParser:
     rt_merge = rt_sub.add_parser("merge", help="merge the machines' global rank tables into one, and validate it")
     ranktable_cli.add_merge_arguments(rt_merge)
     rt_merge.set_defaults(func=ranktable_cli.merge_main)
+
+
+# name -> (help, the function that adds the subcommand's flags)
+_SUBCOMMANDS = {
+    "generate": ("generate text for a few prompts (offline)", _add_generate),
+    "serve": ("the OpenAI-compatible HTTP server", _add_serve),
+    "router": (
+        "the prefill/decode disaggregation router (an OpenAI-compatible front for prefill and decode instances)",
+        _add_router,
+    ),
+    "perplexity": ("the model's perplexity on a text (sliding windows)", _add_perplexity),
+    "quantize": (
+        "quantize a model offline (weight_only_int8, smooth_quant, awq, gptq) into a Hugging Face directory",
+        _add_quantize,
+    ),
+    "bench": ("benchmarks", _add_bench),
+    "ranktable": (
+        "rank tables of a prefill/decode disaggregated deployment (also spelled `--mode gen|merge`)",
+        _add_ranktable,
+    ),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `splitserve` parser. With `command`, only that subcommand's flags are added (the others
+    are listed with their help): each brings its own imports, and `splitserve serve` starts its
+    engine process sooner without the others'."""
+    parser = argparse.ArgumentParser(prog="splitserve", description="splitserve: an LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add) in _SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        if command in (None, name):
+            add(sp)
     return parser
 
 
@@ -162,7 +180,8 @@ def _mode_as_subcommand(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ns = build_parser().parse_args(_mode_as_subcommand(list(sys.argv[1:] if argv is None else argv)))
+    argv = _mode_as_subcommand(list(sys.argv[1:] if argv is None else argv))
+    ns = build_parser(argv[0] if argv and argv[0] in _SUBCOMMANDS else None).parse_args(argv)
     try:
         ns.func(ns)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.benchmarks import startup
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.engine.core_proc import DeferredEngineConfig, EngineProcess
+from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
 from splitserve.entrypoints.cli import build_parser
 
 

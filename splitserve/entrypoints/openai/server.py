@@ -20,7 +20,6 @@ from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs
-from splitserve.tokenizer import get_tokenizer
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -36,11 +35,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    from splitserve.engine.core_proc import DeferredEngineConfig, EngineProcess
-    from splitserve.entrypoints.openai.metrics import MULTIPROC_ENV
+    from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
 
     multiproc_dir = None
     if server_args.workers > 1:
+        from splitserve.entrypoints.openai.metrics import MULTIPROC_ENV
+
         # Must be set before any process imports prometheus_client.
         multiproc_dir = tempfile.mkdtemp(prefix="splitserve-metrics-")
         os.environ[MULTIPROC_ENV] = multiproc_dir
@@ -59,12 +59,20 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     # The engine process builds its config from the same arguments while this one builds its own.
     engine = EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), address)
+    from splitserve.tokenizer import get_tokenizer  # torch and transformers: after the engine has started
+
     workers: list[multiprocessing.Process] = []
     try:
         config = engine_args.create_engine_config()
         config.health_timeout = server_args.health_timeout
         with startup.phase("tokenizer"):  # while the engine process starts (serve_worker's front-end finds it)
             get_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
+        if server_args.workers == 1:
+            with startup.phase("API modules"):  # serve_worker's, also while the engine process starts
+                import uvicorn  # noqa: F401
+
+                import splitserve.engine.async_llm  # noqa: F401
+                import splitserve.entrypoints.openai.app  # noqa: F401
         with startup.phase("engine process"):
             engine.wait_ready(config)
         if server_args.workers == 1:
