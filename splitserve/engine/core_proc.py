@@ -20,7 +20,6 @@ import zmq
 
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
-from splitserve.engine.engine_process import DeferredEngineConfig
 from splitserve.engine.memtrace import MemoryTrace
 from splitserve.engine.messages import (
     AbortRequests,
@@ -206,13 +205,15 @@ class EngineCoreProc:
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 
-def run_engine_core(source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe) -> None:
-    """Entry point of the engine process: build the core, report readiness, loop until killed."""
+def run_engine_core(source, address: str, ready_pipe) -> None:
+    """Entry point of the engine process (through engine_process.EngineProcess): build the core,
+    report readiness, loop until killed. `source` is an EngineConfig, or a DeferredEngineConfig
+    that builds one here."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
-        config = source.build() if isinstance(source, DeferredEngineConfig) else source
+        config = source if isinstance(source, EngineConfig) else source.build()
     except Exception as exc:  # bad arguments: the parent, building its own copy, reports them itself
         ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -23,8 +23,8 @@ def new_ipc_address() -> str:
 class DeferredEngineConfig:
     """Engine arguments the engine process turns into its EngineConfig itself. The server starts its
     engine process first and builds its own copy of the config meanwhile, so that the two imports of
-    torch and transformers (about 4 s in a fresh interpreter on two cores) overlap instead of
-    following each other. Both copies come from the same arguments, in the same environment."""
+    torch and transformers (about 1.5 s in a fresh interpreter) overlap instead of following each
+    other. Both copies come from the same arguments, in the same environment."""
 
     engine_args: EngineArgs
     health_timeout: float

@@ -1,4 +1,5 @@
-"""Configs rebuilt from splitserve's cache (loader/config_cache.py) answer as transformers' own."""
+"""Configs rebuilt from splitserve's cache (loader/config_cache.py) answer as transformers' own; what a
+warm start imports, and when."""
 
 from __future__ import annotations
 
@@ -139,3 +140,21 @@ def test_a_cached_load_does_not_import_the_config_class(tiny_models, cache_dir):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ}
     ).stdout.split()
     assert out == ["PreTrainedConfig", "False", "False"]
+
+
+def test_serve_starts_its_engine_before_importing_torch():
+    """`splitserve serve` parses its flags and reaches the engine process's start without importing
+    torch or transformers, so that the engine process imports them beside the server, not after."""
+    code = (
+        "import sys\n"
+        "from splitserve.entrypoints.cli import build_parser\n"
+        "from splitserve.entrypoints.openai.args import split_args\n"
+        "from splitserve.entrypoints.serve import serve\n"
+        "from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess\n"
+        "from splitserve.entrypoints.openai.server import run_server\n"
+        "engine_args, server_args = split_args(build_parser('serve').parse_args(['serve', '--port', '8000']))\n"
+        "DeferredEngineConfig(engine_args, server_args.health_timeout)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
