@@ -150,9 +150,9 @@ def _compile(name: str, cflags: list[str], stamp: str) -> None:
         logger.info("Could not note where the CPU kernels were built (%s); torch finds them at each start.", exc)
 
 
-# decode_stack.cpp calls the other two through cpu_ops.h (torch rebuilds when a source changes, not
+# decode_stack.cpp calls cpu_ops.cpp and gguf_ops.cpp through cpu_ops.h (torch rebuilds when a source changes, not
 # when only the header does).
-_SOURCES = ("cpu_ops.cpp", "gguf_ops.cpp", "decode_stack.cpp")
+_SOURCES = ("cpu_ops.cpp", "gguf_ops.cpp", "decode_stack.cpp", "prefill_attention.cpp")
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}
 _ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "generic": "generic"}
 
@@ -299,6 +299,26 @@ def decode_attention(
     block_tables [R, max_blocks] int32 and seq_lens [R] int32 (tokens cached, this one included).
     CPU only (see paged_kv_supported)."""
     cpu_ops().decode_attention(out, q, kv_cache, block_tables, seq_lens, num_decodes, scale, sliding_window or 0)
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    first: int,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Causal attention of the query tokens of requests [first, R) (prompts or prompt chunks) over
+    their cached context and themselves, read from kv_cache after this step's K/V were written:
+    their rows of q [T, Hq, D] into the same rows of out (contiguous). query_start_loc [R + 1]
+    int64; the other arguments as for decode_attention. CPU only (see paged_kv_supported)."""
+    cpu_ops().prefill_attention(
+        out, q, kv_cache, block_tables, seq_lens, query_start_loc, first, scale, sliding_window or 0
+    )
 
 
 # --- sampling -------------------------------------------------------------------------------------

@@ -146,6 +146,57 @@ def test_decode_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,window", [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 80, None), (4, 2, 128, 40), (6, 1, 64, 7)]
+)
+def test_prefill_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window):
+    """A step of two decodes (left alone) and prompts with and without cached context (chunked
+    prefill, prefix hits): lengths around the kernel's tiles of 16 query tokens and 32 keys."""
+    from splitserve.executor.attention.torch_ref import write_kv
+
+    gen = torch.Generator().manual_seed(hq * d + (window or 0))
+    bs, num_blocks = 16, 64
+    q_lens = [1, 1, 1, 5, 37, 13, 16, 70]
+    seq_lens = [9, 40, 1, 5, 37, 33, 64, 70]  # cached context = seq_len - q_len
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    slots = [t[p // bs] * bs + p % bs for t, n, ql in zip(tables, seq_lens, q_lens) for p in range(n - ql, n)]
+    T = starts[-1]
+    meta = AttentionMetadata(
+        backend=TorchAttentionBackend(),
+        num_decodes=2,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots),
+        block_size=bs,
+    )
+    cache = torch.randn(2, hkv, num_blocks, bs, d, generator=gen).to(dtype)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(dtype)  # strided views, as the model's
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)
+    write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+    layer = _Layer(hq, hkv, d, window, cache)
+    ref = torch.zeros(T, hq, d, dtype=dtype)
+    TorchAttentionBackend().prefill(layer, q, k, v, meta, ref)
+    out = torch.full((T, hq, d), 7.0, dtype=dtype)
+    kernels.prefill_attention(
+        out, q, cache, block_tables, meta.seq_lens_tensor, torch.tensor(starts), 2, layer.scale, window
+    )
+    assert (out[:2] == 7.0).all()
+    # In 16-bit dtypes the reference rounds its scores and probabilities to the dtype at other points.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[2:].float(), ref[2:].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_torch_reference(ops, dtype):
     from splitserve.executor.attention.torch_ref import write_kv
 

@@ -1,7 +1,9 @@
 """The CPU attention backend: the torch reference, with the paged-cache work in splitserve's C++
-kernels: KV writes in one call per layer, and decode attention that walks each request's blocks in
-place (the reference first gathers them into a padded copy). Quantized KV caches keep the
-reference's write and decode (they quantize and apply scales)."""
+kernels: KV writes in one call per layer, decode attention that walks each request's blocks in
+place (the reference first gathers them into a padded copy), and prompt attention for all the
+prefill requests of a step in one call per layer (the reference makes one SDPA call per request).
+Quantized KV caches keep the reference's write, decode and prefill (they quantize and apply
+scales)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,24 @@ class CPUAttentionBackend(TorchAttentionBackend):
             layer.kv_cache,
             meta.block_tables,
             meta.seq_lens_tensor,
+            meta.num_decodes,
+            layer.scale,
+            layer.sliding_window,
+        )
+
+    def prefill(self, layer, q, k, v, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        if not kernels.paged_kv_supported(q, layer.kv_cache, layer.kv_scales):
+            return super().prefill(layer, q, k, v, meta, out)
+        starts = meta.scratch.get("query_start_loc")
+        if starts is None:  # built by the first layer of the step, reused by the others
+            starts = meta.scratch["query_start_loc"] = torch.tensor(meta.query_start_loc, dtype=torch.long)
+        kernels.prefill_attention(
+            out,
+            q,
+            layer.kv_cache,
+            meta.block_tables,
+            meta.seq_lens_tensor,
+            starts,
             meta.num_decodes,
             layer.scale,
             layer.sliding_window,

@@ -30,9 +30,8 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             self.decode(layer, q, meta, out)
-        for i in range(nd, meta.num_reqs):
-            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], meta, i)
+        if nd < meta.num_reqs:
+            self.prefill(layer, q, k, v, meta, out)
         return out
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -47,6 +46,13 @@ class TorchAttentionBackend(AttentionBackend):
         q [T, Hq, D]), written into the same rows of out."""
         nd = meta.num_decodes
         out[:nd] = _decode(layer, q[:nd], meta)
+
+    def prefill(self, layer, q, k, v, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Attention of the prefill requests' tokens (prompts or prompt chunks, after the decodes),
+        over their cached context and themselves, written into their rows of out."""
+        for i in range(meta.num_decodes, meta.num_reqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = _prefill(layer, q[start:end], k[start:end], v[start:end], meta, i)
 
 
 def write_kv(
