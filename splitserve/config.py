@@ -109,6 +109,10 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a single prompt may take the whole step budget
+    # A prompt chunk that the step budget would cut short by at most this many tokens (all such
+    # chunks of a step together) takes them now, past max_num_batched_tokens, so that its request
+    # streams one step sooner instead of waiting a whole step for a few tokens (0: off).
+    prompt_tail_tokens: int = 0
     kv_cache_ratio: float = 1.0  # share of KV blocks that admitting new prompts may fill (FastDeploy)
     # New prompts wait until the oldest has waited this many times the last prompt step's latency
     # (or nothing runs), so that prompts arriving close together are batched (vLLM's delay_factor).
@@ -128,11 +132,18 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.prompt_tail_tokens < 0:
+            raise ValueError(f"prompt_tail_tokens must be >= 0, got {self.prompt_tail_tokens}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.max_model_len}) so that any prompt fits in one step."
             )
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can hold: the budget plus the prompt tails it may finish."""
+        return self.max_num_batched_tokens + (self.prompt_tail_tokens if self.enable_chunked_prefill else 0)
 
 
 PD_ROLES = ("mixed", "prefill", "decode")

@@ -51,6 +51,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0
+    prompt_tail_tokens: int | None = None  # None: 1/16 of the step budget with chunked prefill
     kv_cache_ratio: float = 1.0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -102,13 +103,14 @@ class EngineArgs:
         )
         cache_config.verify()
         max_len = model_config.max_model_len
+        budget = self.max_num_batched_tokens or _default_step_budget(device, max_len, self.enable_chunked_prefill)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens
-            or _default_step_budget(device, max_len, self.enable_chunked_prefill),
+            max_num_batched_tokens=budget,
             max_model_len=max_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            prompt_tail_tokens=budget // 16 if self.prompt_tail_tokens is None else self.prompt_tail_tokens,
             kv_cache_ratio=self.kv_cache_ratio,
             delay_factor=self.scheduler_delay_factor,
             preemption_mode=self.preemption_mode,
@@ -249,7 +251,8 @@ _ENGINE_HELP = {
     "quantized with a scale per token and KV head",
     "kv_cache_memory_bytes": "bytes for the KV cache (default: 4 GiB on CPU, or $SPLITSERVE_CPU_KVCACHE_SPACE GiB)",
     "num_gpu_blocks_override": "exact number of KV-cache blocks, overriding every memory budget",
-    "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes)",
+    "max_num_batched_tokens": "token budget of one engine step (prompt chunks + decodes), which may take "
+    "--prompt-tail-tokens more to finish prompts",
     "max_num_seqs": "most sequences running at once",
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts with the same prefix",
     "enable_chunked_prefill": "split long prompts across steps, sharing steps with decodes",
@@ -264,6 +267,9 @@ _ENGINE_HELP = {
     "also quantize an unquantized model while loading; none runs a quantized .gguf dequantized to --dtype)",
     "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
     "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit)",
+    "prompt_tail_tokens": "a prompt chunk that the step budget would cut short by at most N tokens (all such "
+    "chunks of a step together) takes them in the same step, so that its request streams a step sooner "
+    "(default: 1/16 of --max-num-batched-tokens; 0: off)",
     "pd_role": "prefill/decode disaggregation role: mixed (default), prefill or decode",
     "kv_host": "address decode instances use to reach this prefill instance's KV server",
     "kv_port": "port of this instance's KV server (0: any free port)",

@@ -66,6 +66,7 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}  # PD decode side: KV being pulled
         self.leased: dict[str, Request] = {}  # PD prefill side: finished, KV kept for a decode instance
         self.clock = time.monotonic  # replaceable in tests
+        self._tail_left = 0  # what this step may still take past the budget to finish prompts (_chunk)
         self._prev_schedule_time = 0.0
         self._prev_had_prompts = False
         self._last_prompt_latency = 0.0  # seconds between a step that admitted prompts and the next
@@ -117,6 +118,7 @@ class Scheduler:
     # --- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._tail_left = self.config.prompt_tail_tokens if self.config.enable_chunked_prefill else 0
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted and self.swapped:
             budget = self._schedule_swapped(out, budget)
@@ -139,7 +141,12 @@ class Scheduler:
         return now - oldest > self.config.delay_factor * self._last_prompt_latency
 
     def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a request's `remaining` ones to compute in this step. A prompt that the budget
+        would cut short by no more than what is left of the step's tail allowance
+        (prompt_tail_tokens) is finished now: its first token then comes a whole step sooner."""
         n = min(remaining, budget)
+        if 0 < remaining - n <= self._tail_left:
+            n, self._tail_left = remaining, self._tail_left - (remaining - n)
         if self.config.long_prefill_token_threshold and self.config.enable_chunked_prefill:
             n = min(n, self.config.long_prefill_token_threshold)
         return n

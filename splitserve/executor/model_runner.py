@@ -193,12 +193,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> tuple[int, int]:
-        """The largest step the scheduler can make, on dummy tokens: max_num_batched_tokens prompt
-        tokens spread over up to max_num_seqs requests, then logits and top-k/top-p sampling for
-        max_num_seqs rows, over a throwaway KV cache of just the blocks it needs. Returns (tokens in
-        the step, bytes of the throwaway cache), for measuring the activation peak (gpu_memory)."""
+        """The largest step the scheduler can make, on dummy tokens: max_step_tokens prompt tokens
+        (the budget and the prompt tails it may finish) spread over up to max_num_seqs requests,
+        then logits and top-k/top-p sampling for max_num_seqs rows, over a throwaway KV cache of
+        just the blocks it needs. Returns (tokens in the step, bytes of the throwaway cache), for
+        measuring the activation peak (gpu_memory)."""
         sc = self.config.scheduler_config
-        num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
+        num_tokens = min(sc.max_step_tokens, sc.max_num_seqs * sc.max_model_len)
         num_seqs = min(sc.max_num_seqs, num_tokens)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         rows, num_blocks = [], 0

@@ -10,8 +10,11 @@ for the product itself at a few hundred rows (576 -> 1728, 2 cores).
 
 So rows go up to `row_bucket(m)`: exact up to 16 (decode batches), then multiples of 16 up to
 256 (at most 15 zero rows, nearly free while the product is bound by reading the weight), then 8
-sizes per doubling (at most 12.5% of the rows computed for nothing). Up to 4096 rows
-that is 63 sizes per weight shape, each built once. SPLITSERVE_CPU_ROW_BUCKETS=0 turns it off.
+sizes per doubling (at most 12.5% of the rows computed for nothing), and from 1024 rows on 8
+finer ones in the first 1/16 past each power of two: a step of the default 2048-token budget plus
+a prompt tail it finishes (the scheduler's prompt_tail_tokens) would otherwise compute 2304 rows.
+Up to 4096 rows that is 79 sizes per weight shape, each built once.
+SPLITSERVE_CPU_ROW_BUCKETS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ def row_bucket(m: int) -> int:
     """The smallest bucket size >= m."""
     if m <= _EXACT_UP_TO:
         return m
-    # m in [2^p, 2^(p+1)): steps of 2^p / _PER_DOUBLING, and never finer than _EXACT_UP_TO.
-    step = max(_EXACT_UP_TO, (1 << (m.bit_length() - 1)) // _PER_DOUBLING)
+    # m in [2^p, 2^(p+1)): steps of 2^p / _PER_DOUBLING, and never finer than _EXACT_UP_TO; steps of
+    # 2^p / 128 up to 2^p + 2^p / 16 from 2^p = 1024 on.
+    base = 1 << (m.bit_length() - 1)
+    if base >= 1024 and m <= base + base // 16:
+        step = base // 128
+    else:
+        step = max(_EXACT_UP_TO, base // _PER_DOUBLING)
     return -(-m // step) * step
 
 

@@ -11,7 +11,8 @@ from splitserve.kernels import row_buckets
 
 def test_buckets_are_few_and_close_above():
     sizes = {row_bucket for row_bucket in map(row_buckets.row_bucket, range(1, 4097))}
-    assert len(sizes) == 63
+    assert len(sizes) == 79
+    assert row_buckets.row_bucket(2049) == 2064 and row_buckets.row_bucket(2065) == 2080  # a budget's tail
     for m in range(1, 5000):
         bucket = row_buckets.row_bucket(m)
         assert bucket >= m and row_buckets.row_bucket(bucket) == bucket

@@ -16,7 +16,7 @@ EOS = 2
 
 
 def make_sched(
-    num_blocks=64, max_num_seqs=8, budget=64, max_model_len=64, chunked=True, threshold=0, caching=True
+    num_blocks=64, max_num_seqs=8, budget=64, max_model_len=64, chunked=True, threshold=0, caching=True, tail=0
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -24,6 +24,7 @@ def make_sched(
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold,
+        prompt_tail_tokens=tail,
     )
     config.verify()
     return Scheduler(config, KVCacheManager(num_blocks, BS, caching))
@@ -176,6 +177,53 @@ def test_long_prefill_token_threshold_caps_each_chunk():
     assert plan(step(sched)) == [("a", 3), ("b", 2)]
     assert run_all(sched) == [[("a", 3)], [("a", 1)], [("a", 1)]]
     assert a.output_token_ids == [7, 7] and b.output_token_ids == [7]
+
+
+def test_a_prompt_cut_short_by_a_few_tokens_finishes_in_the_same_step():
+    """prompt_tail_tokens: b's last 3 tokens fit the allowance of 4, so the step takes 19 tokens and b
+    samples its first token now; c, whose cut would leave 9, is chunked at the budget as before."""
+    sched = make_sched(budget=16, tail=4)
+    a, b = req("a", range(10, 20), max_tokens=2), req("b", range(20, 29), max_tokens=2)
+    add(sched, a, b)
+    out = step(sched)
+    assert plan(out) == [("a", 10), ("b", 9)]
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+    c = req("c", range(30, 45), max_tokens=1)
+    add(sched, c)
+    assert plan(step(sched)) == [("a", 1), ("b", 1), ("c", 15)]  # 14 left in the budget, 1 past it
+    sched2 = make_sched(budget=16, tail=4)
+    d, e = req("d", range(10, 20), max_tokens=1), req("e", range(20, 35), max_tokens=1)
+    add(sched2, d, e)
+    assert plan(step(sched2)) == [("d", 10), ("e", 6)]  # 9 would be left: more than the allowance
+
+
+def test_the_tail_allowance_is_shared_by_the_prompts_of_a_step():
+    sched = make_sched(budget=8, tail=3)
+    a, b = req("a", range(10, 20), max_tokens=1), req("b", range(20, 22), max_tokens=1)
+    add(sched, a, b)
+    assert plan(step(sched)) == [("a", 10)]  # 2 past the budget: nothing left for b this step
+    assert plan(step(sched)) == [("b", 2)]
+    off = make_sched(budget=8, tail=0)
+    add(off, req("c", range(10, 20), max_tokens=1))
+    assert plan(step(off)) == [("c", 8)]
+
+
+def test_the_prefill_threshold_still_caps_a_chunk_with_a_tail():
+    sched = make_sched(budget=16, tail=8, threshold=6)
+    add(sched, req("a", range(10, 18), max_tokens=1))
+    assert plan(step(sched)) == [("a", 6)]
+
+
+def test_prompt_tail_tokens_must_not_be_negative():
+    with pytest.raises(ValueError, match="prompt_tail_tokens"):
+        SchedulerConfig(prompt_tail_tokens=-1).verify()
+    assert SchedulerConfig(max_num_batched_tokens=64, prompt_tail_tokens=4).max_step_tokens == 68
+    assert (
+        SchedulerConfig(
+            max_model_len=64, max_num_batched_tokens=64, prompt_tail_tokens=4, enable_chunked_prefill=False
+        ).max_step_tokens
+        == 64
+    )
 
 
 # --- preemption -----------------------------------------------------------------------------
