@@ -219,7 +219,8 @@ def test_profile_run_sizes_the_cache_from_measured_peak(tiny_models, monkeypatch
 
     runner.profile_run = profile_run
     profile = gpu_memory.profile_cuda_memory(runner)
-    assert seen["tokens"] == 100 and seen["cache"] == 5 * 2 * runner.kv_bytes_per_block()  # 5 x 20 tokens
+    # the budget and the prompt tails a step may finish past it (1/16 of it): 5 x 21-22 tokens
+    assert seen["tokens"] == 106 and seen["cache"] == 5 * 2 * runner.kv_bytes_per_block()
     assert profile.weights == 3 * gib and profile.activation_peak == gib // 2
     assert profile.kv_cache_budget == 70 * gib - 8 * gib - gib // 2
     # The throwaway cache is gone and the engine still generates what a fresh one does.
