@@ -55,6 +55,19 @@ inline float fast_exp(float x) {
   return x <= -87.3f ? 0.f : p * scale;
 }
 
+// s[0, n) = exp(s - max s) in place, left unnormalised; returns 1 / their sum.
+inline float softmax_unnormalised(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = fast_exp(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float acc = 0.f;
@@ -297,15 +310,7 @@ void decode_item_bf16(RowWalker<c10::BFloat16> keys, RowWalker<c10::BFloat16> va
   float inv_sum[16];
   for (int64_t g = 0; g < G; ++g) {
     float* s = &scores[g * n];
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = fast_exp(s[t] - mx);
-      sum += s[t];
-    }
-    inv_sum[g] = 1.f / sum;
+    inv_sum[g] = softmax_unnormalised(s, n);
     c10::BFloat16* pg = &probs[g * 2 * half];
     for (int64_t t = 0; t < n; ++t) pg[t] = c10::BFloat16(s[t]);
     if (n % 2) pg[n] = c10::BFloat16(0.f);
@@ -399,18 +404,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       score_keys<T, kD>({kp + h * head_stride, table, block_stride, D, bs, first / bs, first % bs, (len - 1) / bs},
                         query.data(), G, D, n, scores.data(), buf.data());
       // softmax over t, left unnormalised until the end
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = &scores[g * n];
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = fast_exp(s[t] - mx);
-          sum += s[t];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
+      for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalised(&scores[g * n], n);
       std::fill(acc.begin(), acc.end(), 0.f);
       accumulate_values<T, kD>({vp + h * head_stride, table, block_stride, D, bs, first / bs, first % bs, (len - 1) / bs},
                                scores.data(), G, D, n, acc.data(), buf.data());
