@@ -1,0 +1,240 @@
+"""Every environment variable splitserve reads, declared once: its type, default and what it does.
+
+Modules read them as attributes (`envs.SPLITSERVE_CPU_KERNELS`), which parse the environment at
+that moment, so a test's monkeypatch or a launcher's child environment takes effect. A bad value
+raises a ValueError naming the variable. `splitserve env` prints the table below with the values
+set in this environment, and tests/unit/test_envs.py fails on a `SPLITSERVE_*` read that is not
+declared here and keeps docs/envs.md equal to `markdown_table()`.
+
+Variables of the specification documents' deployments (rank tables, NODE_PORTS, USE_OPENAI) and
+of other tools (PROMETHEUS_MULTIPROC_DIR, RAY_ADDRESS) keep their own names and live with the code
+that owns them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected 1 or 0, got {text!r}")
+
+
+def _optional_str(text: str) -> str | None:
+    return text.strip() or None
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {text!r}")
+        return value
+
+    parse.__name__ = " or ".join(options)
+    return parse
+
+
+def _optional_float(text: str) -> float | None:
+    return float(text) if text.strip() else None
+
+
+def _optional_int(text: str) -> int | None:
+    return int(text) if text.strip() else None
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: str
+    help: str
+    group: str
+
+    def read(self, environ=os.environ) -> Any:
+        text = environ.get(self.name, self.default)
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
+
+    @property
+    def kind(self) -> str:
+        kinds = {_flag: "0/1", float: "number", int: "integer", _optional_float: "number", _optional_int: "integer"}
+        return kinds.get(self.parse, "text" if self.parse is _optional_str else self.parse.__name__)
+
+
+_DECLARED = [
+    # kernels
+    EnvVar("SPLITSERVE_CPU_KERNELS", _flag, "1", "0 runs plain torch ops instead of the C++ CPU kernels.", "kernels"),
+    EnvVar(
+        "SPLITSERVE_CPU_ISA",
+        _choice("native", "avx2"),
+        "native",
+        "avx2 builds and runs the CPU kernels without AVX-512 (as on AVX2 hosts), under a build of its own.",
+        "kernels",
+    ),
+    EnvVar("SPLITSERVE_GPU_KERNELS", _flag, "1", "0 runs torch ops instead of the Triton norm/rotary/SiLU kernels.", "kernels"),
+    EnvVar(
+        "SPLITSERVE_CPU_PACKED_WEIGHTS",
+        _flag,
+        "1",
+        "0 keeps bfloat16 weights unpacked (no oneDNN blocked layout).",
+        "kernels",
+    ),
+    EnvVar(
+        "SPLITSERVE_CPU_ROW_BUCKETS",
+        _flag,
+        "1",
+        "0 stops padding CPU matmul rows to the bucket sizes oneDNN has kernels ready for.",
+        "kernels",
+    ),
+    EnvVar(
+        "SPLITSERVE_CPU_DECODE_STACK",
+        _flag,
+        "1",
+        "0 runs decode steps layer by layer in Python instead of one C++ call.",
+        "kernels",
+    ),
+    EnvVar(
+        "SPLITSERVE_ATTENTION_BACKEND",
+        _optional_str,
+        "",
+        "Forces an attention backend: torch, cpu or triton (default: chosen by device and KV dtype).",
+        "kernels",
+    ),
+    # resources
+    EnvVar(
+        "SPLITSERVE_CPU_KVCACHE_SPACE",
+        float,
+        "4",
+        "GiB of KV cache on CPU when --kv-cache-memory-bytes is not given.",
+        "resources",
+    ),
+    EnvVar(
+        "SPLITSERVE_CPU_CORES",
+        _optional_str,
+        "",
+        "Comma-separated cores this engine (or rank) runs on; set by launchers for each instance.",
+        "resources",
+    ),
+    EnvVar(
+        "SPLITSERVE_RAY_CPUS_PER_RANK",
+        int,
+        "1",
+        "CPU cores each rank's Ray placement-group bundle asks for.",
+        "resources",
+    ),
+    EnvVar(
+        "SPLITSERVE_CACHE_DIR",
+        _optional_str,
+        "",
+        "Where parsed GGUF tokenizers, cached configs and kernel notes go (default ~/.cache/splitserve).",
+        "resources",
+    ),
+    EnvVar(
+        "SPLITSERVE_CONFIG_CACHE",
+        _flag,
+        "1",
+        "0 parses model configs with transformers at every start instead of the cached copy.",
+        "resources",
+    ),
+    # serving
+    EnvVar("SPLITSERVE_API_KEY", _optional_str, "", "Default for --api-key.", "serving"),
+    # diagnostics
+    EnvVar(
+        "SPLITSERVE_STARTUP_REPORT",
+        _optional_str,
+        "",
+        "Directory where each process writes its start-up phases as JSON (bench startup sets it).",
+        "diagnostics",
+    ),
+    EnvVar(
+        "SPLITSERVE_TRACEMALLOC",
+        _optional_int,
+        "",
+        "Frames per tracemalloc trace: the engine logs where its Python memory grows.",
+        "diagnostics",
+    ),
+    EnvVar(
+        "SPLITSERVE_TRACEMALLOC_INTERVAL_S",
+        float,
+        "60",
+        "Seconds between SPLITSERVE_TRACEMALLOC reports.",
+        "diagnostics",
+    ),
+    # fault injection (tests)
+    EnvVar(
+        "SPLITSERVE_FAULT_STEP_STALL_S",
+        _optional_float,
+        "",
+        "Testing: the engine's first busy step sleeps this long (the watchdog's test).",
+        "fault injection",
+    ),
+    EnvVar(
+        "SPLITSERVE_FAULT_KV_BLOCK_DELAY_S",
+        _optional_float,
+        "",
+        "Testing: a KV pull's blocks are held back this long, as a slow link would.",
+        "fault injection",
+    ),
+    EnvVar(
+        "SPLITSERVE_FAULT_KV_LEASE_DELAY_S",
+        _optional_float,
+        "",
+        "Testing: the prefill side answers KV lease requests this much later.",
+        "fault injection",
+    ),
+]
+VARIABLES: dict[str, EnvVar] = {var.name: var for var in _DECLARED}
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return VARIABLES[name].read()
+    raise AttributeError(f"module 'splitserve.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(VARIABLES))
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable is given a non-empty value in this environment."""
+    assert name in VARIABLES, name
+    return bool(os.environ.get(name, "").strip())
+
+
+def cache_root() -> str:
+    """splitserve's own cache directory (GGUF tokenizers, configs, kernel notes)."""
+    return VARIABLES["SPLITSERVE_CACHE_DIR"].read() or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
+
+
+def markdown_table() -> str:
+    """The table of docs/envs.md."""
+    rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
+    for group in dict.fromkeys(var.group for var in _DECLARED):
+        rows.append(f"| **{group}** | | | |")
+        for var in (v for v in _DECLARED if v.group == group):
+            rows.append(f"| `{var.name}` | {var.kind} | {var.default or '(unset)'} | {var.help} |")
+    return "\n".join(rows) + "\n"
+
+
+def describe(environ=os.environ) -> str:
+    """Every variable with its value here (for `splitserve env`)."""
+    width = max(map(len, VARIABLES))
+    lines = []
+    for var in _DECLARED:
+        value = environ.get(var.name)
+        shown = f"{value!r} (set)" if value is not None else f"{var.default or '(unset)'} (default)"
+        lines.append(f"{var.name:<{width}}  {shown:<24}  {var.help}")
+    return "\n".join(lines)
