@@ -3,8 +3,7 @@
 from splitserve.lora.request import LoRARequest
 from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
 from splitserve.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-
-__version__ = "0.1.0"
+from splitserve.version import __version__
 
 # The LMDeploy-style API (entrypoints/lmdeploy_api.py), imported when first asked for.
 _LMDEPLOY_NAMES = (
@@ -17,6 +16,7 @@ _LMDEPLOY_NAMES = (
 )
 
 __all__ = [
+    "__version__",
     "LLM",
     "SamplingParams",
     "GuidedDecodingParams",

@@ -5,15 +5,14 @@ follow vLLM."""
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from splitserve import envs
 
 if TYPE_CHECKING:  # torch is imported where it is used: `splitserve serve` parses its flags and
     import torch  # starts its engine process before its own torch import (1 s)
 
-_CPU_KVCACHE_SPACE_ENV = "SPLITSERVE_CPU_KVCACHE_SPACE"  # GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
-_DEFAULT_CPU_KVCACHE_GIB = 4.0
 logger = logging.getLogger(__name__)
 
 _STR_TO_DTYPE = {  # --dtype spellings -> torch dtype names
@@ -315,5 +314,5 @@ def _cpu_auto_dtype() -> torch.dtype:
 
 
 def cpu_kv_cache_bytes() -> int:
-    gib = float(os.environ.get(_CPU_KVCACHE_SPACE_ENV, _DEFAULT_CPU_KVCACHE_GIB))
+    gib = envs.SPLITSERVE_CPU_KVCACHE_SPACE
     return int(gib * (1 << 30))

@@ -14,8 +14,9 @@ that owns them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -83,7 +84,13 @@ _DECLARED = [
         "avx2 builds and runs the CPU kernels without AVX-512 (as on AVX2 hosts), under a build of its own.",
         "kernels",
     ),
-    EnvVar("SPLITSERVE_GPU_KERNELS", _flag, "1", "0 runs torch ops instead of the Triton norm/rotary/SiLU kernels.", "kernels"),
+    EnvVar(
+        "SPLITSERVE_GPU_KERNELS",
+        _flag,
+        "1",
+        "0 runs torch ops instead of the Triton norm/rotary/SiLU kernels.",
+        "kernels",
+    ),
     EnvVar(
         "SPLITSERVE_CPU_PACKED_WEIGHTS",
         _flag,

@@ -71,7 +71,7 @@ def windows(num_tokens: int, max_length: int, stride: int) -> list[tuple[int, in
 
 
 def compute_perplexity(llm, token_ids: list[int], max_length: int, stride: int) -> PerplexityResult:
-    from splitserve import SamplingParams
+    from splitserve.sampling_params import SamplingParams
 
     if len(token_ids) < 2:
         raise ValueError("The text has fewer than two tokens: there is nothing to score.")
@@ -92,7 +92,7 @@ def compute_perplexity(llm, token_ids: list[int], max_length: int, stride: int) 
 
 
 def main(ns: argparse.Namespace, args: EngineArgs) -> PerplexityResult:
-    from splitserve import LLM
+    from splitserve.entrypoints.llm import LLM
 
     if ns.text_file:
         with open(ns.text_file, encoding="utf-8") as f:

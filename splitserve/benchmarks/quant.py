@@ -63,7 +63,7 @@ def _engine_args(args: EngineArgs, variant: str) -> EngineArgs:
 
 
 def _timed_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, int]:
-    from splitserve import SamplingParams
+    from splitserve.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in output_lens]
     start = time.perf_counter()
@@ -74,7 +74,7 @@ def _timed_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tu
 def measure(
     label: str, args: EngineArgs, workload: throughput.Workload, text_ids: list[int], max_length: int
 ) -> QuantResult:
-    from splitserve import LLM
+    from splitserve.entrypoints.llm import LLM
 
     llm = LLM(**dataclasses.asdict(args))
     model_config = llm.llm_engine.model_config

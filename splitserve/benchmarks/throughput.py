@@ -108,7 +108,8 @@ def make_workload(ns: argparse.Namespace, vocab_size: int, special_ids: set[int]
 
 
 def run_splitserve(args: EngineArgs, workload: Workload, temperature: float) -> Result:
-    from splitserve import LLM, SamplingParams
+    from splitserve.entrypoints.llm import LLM
+    from splitserve.sampling_params import SamplingParams
 
     llm = LLM(**dataclasses.asdict(args))
     llm.generate([{"prompt_token_ids": workload.prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -30,7 +30,7 @@ from splitserve.engine.messages import (
     SchedulerStats,
 )
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.scheduler import Scheduler, SchedulePlan
 from splitserve.engine.step_input_builder import StepInputBuilder
 from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
@@ -81,7 +81,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(config.model_config, self._tokenizer)
         self._compiling: dict[str, tuple[Request, Future]] = {}  # guided requests whose grammar compiles
         self._pending_outputs: list[EngineCoreOutput] = []  # outputs of requests that never ran
-        self._in_flight: tuple[SchedulerOutput, object] | None = None  # launched, not yet finished
+        self._in_flight: tuple[SchedulePlan, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
         if self.config.device.type == "cpu":
@@ -95,7 +95,7 @@ class EngineCore:
         of the KV tensors; the engine only calls the group's narrow interface (leases, pulls)."""
         if not self.config.kv_transfer_config.is_disaggregated:
             return None
-        from splitserve.disagg.connector import KVConnectorGroup
+        from splitserve.distributed.kv_transfer.connector import KVConnectorGroup
 
         return KVConnectorGroup(self.executor.call_kv_connector)
 
@@ -219,7 +219,7 @@ class EngineCore:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _schedule(self) -> SchedulerOutput | None:
+    def _schedule(self) -> SchedulePlan | None:
         if self._compiling:
             self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
@@ -229,18 +229,18 @@ class EngineCore:
         return None if sched.is_empty else sched
 
     @staticmethod
-    def _drop_finished(sched: SchedulerOutput) -> SchedulerOutput | None:
+    def _drop_finished(sched: SchedulePlan) -> SchedulePlan | None:
         """Requests that the step just finished stopped have no blocks any more: they must not run."""
         sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished()]
         return None if sched.is_empty else sched
 
     @staticmethod
-    def _can_overlap(sched: SchedulerOutput) -> bool:
+    def _can_overlap(sched: SchedulePlan) -> bool:
         """A request whose last token is still being sampled can run only if its sampling does not
         read its output tokens on the host (penalties, bad words, min_tokens)."""
         return not any(r.num_pending_tokens and r.sampling_params.reads_output_history for r, _ in sched.scheduled)
 
-    def _launch(self, sched: SchedulerOutput) -> object:
+    def _launch(self, sched: SchedulePlan) -> object:
         now = time.monotonic()
         for request, _ in sched.scheduled:
             if request.first_scheduled_time is None:
@@ -251,7 +251,7 @@ class EngineCore:
         self.scheduler.advance(sched)
         return handle
 
-    def _grammar_bitmasks(self, sched: SchedulerOutput, step_input) -> dict[str, bytes]:
+    def _grammar_bitmasks(self, sched: SchedulePlan, step_input) -> dict[str, bytes]:
         """The next-token bitmask of every guided request that samples in this step."""
         sampling = {row.request_id for row in step_input.scheduled if row.samples}
         guided = [r for r, _ in sched.scheduled if r.grammar is not None and r.request_id in sampling]
@@ -262,7 +262,7 @@ class EngineCore:
         self._in_flight = None
         return self._update(sched, self.executor.collect(handle))
 
-    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def _update(self, sched: SchedulePlan, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record a finished step's tokens in its requests and turn them into outputs."""
         updated = self.scheduler.record_samples(sched, result.sampled)
         self._advance_grammars(updated)

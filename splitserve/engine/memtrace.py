@@ -11,9 +11,10 @@ malloc does not appear, so a growing RSS with a flat traced total points at nati
 from __future__ import annotations
 
 import logging
-import os
 import time
 import tracemalloc
+
+from splitserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +31,10 @@ class MemoryTrace:
 
     @classmethod
     def from_env(cls) -> MemoryTrace | None:
-        value = os.environ.get("SPLITSERVE_TRACEMALLOC")
-        if not value:
+        frames = envs.SPLITSERVE_TRACEMALLOC
+        if frames is None:
             return None
-        try:
-            frames = int(value)
-            interval = float(os.environ.get("SPLITSERVE_TRACEMALLOC_INTERVAL_S", "60"))
-        except ValueError as exc:
-            raise ValueError(
-                "SPLITSERVE_TRACEMALLOC must be a number of frames and SPLITSERVE_TRACEMALLOC_INTERVAL_S seconds"
-            ) from exc
+        interval = envs.SPLITSERVE_TRACEMALLOC_INTERVAL_S
         if frames < 1 or interval <= 0:
             raise ValueError("SPLITSERVE_TRACEMALLOC needs at least 1 frame and a positive interval.")
         return cls(frames, interval)

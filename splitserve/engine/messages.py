@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from splitserve.distributed.kv_transfer import KVTransferStats
+from splitserve.distributed.kv_transfer.stats import KVTransferStats
 from splitserve.executor.step_input import TokenLogprobs
 from splitserve.lora.request import LoRARequest
 from splitserve.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ that each catches up with its total. Running requests go first (decodes and unfi
 chunks), then waiting ones are admitted while budget, seats and blocks last. When blocks run
 out, the most recently admitted running request is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back as prefix-cache hits); or, with
-preemption_mode "swap" and room in host memory, its blocks are copied there (SchedulerOutput's
+preemption_mode "swap" and room in host memory, its blocks are copied there (SchedulePlan's
 swap_out) and back into fresh blocks when it resumes (swap_in), ahead of any waiting request.
 """
 
@@ -33,8 +33,10 @@ class PrefixCacheStats:
 
 
 @dataclass
-class SchedulerOutput:
-    """One step's plan: requests in execution order with the number of tokens each computes."""
+class SchedulePlan:
+    """One step's plan, live objects included (it stays in the engine; engine/step_input_builder.py turns it
+    into the data-only StepInput the runners get): requests in execution order with the number of
+    tokens each computes, preemptions, KV pulls and swap copies."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -116,8 +118,8 @@ class Scheduler:
         return len(self.running)
 
     # --- scheduling -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> SchedulePlan:
+        out = SchedulePlan()
         self._tail_left = self.config.prompt_tail_tokens if self.config.enable_chunked_prefill else 0
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted and self.swapped:
@@ -151,7 +153,7 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulePlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -166,7 +168,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulePlan) -> bool:
         """Find blocks for `request`, preempting from the back of the running list; False when the
         request itself had to be preempted."""
         while not self.kv.allocate_slots(request, n):
@@ -177,7 +179,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulePlan) -> None:
         if self.config.preemption_mode == "swap" and request.num_computed_tokens and self.kv.can_swap_out(request):
             out.swap_out += self.kv.swap_out(request)
             request.status = RequestStatus.SWAPPED
@@ -192,7 +194,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_swapped(self, out: SchedulePlan, budget: int) -> int:
         """Bring swapped-out requests back, oldest first, while budget, seats and blocks last."""
         loras = self._running_loras()
         while self.swapped and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
@@ -213,7 +215,7 @@ class Scheduler:
                 loras.add(request.lora_int_id)
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulePlan, budget: int) -> None:
         """Admit waiting requests in order while budget, seats and blocks last. A request whose LoRA
         adapter would be one too many for this step (max_loras) waits, keeping its place, while the
         ones behind it may go."""
@@ -258,7 +260,7 @@ class Scheduler:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_cached
 
-    def _admit_remote_prefill(self, request: Request, hits, num_cached: int, out: SchedulerOutput) -> bool:
+    def _admit_remote_prefill(self, request: Request, hits, num_cached: int, out: SchedulePlan) -> bool:
         """Reserve blocks for all prompt tokens but the last and ask for their KV to be pulled (only
         the blocks the local prefix cache lacks); the last token is computed here, giving logits."""
         target = request.num_prompt_tokens - 1
@@ -304,7 +306,7 @@ class Scheduler:
         return int((1.0 - self.config.kv_cache_ratio) * self.kv.pool.num_blocks)
 
     # --- after the model ran ----------------------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> None:
+    def advance(self, out: SchedulePlan) -> None:
         """The step is launched: every scheduled request has computed its tokens, and those that
         completed all their tokens get a pending one (being sampled), which the next schedule()
         already counts (overlap scheduling)."""
@@ -315,7 +317,7 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens_with_pending:
                 request.num_pending_tokens += 1
 
-    def record_samples(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def record_samples(self, out: SchedulePlan, sampled: dict[str, int]) -> list[Request]:
         """Append the sampled token of each request that sampled one and check its stop conditions.
         Returns the requests that got a new token (finished ones too). A request finished since the
         step was launched (aborted, or stopped by the step before) drops its token."""

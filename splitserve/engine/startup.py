@@ -15,9 +15,10 @@ import logging
 import os
 import time
 
+from splitserve import envs
+
 logger = logging.getLogger(__name__)
 
-REPORT_ENV = "SPLITSERVE_STARTUP_REPORT"
 _phases: dict[str, float] = {}
 
 
@@ -48,7 +49,7 @@ def report(role: str) -> dict:
     shown = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items())
     logger.info("%s ready %.2f s after its process started (%s)", role.capitalize(), total, shown or "no phase timed")
     record = {"role": role, "pid": os.getpid(), "since_process_start_s": total, "phases_s": phases}
-    directory = os.environ.get(REPORT_ENV)
+    directory = envs.SPLITSERVE_STARTUP_REPORT
     if directory:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, f"{role}-{os.getpid()}.json"), "w") as f:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
-from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.scheduler import SchedulePlan
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest, StepInput
 
 
@@ -21,7 +21,7 @@ class StepInputBuilder:
         self.resumed: set[str] = set()  # preempted since last scheduled: blocks start over
         self.forgotten: list[str] = []  # finished since the last step: runners drop them
 
-    def build(self, sched: SchedulerOutput) -> StepInput:
+    def build(self, sched: SchedulePlan) -> StepInput:
         for request in sched.preempted:
             if request.request_id in self.num_blocks_sent:
                 self.num_blocks_sent[request.request_id] = 0

@@ -9,15 +9,14 @@ cannot be interrupted from Python, so the watchdog reports and the orchestrator 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
 import traceback
 
-logger = logging.getLogger("splitserve.engine.watchdog")
+from splitserve import envs
 
-FAULT_STALL_ENV = "SPLITSERVE_FAULT_STEP_STALL_S"  # testing: the first busy step sleeps this long
+logger = logging.getLogger("splitserve.engine.watchdog")
 
 
 class StepWatchdog:
@@ -28,7 +27,7 @@ class StepWatchdog:
         self.started: float | None = None  # when the step in progress began
         self.reported_step = -1
         self.thread_id = threading.get_ident()  # the engine loop's thread
-        self._stall_s = float(os.environ.get(FAULT_STALL_ENV, "0") or 0)
+        self._stall_s = envs.SPLITSERVE_FAULT_STEP_STALL_S or 0.0
         self._thread = threading.Thread(target=self._watch, name="splitserve-watchdog", daemon=True)
         self._thread.start()
 
@@ -38,7 +37,9 @@ class StepWatchdog:
         if self._stall_s > 0:  # fault injection for tests: one stuck step
             stall, self._stall_s = self._stall_s, 0.0
             logger.warning(
-                "Fault injection (%s): the engine loop sleeps %.1f s in step %d", FAULT_STALL_ENV, stall, self.step
+                "Fault injection (SPLITSERVE_FAULT_STEP_STALL_S): the engine loop sleeps %.1f s in step %d",
+                stall,
+                self.step,
             )
             time.sleep(stall)
 

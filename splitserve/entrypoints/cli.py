@@ -11,7 +11,8 @@ from splitserve.engine.arg_utils import add_engine_args, engine_args_from
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
-    from splitserve import LLM, SamplingParams
+    from splitserve.entrypoints.llm import LLM
+    from splitserve.sampling_params import SamplingParams
 
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed)
@@ -118,6 +119,19 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
     sk.set_defaults(func=lambda ns: soak.main(ns))
 
 
+def _add_env(env: argparse.ArgumentParser) -> None:
+    env.add_argument(
+        "--markdown", action="store_true", help="the table of docs/envs.md instead of this environment's values"
+    )
+    env.set_defaults(func=_cmd_env)
+
+
+def _cmd_env(ns: argparse.Namespace) -> None:
+    from splitserve import envs
+
+    print(envs.markdown_table() if ns.markdown else envs.describe(), end="" if ns.markdown else "\n")
+
+
 def _add_ranktable(rt: argparse.ArgumentParser) -> None:
     rt_sub = rt.add_subparsers(dest="ranktable_command", required=True)
     from splitserve.entrypoints import ranktable_cli
@@ -148,6 +162,7 @@ _SUBCOMMANDS = {
         "rank tables of a prefill/decode disaggregated deployment (also spelled `--mode gen|merge`)",
         _add_ranktable,
     ),
+    "env": ("the SPLITSERVE_* environment variables: each one's value here, default and purpose", _add_env),
 }
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
-CPU_CORES_ENV = "SPLITSERVE_CPU_CORES"  # the cores a launcher gave this process ("0,1")
+from splitserve import envs
+
+CPU_CORES_ENV = "SPLITSERVE_CPU_CORES"  # set by launchers for their children (read through envs)
 
 
 def split_cores(count: int, cores: list[int]) -> list[list[int]]:
@@ -19,7 +21,7 @@ def split_cores(count: int, cores: list[int]) -> list[list[int]]:
 
 def available_cores() -> list[int]:
     """The cores this process may use: the launcher's share if it gave one, else its affinity."""
-    given = os.environ.get(CPU_CORES_ENV)
+    given = envs.SPLITSERVE_CPU_CORES
     return [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
 
 
@@ -32,5 +34,5 @@ def bind_cpu_cores(cores: list[int]) -> None:
 
 
 def apply_cpu_cores_env() -> None:
-    if os.environ.get(CPU_CORES_ENV):
+    if envs.SPLITSERVE_CPU_CORES:
         bind_cpu_cores(available_cores())

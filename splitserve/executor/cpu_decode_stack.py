@@ -19,18 +19,16 @@ SPLITSERVE_CPU_DECODE_STACK=0 turns it off (to compare, or to rule it out).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from splitserve import kernels
+from splitserve import envs, kernels
 from splitserve.kernels import cpu_features, row_buckets
 from splitserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from splitserve.quantization.gguf import GGUFLinearMethod
 
 logger = logging.getLogger(__name__)
 
-ENV = "SPLITSERVE_CPU_DECODE_STACK"
 # DecodeStack.add_run's qtype for weights that are not GGUF blocks (decode_stack.cpp's Run).
 DENSE, PACKED = -1, -2
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -75,9 +73,9 @@ class CPUDecodeStack:
                 if linear.bias is not None:  # F.linear fuses a dense linear's bias; GGUF adds it after
                     stack.set_bias(slot, linear.bias, linear.quant_method is None)
         logger.info(
-            "CPU decode steps run their %d decoder layers in one C++ call (%s=0 runs them layer by layer).",
+            "CPU decode steps run their %d decoder layers in one C++ call (SPLITSERVE_CPU_DECODE_STACK=0 runs them "
+            "layer by layer).",
             len(layers),
-            ENV,
         )
         return cls(model, stack)
 
@@ -107,8 +105,8 @@ class CPUDecodeStack:
 
 def _unsupported(model, backend, rank, lora_enabled: bool) -> str | None:
     """Why the stack cannot stand in for the model's modules, or None."""
-    if os.environ.get(ENV, "1") == "0":
-        return f"{ENV}=0"
+    if not envs.SPLITSERVE_CPU_DECODE_STACK:
+        return "SPLITSERVE_CPU_DECODE_STACK=0"
     if kernels.cpu_ops() is None:
         return "the C++ CPU kernels are off or did not build"
     if backend.name != "cpu":

@@ -1,5 +1,5 @@
 """The model runner: owns the model, the paged KV cache tensors and the sampler, and turns one
-SchedulerOutput into one forward pass plus sampling."""
+StepInput (the data-only step the engine sends) into one forward pass plus sampling."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
+from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank
 from splitserve.executor.abstract import Executor
@@ -23,7 +24,6 @@ from splitserve.executor.worker import ENCODER, REPLY_DECODER, Call, Collect, La
 
 logger = logging.getLogger(__name__)
 
-CPUS_PER_RANK_ENV = "SPLITSERVE_RAY_CPUS_PER_RANK"  # CPU cores a rank's bundle asks Ray for (default 1)
 _CALL_TIMEOUT_S = 900.0
 
 
@@ -92,7 +92,7 @@ class RayDistributedExecutor(Executor):
         )
 
     def _bundle(self, config: EngineConfig) -> dict[str, float]:
-        cpus = int(os.environ.get(CPUS_PER_RANK_ENV, "1"))
+        cpus = envs.SPLITSERVE_RAY_CPUS_PER_RANK
         return {"CPU": cpus, "GPU": 1} if config.device.type == "cuda" else {"CPU": cpus}
 
     def _start_actors(self, config: EngineConfig) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank
+from splitserve.distributed.kv_transfer.handler import KVTransferHandler
 from splitserve.executor.abstract import Executor
-from splitserve.executor.kv_transfer_handler import KVTransferHandler
 from splitserve.executor.model_runner import InFlightStep, ModelRunner
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 

@@ -20,7 +20,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank, init_distributed
-from splitserve.executor.kv_transfer_handler import KVTransferHandler
+from splitserve.distributed.kv_transfer.handler import KVTransferHandler
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 from splitserve.lora.request import LoRARequest
 

@@ -13,7 +13,7 @@ from splitserve import kernels
 from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.kernels import packed_linear, row_buckets
-from splitserve.quantization.gguf_weight import GGUFWeight
+from splitserve.layers.gguf_weight import GGUFWeight
 
 logger = logging.getLogger(__name__)
 

@@ -25,18 +25,17 @@ import logging
 import os
 import tempfile
 
-from splitserve.loader.gguf_cache import cache_root
+from splitserve import envs
 
 logger = logging.getLogger(__name__)
 
-ENABLE_ENV = "SPLITSERVE_CONFIG_CACHE"
 _FORMAT = 1
 _CLASS_NAME = "__config_class__"  # the original class's name
 _CLASS_ATTRIBUTES = "__class_attributes__"  # the names that were the class's, not the instance's
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "1") != "0"
+    return envs.SPLITSERVE_CONFIG_CACHE
 
 
 def _cache_path(directory: str) -> str | None:
@@ -48,7 +47,7 @@ def _cache_path(directory: str) -> str | None:
     import transformers
 
     digest = hashlib.sha256(raw + f"\0{transformers.__version__}\0{_FORMAT}".encode()).hexdigest()[:24]
-    return os.path.join(cache_root(), "configs", f"{digest}.json")
+    return os.path.join(envs.cache_root(), "configs", f"{digest}.json")
 
 
 def cached_config(directory: str):

@@ -19,14 +19,11 @@ import shutil
 import tempfile
 import time
 
+from splitserve import envs
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SPLITSERVE_CACHE_DIR"
 _COMPLETE = "splitserve-complete"  # written last: a directory without it is an interrupted save
-
-
-def cache_root() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
 
 
 def cache_key(gguf_path: str) -> str:
@@ -40,7 +37,7 @@ def cache_key(gguf_path: str) -> str:
 def hf_dir_for_gguf(gguf_path: str) -> str | None:
     """A directory with the config and tokenizer of `gguf_path`, saved on first use; None when the
     cache cannot be written (the caller then reads the .gguf itself)."""
-    target = os.path.join(cache_root(), "gguf", cache_key(gguf_path))
+    target = os.path.join(envs.cache_root(), "gguf", cache_key(gguf_path))
     if os.path.isfile(os.path.join(target, _COMPLETE)):
         return target
     try:

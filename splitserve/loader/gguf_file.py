@@ -130,6 +130,6 @@ class GGUFFile:
 
 def gguf_is_quantized(path: str) -> bool:
     """Whether any matrix of the file is stored in quantized blocks (not F32/F16/BF16)."""
-    from splitserve.quantization.gguf_weight import DENSE_TYPES
+    from splitserve.layers.gguf_weight import DENSE_TYPES
 
     return any(t.qtype not in DENSE_TYPES and len(t.shape) == 2 for t in GGUFFile(path).tensors)

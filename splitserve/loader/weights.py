@@ -17,7 +17,7 @@ from splitserve.config import ModelConfig
 from splitserve.layers.basic import pack_cpu_weights
 from splitserve.loader.gguf_file import GGUFFile, GGUFTensor
 from splitserve.models.registry import get_model_class
-from splitserve.quantization.gguf_weight import GGUFWeight
+from splitserve.layers.gguf_weight import GGUFWeight
 from splitserve.quantization.linear import weight_bytes
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import torch
 
 from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
-from splitserve.quantization.gguf_weight import GGUFWeight
+from splitserve.layers.gguf_weight import GGUFWeight
 
 
 class GGUFLinearMethod(LinearMethod):

@@ -37,8 +37,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.disagg.connector import FAULT_LEASE_DELAY_ENV
-from splitserve.distributed.kv_transfer import FAULT_BLOCK_DELAY_ENV
 from tests.e2e.pd_helpers import COMMON, idle, wait_for
 from tests.e2e.server import RemoteServer, free_port
 
@@ -50,8 +48,8 @@ ANSWER_WITHIN_S = 20.0  # every cell's client has its answer or error this soon 
 MAX_TOKENS = 64
 ROLES = ("prefill", "decode", "router")
 STAGE_MARKERS = {
-    "before_prefill_answer": f"Fault injection ({FAULT_LEASE_DELAY_ENV})",
-    "during_kv_pull": f"Fault injection ({FAULT_BLOCK_DELAY_ENV})",
+    "before_prefill_answer": "Fault injection (SPLITSERVE_FAULT_KV_LEASE_DELAY_S)",
+    "during_kv_pull": "Fault injection (SPLITSERVE_FAULT_KV_BLOCK_DELAY_S)",
 }
 
 
@@ -81,7 +79,10 @@ class FaultCluster:
         env = {}
         if role == "prefill":
             args += ["--kv-lease-seconds", str(LEASE_S)]
-            env = {FAULT_LEASE_DELAY_ENV: str(LEASE_DELAY_S), FAULT_BLOCK_DELAY_ENV: str(BLOCK_DELAY_S)}
+            env = {
+                "SPLITSERVE_FAULT_KV_LEASE_DELAY_S": str(LEASE_DELAY_S),
+                "SPLITSERVE_FAULT_KV_BLOCK_DELAY_S": str(BLOCK_DELAY_S),
+            }
         self.servers[role] = RemoteServer(self.model, *args, env=env, port=self.ports[role], log_path=log)
 
     def start_missing(self) -> None:

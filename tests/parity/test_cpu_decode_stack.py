@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.executor.cpu_decode_stack import ENV, CPUDecodeStack
+from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 
 PROMPTS = [[(7 * i + 3 * j) % 1000 + 3 for j in range(3 + 2 * i)] for i in range(20)]
 
@@ -21,7 +21,7 @@ def _runner(llm: LLM):
 
 
 def _llm(model: str, monkeypatch, stack: bool, **kwargs) -> LLM:
-    monkeypatch.setenv(ENV, "1" if stack else "0")
+    monkeypatch.setenv("SPLITSERVE_CPU_DECODE_STACK", "1" if stack else "0")
     kwargs = {"max_model_len": 256, "use_tqdm_on_load": False, "enable_prefix_caching": False, **kwargs}
     llm = LLM(model or None, **kwargs)
     assert (_runner(llm).decode_stack is not None) == stack
@@ -89,7 +89,7 @@ def test_where_the_stack_is_not_built_the_log_says_why(tiny_models, monkeypatch,
     ]
     for model, kwargs, reason in cases:
         caplog.clear()
-        monkeypatch.setenv(ENV, "1")
+        monkeypatch.setenv("SPLITSERVE_CPU_DECODE_STACK", "1")
         with caplog.at_level(logging.INFO, logger="splitserve.executor.cpu_decode_stack"):
             llm = LLM(model, dtype="float32", max_model_len=256, use_tqdm_on_load=False, **kwargs)
         assert _runner(llm).decode_stack is None
@@ -98,4 +98,4 @@ def test_where_the_stack_is_not_built_the_log_says_why(tiny_models, monkeypatch,
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="splitserve.executor.cpu_decode_stack"):
         _llm(tiny_models["llama"], monkeypatch, False, dtype="float32")
-    assert any(f"{ENV}=0" in r.getMessage() for r in caplog.records)
+    assert any("SPLITSERVE_CPU_DECODE_STACK=0" in r.getMessage() for r in caplog.records)

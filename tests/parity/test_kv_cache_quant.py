@@ -24,7 +24,6 @@ import torch
 
 from splitserve import LLM, GenerationConfig, PytorchEngineConfig, SamplingParams, TurbomindEngineConfig, pipeline
 from splitserve.executor.attention import torch_ref
-from splitserve.executor.attention.backend import BACKEND_ENV
 from splitserve.quantization.kv_cache import dequantize_kv, kv_cache_spec, quantize_kv
 
 ARCHS = ["llama", "mistral", "qwen3"]  # llama3 RoPE; sliding window 24; head_dim 32 with q/k norms
@@ -113,7 +112,7 @@ def fake_quantized_cache(monkeypatch):
     (On the torch backend, whose write this patches; the CPU backend writes in C++.)"""
 
     def use(kv_cache_dtype: str) -> None:
-        monkeypatch.setenv(BACKEND_ENV, "torch")
+        monkeypatch.setenv("SPLITSERVE_ATTENTION_BACKEND", "torch")
         storage, write_kv = kv_cache_spec(kv_cache_dtype, torch.float32).storage_dtype, torch_ref.write_kv
 
         def roundtrip(x):

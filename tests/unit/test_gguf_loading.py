@@ -41,7 +41,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
 def test_config_and_tokenizer_are_read_once_then_from_the_cache(default_gguf, tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer
 
-    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
     saved = gguf_cache.hf_dir_for_gguf(default_gguf)
     assert saved is not None and saved.startswith(str(tmp_path))
     assert gguf_cache.hf_dir_for_gguf(default_gguf) == saved  # found, not saved again
@@ -61,6 +61,6 @@ def test_config_and_tokenizer_are_read_once_then_from_the_cache(default_gguf, tm
 def test_an_unwritable_cache_falls_back_to_reading_the_file(default_gguf, tmp_path, monkeypatch, caplog):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(blocked))
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(blocked))
     assert gguf_cache.hf_dir_for_gguf(default_gguf) is None
     assert "it is read at every start" in caplog.text

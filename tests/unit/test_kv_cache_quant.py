@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve.config import KV_CACHE_DTYPES, CacheConfig, KVTransferConfig
-from splitserve.distributed import kv_transfer as C
+from splitserve.distributed.kv_transfer import transport as C
 from splitserve.executor.attention.backend import AttentionMetadata
 from splitserve.executor.attention.torch_ref import TorchAttentionBackend, write_kv, write_quantized_kv
 from splitserve.layers.attention import Attention

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from splitserve.config import KVTransferConfig
-from splitserve.distributed import kv_transfer as C
+from splitserve.distributed.kv_transfer import transport as C
 from splitserve.engine.messages import KVTransferParams
 from splitserve.process_utils import free_port
 
@@ -184,7 +184,7 @@ def test_no_answer_is_a_clean_failure(pair, monkeypatch):
 
 def test_fault_injection_delays_each_block(monkeypatch, caplog):
     """SPLITSERVE_FAULT_KV_BLOCK_DELAY_S holds a pull's blocks back (per block), and says so in the log."""
-    monkeypatch.setenv(C.FAULT_BLOCK_DELAY_ENV, "0.2")
+    monkeypatch.setenv("SPLITSERVE_FAULT_KV_BLOCK_DELAY_S", "0.2")
     prefill = C.KVConnector(KVTransferConfig("prefill", "127.0.0.1", 0, lease_seconds=30), _caches(True))
     decode = C.KVConnector(KVTransferConfig("decode"), _caches(False))
     prefill.add_lease("p1", [1, 2, 3], num_pulls=1)

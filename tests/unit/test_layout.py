@@ -11,31 +11,29 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "splitserve"
 MAX_MODULE_LINES = 400
-# Which layers each layer may import (DESIGN.md's table); a layer may always import itself and the
-# package's leaf modules (config, sampling_params, outputs, tokenizer, kernels, process_utils).
-LEAVES = {"splitserve", "config", "sampling_params", "outputs", "tokenizer", "kernels", "process_utils", "lora"}
+# Modules any layer may import; they import only one another.
+LEAVES = {"config", "sampling_params", "outputs", "kernels", "process_utils", "lora", "envs", "version"}
+# The layers each layer imports besides the leaves, top to bottom (DESIGN.md's table): exactly the
+# edges the code uses (test_allowed_edges_are_used), none both ways (test_no_layer_pair_both_ways).
+# `splitserve` is the package's facade (splitserve/__init__.py); `cli` is the `splitserve` command,
+# which dispatches to the entrypoints and the benchmarks, which drive the offline API.
 ALLOWED = {
-    "entrypoints": {
-        "engine",
-        "executor",
-        "disagg",
-        "loader",
-        "models",
-        "layers",
-        "quantization",
-        "benchmarks",
-        "distributed",
-    },
-    "benchmarks": {"engine", "executor", "disagg", "loader", "models", "layers", "quantization", "entrypoints"},
-    "disagg": {"engine", "executor", "quantization", "distributed"},
-    "engine": {"executor", "disagg", "loader", "models", "layers", "quantization", "distributed"},
-    "executor": {"loader", "models", "layers", "quantization", "distributed"},
-    "loader": {"models", "layers", "quantization", "distributed"},
-    "models": {"layers", "quantization", "distributed"},
-    "layers": {"quantization", "distributed"},
-    "quantization": {"layers", "models", "loader", "distributed"},
+    "splitserve": {"entrypoints"},
+    "cli": {"benchmarks", "entrypoints", "engine"},
+    "benchmarks": {"disagg", "engine", "entrypoints", "loader", "quantization", "tokenizer"},
+    "entrypoints": {"disagg", "engine", "loader", "quantization", "tokenizer"},
+    "disagg": {"executor"},
+    "engine": {"distributed", "executor", "layers", "loader", "tokenizer"},
+    "tokenizer": {"loader"},
+    "executor": {"distributed", "layers", "loader", "models", "quantization"},
+    "loader": {"layers", "models", "quantization"},
+    "quantization": {"layers"},
+    "models": {"distributed", "layers"},
+    "layers": {"distributed"},
     "distributed": set(),
 }
+# Modules that form a layer of their own, apart from their package's.
+OWN_LAYER = {"splitserve.entrypoints.cli": "cli"}
 
 
 def module_name(path: Path) -> str:
@@ -107,17 +105,44 @@ def test_the_cycle_finder_finds_cycles(monkeypatch):
 
 
 def _layer(module: str) -> str:
+    if module in OWN_LAYER:
+        return OWN_LAYER[module]
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "splitserve"
+
+
+def _layer_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing layer, imported layer) -> the module imports behind it, for every pair of layers."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, imported in GRAPH.items():
+        for other in imported:
+            if _layer(other) != _layer(name):
+                edges.setdefault((_layer(name), _layer(other)), []).append(f"{name} -> {other}")
+    return edges
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted(name for name in MODULES if _layer(name) not in LEAVES | set(ALLOWED))
+    assert not unknown, f"modules outside every layer of the table: {unknown}"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_layers_depend_downwards(name):
     layer = _layer(name)
-    if layer in LEAVES:
-        return
-    wrong = sorted(m for m in GRAPH[name] if _layer(m) not in LEAVES | {layer} | ALLOWED.get(layer, set()))
+    allowed = LEAVES if layer in LEAVES else LEAVES | ALLOWED[layer]
+    wrong = sorted(m for m in GRAPH[name] if _layer(m) not in allowed | {layer})
     assert not wrong, f"{name} (layer {layer}) imports {wrong}"
+
+
+def test_allowed_edges_are_used():
+    used = _layer_edges()
+    unused = sorted(f"{a} -> {b}" for a, targets in ALLOWED.items() for b in targets if (a, b) not in used)
+    assert not unused, f"allowed but not imported (remove them from ALLOWED): {unused}"
+
+
+def test_no_layer_pair_both_ways():
+    both = sorted(f"{a} <-> {b}" for a, targets in ALLOWED.items() for b in targets if a in ALLOWED.get(b, set()))
+    assert not both, both
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

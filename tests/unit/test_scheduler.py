@@ -8,7 +8,7 @@ import pytest
 from splitserve.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.scheduler import Scheduler, SchedulePlan
 from splitserve.sampling_params import SamplingParams
 
 BS = 4
@@ -41,13 +41,13 @@ def add(sched: Scheduler, *requests: Request) -> None:
         sched.add_request(r)
 
 
-def run_step(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+def run_step(sched: Scheduler, out: SchedulePlan, sampled: dict[str, int]) -> None:
     """What the engine does with a planned step: launch it (advance), then record its samples."""
     sched.advance(out)
     sched.record_samples(out, sampled)
 
 
-def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+def step(sched: Scheduler, token: int = 7) -> SchedulePlan:
     out = sched.schedule()
     sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
     run_step(sched, out, sampled)
@@ -55,7 +55,7 @@ def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     return out
 
 
-def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+def plan(out: SchedulePlan) -> list[tuple[str, int]]:
     return [(r.request_id, n) for r, n in out.scheduled]
 
 

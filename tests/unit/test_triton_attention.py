@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from splitserve.executor.attention.backend import BACKEND_ENV  # noqa: E402
 from splitserve.executor.attention.cpu_backend import CPUAttentionBackend  # noqa: E402
 from splitserve.executor.attention.torch_ref import (  # noqa: E402
     TorchAttentionBackend,
@@ -216,7 +215,7 @@ def test_num_decode_splits():
 # --- selection ---------------------------------------------------------------------------------
 @pytest.fixture
 def no_backend_env(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("SPLITSERVE_ATTENTION_BACKEND", raising=False)
     return monkeypatch
 
 
@@ -241,20 +240,20 @@ def test_cuda_without_triton_gets_torch(no_backend_env, caplog):
     with caplog.at_level("INFO", logger="splitserve.executor.attention.selector"):
         assert isinstance(get_attention_backend(torch.device("cuda")), TorchAttentionBackend)
     assert "not installed" in caplog.text
-    no_backend_env.setenv(BACKEND_ENV, "triton")
+    no_backend_env.setenv("SPLITSERVE_ATTENTION_BACKEND", "triton")
     with pytest.raises(ValueError, match="not installed"):
         get_attention_backend(torch.device("cuda"))
 
 
 def test_env_var_overrides(no_backend_env):
-    no_backend_env.setenv(BACKEND_ENV, "torch")
+    no_backend_env.setenv("SPLITSERVE_ATTENTION_BACKEND", "torch")
     assert isinstance(get_attention_backend(torch.device("cuda")), TorchAttentionBackend)
     assert type(get_attention_backend(torch.device("cpu"))) is TorchAttentionBackend
-    no_backend_env.setenv(BACKEND_ENV, "cpu")
+    no_backend_env.setenv("SPLITSERVE_ATTENTION_BACKEND", "cpu")
     assert isinstance(get_attention_backend(torch.device("cpu")), CPUAttentionBackend)
     with pytest.raises(ValueError, match="CPU"):
         get_attention_backend(torch.device("cuda"))
-    no_backend_env.setenv(BACKEND_ENV, "triton")
+    no_backend_env.setenv("SPLITSERVE_ATTENTION_BACKEND", "triton")
     no_backend_env.setenv("TRITON_INTERPRET", "1")
     assert isinstance(get_attention_backend(torch.device("cpu"), "int8"), TritonAttentionBackend)
     with pytest.raises(ValueError, match="int4"):
@@ -262,6 +261,6 @@ def test_env_var_overrides(no_backend_env):
     no_backend_env.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA"):
         get_attention_backend(torch.device("cpu"))
-    no_backend_env.setenv(BACKEND_ENV, "flash")
+    no_backend_env.setenv("SPLITSERVE_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="torch"):
         get_attention_backend(torch.device("cuda"))

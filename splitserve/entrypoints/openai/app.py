@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from splitserve import __version__
+from splitserve.version import __version__
 from splitserve.config import EngineConfig
 from splitserve.engine.async_llm import AsyncLLM
 from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, install_error_handlers, read_json_body

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 
+from splitserve import envs
 from splitserve.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from
 
 
@@ -50,7 +51,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY"),
+        default=envs.SPLITSERVE_API_KEY,
         help="require 'Authorization: Bearer KEY' on every route except /health and /metrics",
     )
     g.add_argument("--metrics-api-key", default=None, help="require this key on /metrics too")

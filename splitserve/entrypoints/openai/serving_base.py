@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from splitserve import __version__
+from splitserve.version import __version__
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import KVTransferParams

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-BACKEND_ENV = "SPLITSERVE_ATTENTION_BACKEND"
 BACKENDS = ("torch", "cpu", "triton")
 
 

@@ -8,9 +8,11 @@ import os
 
 import torch
 
-from splitserve.executor.attention.backend import BACKEND_ENV, BACKENDS, AttentionBackend
+from splitserve import envs
+from splitserve.executor.attention.backend import BACKENDS, AttentionBackend
 
 logger = logging.getLogger(__name__)
+_ENV = "SPLITSERVE_ATTENTION_BACKEND"
 
 
 def get_attention_backend(device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
@@ -21,9 +23,9 @@ def get_attention_backend(device: torch.device, kv_cache_dtype: str = "auto") ->
     (no CUDA device and no TRITON_INTERPRET=1, an int4 cache, an fp8_e4m3 cache before compute
     capability 8.9, triton not installed)."""
     device = torch.device(device)
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    forced = (envs.SPLITSERVE_ATTENTION_BACKEND or "").lower()
     if forced and forced not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {forced!r}.")
+        raise ValueError(f"{_ENV} must be one of {BACKENDS}, got {forced!r}.")
     if forced == "triton" or (not forced and device.type == "cuda"):
         reason = _why_not_triton(device, kv_cache_dtype)
         if reason is None:
@@ -31,11 +33,11 @@ def get_attention_backend(device: torch.device, kv_cache_dtype: str = "auto") ->
 
             return TritonAttentionBackend()
         if forced:
-            raise ValueError(f"{BACKEND_ENV}=triton: {reason}.")
+            raise ValueError(f"{_ENV}=triton: {reason}.")
         logger.info("Attention backend: torch, not triton: %s.", reason)
     if forced == "cpu" or (not forced and device.type == "cpu"):
         if device.type != "cpu":
-            raise ValueError(f"{BACKEND_ENV}=cpu: its kernels run on the CPU, not on {device.type}.")
+            raise ValueError(f"{_ENV}=cpu: its kernels run on the CPU, not on {device.type}.")
         from splitserve.executor.attention.cpu_backend import CPUAttentionBackend
 
         return CPUAttentionBackend()

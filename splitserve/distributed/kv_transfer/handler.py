@@ -1,5 +1,5 @@
 """A rank's side of prefill/decode disaggregation: the KV connector over this rank's KV cache
-(distributed/kv_transfer.py), driven by the engine through the executor (`call_kv_connector`), so
+(distributed/kv_transfer/transport.py), driven by the engine through the executor (`call_kv_connector`), so
 that every rank serves and pulls its own share of the blocks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from splitserve.config import KVTransferConfig
 from splitserve.distributed import ParallelRank
-from splitserve.distributed.kv_transfer import KVConnector
+from splitserve.distributed.kv_transfer.transport import KVConnector
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The KV connector as the engine sees it: one object for all of an instance's ranks.
 
-Each rank runs its own KV connector over its own KV cache (distributed/kv_transfer.py: the
+Each rank runs its own KV connector over its own KV cache (distributed/kv_transfer/transport.py: the
 transport, leases and pulls), so that with tensor parallelism every rank moves its own KV heads
 (and with pipeline parallelism its own layers). This group forwards the engine's calls to every
 rank through the executor and joins their answers: a lease ends when every rank's has ended, and
@@ -11,20 +11,17 @@ pulls only from a prefill instance with as many ranks as itself (rank r from ran
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import msgspec
 
-from splitserve.distributed.kv_transfer import KVTransferStats, PullResult
+from splitserve import envs
+from splitserve.distributed.kv_transfer.stats import KVTransferStats, PullResult
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0  # with nothing outstanding, the ranks' counters are still refreshed this often
-# Fault injection for tests: a prefill instance holds the engine this many seconds after leasing a
-# request's blocks, before its answer leaves, so that a test can kill a process in that window.
-FAULT_LEASE_DELAY_ENV = "SPLITSERVE_FAULT_KV_LEASE_DELAY_S"
 
 
 class KVConnectorGroup:
@@ -37,7 +34,7 @@ class KVConnectorGroup:
         self._done: list[PullResult] = []  # pulls refused before they started
         self._stats = KVTransferStats()
         self._last_poll = 0.0
-        self._lease_delay_s = float(os.environ.get(FAULT_LEASE_DELAY_ENV, "0") or 0)
+        self._lease_delay_s = envs.SPLITSERVE_FAULT_KV_LEASE_DELAY_S or 0.0
 
     @property
     def num_ranks(self) -> int:
@@ -54,7 +51,7 @@ class KVConnectorGroup:
         if self._lease_delay_s > 0:
             logger.warning(
                 "Fault injection (%s): request %s is leased; its answer waits %.1f s",
-                FAULT_LEASE_DELAY_ENV,
+                "SPLITSERVE_FAULT_KV_LEASE_DELAY_S",
                 request_id,
                 self._lease_delay_s,
             )

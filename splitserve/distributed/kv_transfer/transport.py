@@ -1,6 +1,6 @@
 """The KV connector of one rank: moves a request's KV-cache blocks from a prefill instance to a
 decode instance (with several ranks per instance, each rank moves its own share, see
-disagg/connector.py for the instance-wide view the engine sees).
+distributed/kv_transfer/connector.py for the instance-wide view the engine sees).
 
 Transport: ZMQ over TCP (works across hosts). It runs in the process that holds the rank's KV
 cache, beside its work, in one thread per side, so that serving or pulling blocks never stalls a
@@ -15,7 +15,7 @@ model step:
   server cannot be reached or drops the connection (it died), else after PULL_TIMEOUT_S without
   an answer.
 
-Messages are typed msgspec structs (never pickle). A KV frame (kv_frames.py) carries the request
+Messages are typed msgspec structs (never pickle). A KV frame (frames.py) carries the request
 id, the block ids, its shape and dtype and a CRC-32 of its bytes; a frame that does not match is
 refused.
 With a quantized KV cache (--kv-cache-dtype) the blocks' scales travel in a third frame, and both
@@ -25,7 +25,6 @@ instances must store the same kv_cache_dtype.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -36,33 +35,18 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from splitserve import envs
 from splitserve.config import KVTransferConfig
-from splitserve.distributed.kv_frames import KVFrameHeader, crc32, dtype_name, frame_shape, gather, scatter
+from splitserve.distributed.kv_transfer.frames import KVFrameHeader, crc32, dtype_name, frame_shape, gather, scatter
+from splitserve.distributed.kv_transfer.stats import KVTransferStats, PullResult
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 PULL_TIMEOUT_S = 30.0  # a KV server that neither answers nor drops the connection (a lost host)
-# Fault injection for tests: the KV server waits this many seconds per block before sending a
-# pull's blocks, so that a test can kill an instance while the pull is under way.
-FAULT_BLOCK_DELAY_ENV = "SPLITSERVE_FAULT_KV_BLOCK_DELAY_S"
 # The events of a pull's connection that mean the KV server is gone: it dropped the connection,
 # or it refused one (ZMQ then retries, which would last until the timeout).
 _PEER_GONE = {zmq.EVENT_DISCONNECTED: "closed the connection", zmq.EVENT_CONNECT_RETRIED: "refused the connection"}
-
-
-class KVTransferStats(msgspec.Struct, array_like=True):
-    """A PD instance's KV connector counters, cumulative since start."""
-
-    blocks_sent: int = 0
-    bytes_sent: int = 0
-    blocks_received: int = 0
-    bytes_received: int = 0
-    transfer_seconds: float = 0.0  # time spent pulling (decode side)
-    pull_failures: int = 0  # pulls that failed or were refused (decode side)
-    pulls_refused: int = 0  # pulls this prefill instance refused (unknown or expired lease)
-    lease_expiries: int = 0
-    leases_active: int = 0
 
 
 class PullRequest(msgspec.Struct, tag="pull", array_like=True):
@@ -95,16 +79,6 @@ class PullJob:
     dest_block_ids: list[int]
 
 
-@dataclass
-class PullResult:
-    request_id: str
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
 class KVConnector:
     def __init__(
         self,
@@ -133,7 +107,7 @@ class KVConnector:
                 server.bind(f"tcp://{config.kv_host}:{config.kv_port}")
             else:
                 self.port = server.bind_to_random_port(f"tcp://{config.kv_host}")
-            self._block_delay_s = float(os.environ.get(FAULT_BLOCK_DELAY_ENV, "0") or 0)
+            self._block_delay_s = envs.SPLITSERVE_FAULT_KV_BLOCK_DELAY_S or 0.0
             self._start(self._serve, server)
             logger.info(
                 "KV server listening on %s:%d (leases expire after %.0f s)",
@@ -188,12 +162,12 @@ class KVConnector:
         sock.close()
 
     def _inject_delay(self, header: KVFrameHeader) -> None:
-        """Fault injection (FAULT_BLOCK_DELAY_ENV): hold a pull's blocks back, as a slow link would."""
+        """Fault injection (SPLITSERVE_FAULT_KV_BLOCK_DELAY_S): hold a pull's blocks back, as a slow link would."""
         if self._block_delay_s > 0 and header.block_ids:
             delay = self._block_delay_s * len(header.block_ids)
             logger.warning(
                 "Fault injection (%s): sending %d KV blocks of request %s in %.1f s",
-                FAULT_BLOCK_DELAY_ENV,
+                "SPLITSERVE_FAULT_KV_BLOCK_DELAY_S",
                 len(header.block_ids),
                 header.request_id,
                 delay,
