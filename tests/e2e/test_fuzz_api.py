@@ -13,7 +13,9 @@ import sys
 import httpx
 import pytest
 
-from tests.e2e.server import RemoteServer
+from tests.helpers.server import RemoteServer
+
+pytestmark = pytest.mark.slow  # starts a server and fuzzes its API
 
 KEY = "fuzz-key"
 FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "1024"]

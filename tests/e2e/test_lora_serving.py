@@ -9,8 +9,10 @@ import openai
 import pytest
 
 from splitserve import LLM, LoRARequest, SamplingParams
-from tests.conftest import make_peft_adapter
-from tests.e2e.server import RemoteServer
+from tests.helpers.models import make_peft_adapter
+from tests.helpers.server import RemoteServer
+
+pytestmark = pytest.mark.slow  # starts servers
 
 COMMON = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "128", "--disable-log-requests"]
 LORA = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]

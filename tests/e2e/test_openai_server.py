@@ -14,7 +14,9 @@ import openai
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.e2e.server import RemoteServer
+from tests.helpers.server import RemoteServer, engine_pid, metric
+
+pytestmark = pytest.mark.slow  # starts servers
 
 API_KEY = "test-key"
 COMMON = [
@@ -52,17 +54,6 @@ def _post(server, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Res
     if isinstance(body, (bytes, str)):
         return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=60, **kw)
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60, **kw)
-
-
-def _metric(server, name: str) -> float:
-    """The sum of a metric's series, from a server (or a base URL)."""
-    url = server if isinstance(server, str) else server.url
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # --- completions and chat -------------------------------------------------------------------------
@@ -301,12 +292,12 @@ def test_models_tokenize_detokenize_version(server, client):
 
 
 def test_metrics_count_requests(server, client):
-    before = _metric(server, "splitserve:request_success_total")
-    prompt_before = _metric(server, "splitserve:prompt_tokens_total")
+    before = metric(server, "splitserve:request_success_total")
+    prompt_before = metric(server, "splitserve:prompt_tokens_total")
     for _ in range(3):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
-    assert _metric(server, "splitserve:request_success_total") == before + 3
-    assert _metric(server, "splitserve:prompt_tokens_total") > prompt_before
+    assert metric(server, "splitserve:request_success_total") == before + 3
+    assert metric(server, "splitserve:prompt_tokens_total") > prompt_before
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for name in (
         "time_to_first_token_seconds",
@@ -354,8 +345,8 @@ def _wait_idle(server, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (
-            _metric(server, "splitserve:num_requests_running") == 0
-            and _metric(server, "splitserve:kv_cache_usage_perc") == 0
+            metric(server, "splitserve:num_requests_running") == 0
+            and metric(server, "splitserve:kv_cache_usage_perc") == 0
         ):
             return
         time.sleep(0.2)
@@ -390,7 +381,7 @@ def test_two_workers_share_the_engine_and_metrics(tiny_chat_model):
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
         outs = [c.completions.create(model="default", prompt=PROMPT, max_tokens=4, temperature=0) for _ in range(8)]
         assert len({o.choices[0].text for o in outs}) == 1
-        assert _metric(s, "splitserve:request_success_total") == 8
+        assert metric(s, "splitserve:request_success_total") == 8
         assert len(s.child_pids()) >= 3  # the engine and two API workers (and spawn's tracker)
 
 
@@ -408,7 +399,7 @@ def test_max_queued_requests_gives_429(tiny_chat_model):
 
 def test_engine_death_gives_503_not_a_hang(tiny_chat_model):
     with RemoteServer(tiny_chat_model, *COMMON) as s:
-        os.kill(_engine_pid(s), signal.SIGKILL)
+        os.kill(engine_pid(s), signal.SIGKILL)
         time.sleep(2)
         assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
@@ -472,31 +463,10 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _engine_pid(server: RemoteServer) -> int:
-    """The engine core process: of the server's spawned children (it and multiprocessing's resource
-    tracker) the one holding the model, i.e. the largest resident memory."""
-
-    def rss(pid: int) -> int:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1])
-
-    spawned = [p for p in server.child_pids() if "spawn_main" in _cmdline(p)]
-    assert spawned, "no engine process found"
-    return max(spawned, key=rss)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def test_fastdeploy_style_flags(tiny_chat_model):
     """--metrics-port on its own port, the engine socket on --engine-worker-queue-port, an inline
     --chat-template and a --reasoning-parser, started through `python -m ...api_server`."""
-    from tests.e2e.server import free_port
+    from tests.helpers.server import free_port
 
     metrics_port, queue_port = free_port(), free_port()
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"

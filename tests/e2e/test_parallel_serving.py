@@ -15,7 +15,9 @@ import openai
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.e2e.server import RemoteServer
+from tests.helpers.server import RemoteServer, alive, cmdline
+
+pytestmark = pytest.mark.slow  # starts multi-rank servers
 
 COMMON = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--disable-log-requests"]
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
@@ -29,30 +31,14 @@ def _parent(pid: int) -> int:
 def _rank_pids(server: RemoteServer) -> list[int]:
     """The ranks: the server's processes whose parent is another of its children (the engine)."""
     children = set(server.child_pids())
-    return sorted(p for p in children if _parent(p) in children and "spawn_main" in _cmdline(p))
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return sorted(p for p in children if _parent(p) in children and "spawn_main" in cmdline(p))
 
 
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.2)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def test_two_ranks_serve_a_single_ranks_tokens(tiny_models):
@@ -107,5 +93,5 @@ def test_no_rank_outlives_the_server(tiny_models, sig):
         os.kill(s.proc.pid, sig)
         s.proc.wait(timeout=30)
         if sig != signal.SIGKILL:
-            assert not [p for p in ranks if _alive(p)], "the ranks outlived the server's own shutdown"
+            assert not [p for p in ranks if alive(p)], "the ranks outlived the server's own shutdown"
         assert not _wait_gone(everything, timeout=20.0)

@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.e2e.pd_helpers import COMMON, idle, wait_for
-from tests.e2e.server import RemoteServer, free_port
-from tests.e2e.test_openai_server import _engine_pid, _metric
-from tests.e2e.test_parallel_serving import _alive
+from tests.helpers.pd import COMMON, idle, wait_for
+from tests.helpers.server import RemoteServer, alive, engine_pid, free_port, metric
+
+pytestmark = pytest.mark.slow  # starts PD deployments (prefill, decode, router)
 
 PROMPTS = [
     "The capital of France is",
@@ -126,17 +126,17 @@ def test_prefix_cache_hits_pull_only_missing_blocks(pd_cluster, offline):
     prompt = PROMPTS[1]
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
     first = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-    received = _metric(decode.url, "splitserve:kv_transfer_blocks_received_total")
+    received = metric(decode.url, "splitserve:kv_transfer_blocks_received_total")
     assert received > 0
     second = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     # The decode instance now holds the prompt's full blocks: nothing (or only the partial tail) moves.
-    assert _metric(decode.url, "splitserve:kv_transfer_blocks_received_total") - received < received
+    assert metric(decode.url, "splitserve:kv_transfer_blocks_received_total") - received < received
     assert first == second == _expected(offline, prompt, 4)
 
 
 def test_killed_prefill_engine_is_survived(pd_cluster, offline):
     prefill, decode, router = pd_cluster
-    os.kill(_engine_pid(prefill[0]), signal.SIGKILL)
+    os.kill(engine_pid(prefill[0]), signal.SIGKILL)
     for prompt in PROMPTS:  # retried on the other prefill instance, or decoded from scratch
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
         r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
@@ -145,7 +145,7 @@ def test_killed_prefill_engine_is_survived(pd_cluster, offline):
 
 def test_killed_decode_engine_fails_requests_and_frees_prefill_blocks(pd_cluster):
     prefill, decode, router = pd_cluster
-    os.kill(_engine_pid(decode), signal.SIGKILL)
+    os.kill(engine_pid(decode), signal.SIGKILL)
     r = httpx.post(f"{router.url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}, timeout=60)
     assert r.status_code >= 500 and r.json()["error"]["message"]
     # Whatever the prefill side leased for the dead decode instance expires and is freed.
@@ -211,7 +211,7 @@ def test_rank_table_environment_startup(tmp_path, tiny_chat_model, offline):
         body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
         out = httpx.post(f"{servers[-1].url}/v1/completions", json=body, timeout=120).json()
         assert out["choices"][0]["text"] == _expected(offline, PROMPTS[0])
-        assert _metric(servers[1].url, "splitserve:kv_transfer_blocks_received_total") > 0
+        assert metric(servers[1].url, "splitserve:kv_transfer_blocks_received_total") > 0
     finally:
         for server in servers:
             server.close()
@@ -229,6 +229,6 @@ def test_one_command_deployment_leaves_no_process_behind(tiny_chat_model, sig):
         os.kill(launcher.proc.pid, sig)
         launcher.proc.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and [p for p in processes if _alive(p)]:
+        while time.monotonic() < deadline and [p for p in processes if alive(p)]:
             time.sleep(0.2)
-        assert not [p for p in processes if _alive(p)], f"left behind after {sig!r}"
+        assert not [p for p in processes if alive(p)], f"left behind after {sig!r}"

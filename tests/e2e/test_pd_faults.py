@@ -37,8 +37,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_helpers import COMMON, idle, wait_for
-from tests.e2e.server import RemoteServer, free_port
+from tests.helpers.pd import COMMON, idle, wait_for
+from tests.helpers.server import RemoteServer, free_port
+
+pytestmark = pytest.mark.slow  # starts PD deployments and kills their processes
 
 LEASE_S = 6.0  # --kv-lease-seconds of the prefill instance
 LEASE_DELAY_S = 1.5  # the prefill instance holds each answer back this long after leasing the blocks

@@ -7,8 +7,10 @@ import httpx
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.e2e.server import RemoteServer
-from tests.quant_layouts import write_quantized_checkpoint
+from tests.helpers.quant_layouts import write_quantized_checkpoint
+from tests.helpers.server import RemoteServer
+
+pytestmark = pytest.mark.slow  # starts servers
 
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--kv-cache-dtype", "int8"]
 

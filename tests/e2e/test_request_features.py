@@ -16,7 +16,9 @@ import pydantic
 import pytest
 
 from splitserve import LLM, BeamSearchParams
-from tests.e2e.server import RemoteServer
+from tests.helpers.server import RemoteServer
+
+pytestmark = pytest.mark.slow  # starts servers
 
 KNIGHT_SCHEMA = {
     "title": "Character",

@@ -20,7 +20,9 @@ import openai
 import pytest
 
 from splitserve.loader.resolve import DEFAULT_MODEL_NAME, default_model_path
-from tests.e2e.server import RemoteServer, free_port
+from tests.helpers.server import RemoteServer, free_port
+
+pytestmark = pytest.mark.slow  # servers, a PD deployment and the default model, as the documents run them
 
 CLI = [sys.executable, "-m", "splitserve.entrypoints.cli"]
 SMALL_KV = {"SPLITSERVE_CPU_KVCACHE_SPACE": "1"}  # 1 GiB of KV cache per instance: the machine is small

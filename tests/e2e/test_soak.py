@@ -14,6 +14,8 @@ import pytest
 from splitserve.benchmarks import soak, soak_probe
 from splitserve.entrypoints.cli import build_parser
 
+pytestmark = pytest.mark.slow  # soaks a real server (and all of tests/e2e is slow)
+
 
 def _sample(t: float, **rss_mb: float) -> dict:
     processes = {pid: {"name": "p", "rss_bytes": int(mb * 2**20)} for pid, mb in rss_mb.items()}

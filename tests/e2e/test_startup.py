@@ -11,6 +11,8 @@ from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
 from splitserve.entrypoints.cli import build_parser
 
+pytestmark = pytest.mark.slow  # starts servers and engine processes
+
 
 def test_bench_startup_reports_every_process_phase_by_phase(tiny_chat_model, capsys):
     ns = build_parser().parse_args(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from splitserve import LLM, BeamSearchParams, SamplingParams
-from tests.parity.hf_reference import load_hf_model
+from tests.helpers.hf_reference import load_hf_model
 
 PROMPTS = [[5 + i + 3 * j for j in range(6 + 2 * i)] for i in range(4)]
 ENDED_EARLY: dict[str, int] = {}  # per model: hypotheses that ended with eos, over all cases

@@ -71,6 +71,7 @@ def _logprob_steps(completion):
     return [sorted((t, lp.logprob) for t, lp in step.items()) for step in completion.logprobs]
 
 
+@pytest.mark.slow  # loads the default model
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_default_model_in_its_gguf_blocks_equals_the_modules(monkeypatch, stack_calls, dtype):
     prompts = PROMPTS[:3]

@@ -9,7 +9,9 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.loader.hf_model import load_hf_model
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy
+
+pytestmark = pytest.mark.slow  # loads the default model
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Water boils at"]
 MAX_TOKENS = 32

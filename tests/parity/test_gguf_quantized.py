@@ -30,6 +30,7 @@ def engines():
     return LLM(quantization="gguf", **common), LLM(quantization="none", **common)
 
 
+@pytest.mark.slow  # loads the default model
 def test_the_default_model_runs_in_its_blocks_by_default(engines):
     quantized, dequantized = engines
     assert quantized.llm_engine.config.model_config.quant_config.method == "gguf"
@@ -43,6 +44,7 @@ def _gguf_runs(llm: LLM) -> list[int]:
     return [qtype for m in model.modules() for qtype, _, _ in getattr(m, "gguf_runs", [])]
 
 
+@pytest.mark.slow  # loads the default model
 def test_the_layers_q4_1_blocks_are_repacked_for_decode(engines, monkeypatch):
     """The default model's layers are Q4_1 (the LM head Q8_0, tied to the embedding): every layer
     run is interleaved for the 16-row kernels after loading, unless prepacking is turned off."""
@@ -60,6 +62,7 @@ def _greedy(llm: LLM, logprobs: int):
     return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+@pytest.mark.slow  # loads the default model
 def test_greedy_tokens_part_only_at_near_ties(engines):
     """Measured here: mean |logprob difference| 0.03 and at most 0.21 over 115 steps; 3 of the 5
     prompts parted, at gaps of 0.02, 0.07 and 0.17."""
@@ -77,6 +80,7 @@ def test_greedy_tokens_part_only_at_near_ties(engines):
     assert sum(differences) / len(differences) < MEAN_LOGPROB_ATOL and max(differences) < MAX_LOGPROB_ATOL
 
 
+@pytest.mark.slow  # loads the default model
 def test_perplexity_stays_within_one_percent(engines):
     quantized, dequantized = engines
     ids = quantized.get_tokenizer()(BUILTIN_TEXT).input_ids

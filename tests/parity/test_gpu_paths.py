@@ -26,7 +26,7 @@ from splitserve.executor import cuda_graph, gpu_memory  # noqa: E402
 from splitserve.executor.cuda_graph import capture_sizes  # noqa: E402
 from splitserve.executor.gpu_memory import MemoryProfile  # noqa: E402
 from splitserve.executor.model_runner import ModelRunner  # noqa: E402
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model  # noqa: E402
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model  # noqa: E402
 
 
 # --- capture sizes ---------------------------------------------------------------------------------
@@ -89,6 +89,7 @@ def _staggered_run(llm: LLM, prompts, lengths):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow  # without CUDA: many decode steps in Triton's interpreter
 def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
@@ -114,6 +115,7 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
     assert got == _staggered_run(eager, prompts, lengths)
 
 
+@pytest.mark.slow  # without CUDA: many decode steps in Triton's interpreter
 def test_sequences_past_max_seq_len_to_capture_run_eagerly(tiny_models, emulated_graphs):
     """vLLM's --max-seq-len-to-capture: a decode step whose longest sequence exceeds it runs without
     the graph, and the tokens are the same."""
@@ -129,17 +131,18 @@ def test_sequences_past_max_seq_len_to_capture_run_eagerly(tiny_models, emulated
     assert got == _staggered_run(eager, prompts, lengths)
 
 
+@pytest.mark.slow  # without CUDA: many decode steps in Triton's interpreter
 def test_cuda_graph_decode_with_dynamic_ntk_rope(tmp_path, smollm_tokenizer, emulated_graphs):
     """A dynamic NTK rope reads each token's scaling length (AttentionMetadata.rope_lengths): the
     graphs take it from a static buffer, as they take positions, and give eager's tokens past
     max_position_embeddings (32)."""
-    from tests.parity.test_rope_scaling import PROMPTS, _dynamic_llama
+    from tests.helpers.parity import ROPE_PROMPTS, dynamic_llama
 
-    _dynamic_llama().save_pretrained(tmp_path)
+    dynamic_llama().save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
     kwargs = dict(dtype="float32", max_model_len=96, cuda_graph_sizes=[1, 2, 4], max_num_seqs=4)
     kwargs.update(use_tqdm_on_load=False, num_gpu_blocks_override=64)
-    prompts, lengths = PROMPTS[2:6], [20, 6, 14, 10]  # 31 to 40 prompt tokens
+    prompts, lengths = ROPE_PROMPTS[2:6], [20, 6, 14, 10]  # 31 to 40 prompt tokens
     graphs = LLM(str(tmp_path), **kwargs)
     assert graphs.llm_engine.engine_core.executor.runner.graph_runner.rope_lengths is not None
     got = _staggered_run(graphs, prompts, lengths)

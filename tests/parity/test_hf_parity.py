@@ -3,30 +3,14 @@ supported architecture, in float32, however the engine batches, chunks, caches o
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.conftest import TINY_ARCHS
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.models import TINY_ARCHS
+from tests.helpers.parity import LOGPROB_ATOL, PROMPTS
 
 MAX_TOKENS = 32
-# float32 on both sides. These models' logits reach tens (initializer_range 0.5) and different
-# but equivalent summation orders (fused q/k/v, batched decode attention) differ by ~1e-6 of that:
-# observed up to 1.1e-4 in logprob.
-LOGPROB_ATOL = 5e-4
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
-    shared = [rng.randrange(3, 1024) for _ in range(21)]
-    prompts += [shared + [5, 6, 7], shared + [8, 9]]  # shared prefixes: prefix-cache hits
-    return prompts
-
-
-PROMPTS = _prompts()
 
 
 @pytest.fixture(scope="module")

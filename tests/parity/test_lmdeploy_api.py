@@ -328,6 +328,7 @@ def test_unsupported_backend_fields_raise(model_dir, config, field):
         pipeline(model_dir, backend_config=config)
 
 
+@pytest.mark.slow  # tp=2 starts worker processes
 def test_turbomind_tp_runs_two_ranks(model_dir, pipe):
     """TurbomindEngineConfig(tp=2), as the LMDeploy documents' examples set it: two worker processes,
     the same tokens as one."""
@@ -464,7 +465,7 @@ def test_adapters_and_adapter_name(model_dir, pipe, tmp_path):
     """PytorchEngineConfig(adapters={name: path}) serves PEFT adapters; adapter_name picks one per call,
     with the offline LLM's tokens for the same adapter."""
     from splitserve import LoRARequest
-    from tests.conftest import make_peft_adapter
+    from tests.helpers.models import make_peft_adapter
 
     path = make_peft_adapter(model_dir, str(tmp_path / "sql"), ["q_proj", "v_proj", "down_proj"], r=4, seed=5)
     with pipeline(model_dir, backend_config=_backend(adapters={"sql": path})) as lora_pipe:

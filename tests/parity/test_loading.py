@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.conftest import make_tiny_model
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.models import make_tiny_model
 
 PROMPT = [17, 300, 45, 901, 12, 77, 5, 640, 33]
 

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from splitserve import LLM, LoRARequest, SamplingParams
-from tests.conftest import make_peft_adapter
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.models import make_peft_adapter
 
 MAX_TOKENS = 8
 PROMPTS = [[random.Random(10 + i).randrange(3, 1024) for _ in range(6 + 9 * i)] for i in range(3)]
@@ -98,6 +98,7 @@ def test_fewer_slots_than_adapters(base, adapters, references):
     _run_mixed(_llm(base, max_loras=1, enable_prefix_caching=False), adapters, references)
 
 
+@pytest.mark.slow  # tp/pp engines start worker processes
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_parallel(base, adapters, references, tp, pp):
     """Each rank holds its share of every slot: B's rows of its heads (column-parallel), A's columns of

@@ -14,61 +14,8 @@ import os
 import pytest
 import torch
 
-from splitserve import LLM, SamplingParams
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
-from tests.parity.test_hf_parity import LOGPROB_ATOL, PROMPTS
-
-MAX_TOKENS = 24
-_SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    initializer_range=0.5,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def build(config, seed: int):
-    """transformers' model of `config`, float32, with random biases too (they start at zero)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    return model
-
-
-def references(model, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
-    """One prompt at a time. A dynamic NTK rope keeps the longest length it has seen across calls,
-    so it is put back to its initial frequencies before each prompt, as a fresh model would be."""
-    refs = []
-    for prompt in prompts:
-        rotary = model.model.rotary_emb
-        if rotary.rope_type == "dynamic":
-            rotary.inv_freq = rotary.original_inv_freq.clone()
-            rotary.max_seq_len_cached = rotary.original_max_seq_len
-        refs.append(hf_greedy(model, prompt, max_tokens))
-    return refs
-
-
-def generate_and_check(llm: LLM, refs, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> None:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ref in zip(outputs, refs):
-        completion = out.outputs[0]
-        logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
-        assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL)
-
-
-def llm(path: str, **kwargs) -> LLM:
-    kwargs.setdefault("max_model_len", 128)
-    return LLM(path, dtype="float32", use_tqdm_on_load=False, **kwargs)
+from tests.helpers.hf_reference import load_hf_model
+from tests.helpers.parity import SHAPE, build, generate_and_check, llm, references
 
 
 def write_checkpoint(directory: str, tensors: dict[str, torch.Tensor], config: dict, tokenizer) -> str:
@@ -92,7 +39,7 @@ def test_ernie4_5(tmp_path, smollm_tokenizer, use_bias, tied, architecture):
     import transformers
 
     config = transformers.Ernie4_5Config(
-        **_SHAPE, num_key_value_heads=2, head_dim=16, use_bias=use_bias, tie_word_embeddings=tied
+        **SHAPE, num_key_value_heads=2, head_dim=16, use_bias=use_bias, tie_word_embeddings=tied
     )
     model = build(config, seed=11)
     model.save_pretrained(tmp_path)
@@ -144,7 +91,7 @@ def test_internlm_v1(tmp_path, smollm_tokenizer):
 
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     config = transformers.LlamaConfig(
-        **_SHAPE, max_position_embeddings=32, attention_bias=True, rope_parameters=rope, tie_word_embeddings=False
+        **SHAPE, max_position_embeddings=32, attention_bias=True, rope_parameters=rope, tie_word_embeddings=False
     )
     model = build(config, seed=12)
     rotary = {"base": 10000, "type": "dynamic", "scaling_factor": 2.0}
@@ -210,7 +157,7 @@ def test_internlm2(tmp_path, smollm_tokenizer):
 
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
     config = transformers.LlamaConfig(
-        **_SHAPE,
+        **SHAPE,
         num_key_value_heads=2,
         max_position_embeddings=512,
         attention_bias=True,
@@ -251,7 +198,7 @@ def test_internlm3(tmp_path, smollm_tokenizer):
 
     rope = {"rope_type": "dynamic", "factor": 6.0, "rope_theta": 50000.0}
     config = transformers.InternLM3Config(
-        **_SHAPE,
+        **SHAPE,
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=32,

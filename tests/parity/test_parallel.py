@@ -14,8 +14,10 @@ import time
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
-from tests.quant_layouts import write_quantized_checkpoint
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.quant_layouts import write_quantized_checkpoint
+
+pytestmark = pytest.mark.slow  # tp/pp engines start worker processes
 
 MAX_TOKENS = 8
 PROMPTS = [[random.Random(i).randrange(3, 1024) for _ in range(5 + 7 * i)] for i in range(3)]

@@ -9,7 +9,7 @@ import torch
 
 from splitserve import LLM
 from splitserve.benchmarks.perplexity import BUILTIN_TEXT, compute_perplexity, windows
-from tests.parity.hf_reference import load_hf_model
+from tests.helpers.hf_reference import load_hf_model
 
 
 def _hf_perplexity(model, ids: list[int], max_length: int, stride: int) -> float:
@@ -44,6 +44,7 @@ def test_perplexity_matches_transformers(tiny_chat_model, max_length, stride):
     assert ours.perplexity == pytest.approx(reference, rel=1e-4)
 
 
+@pytest.mark.slow  # two CLI processes, each importing torch and loading the model
 def test_the_cli_windows_fit_max_model_len(tiny_chat_model, tmp_path):
     """The default window leaves the generated token its slot; a window as long as max_model_len is
     refused with what to change."""

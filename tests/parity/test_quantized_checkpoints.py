@@ -1,5 +1,5 @@
 """Quantized checkpoints in the AutoAWQ, GPTQ (incl. act-order), fp8 and splitserve int8 layouts,
-written by the tests (tests/quant_layouts.py), load and generate what transformers generates with
+written by the tests (tests/helpers/quant_layouts.py), load and generate what transformers generates with
 the same dequantized weights: the engine's unpacking and int4 / int8 kernels are exact up to float
 rounding. SmoothQuant's run-time activation quantization is reproduced on the transformers side
 with a hook that rounds each linear's input per token to int8."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.parity.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
-from tests.quant_layouts import write_quantized_checkpoint
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.quant_layouts import write_quantized_checkpoint
 
 MAX_TOKENS = 16
 # float32 on both sides; the int4 kernel and the int8 paths sum in another order than a dense
@@ -125,7 +125,7 @@ def test_online_and_dummy_quantization_generate(tiny_models, method):
 def test_quantize_tool_round_trip(tiny_models, tmp_path, quant_type):
     """`splitserve quantize` -> the engine loads the result -> it generates what transformers does
     with the checkpoint's weights dequantized (and SmoothQuant's smoothing applied)."""
-    from tests.unit.test_quantize_tool import dequantized_model, run_tool
+    from tests.helpers.quantize import dequantized_model, run_tool
 
     source = tiny_models["llama"]
     rng = random.Random(2)

@@ -16,6 +16,8 @@ import pytest
 from splitserve import LLM, SamplingParams
 from splitserve.process_utils import free_port
 
+pytestmark = pytest.mark.slow  # starts a two-node Ray cluster
+
 PROMPTS = [[5 + i + j for j in range(6 + 3 * i)] for i in range(3)]
 
 

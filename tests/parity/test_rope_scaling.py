@@ -10,61 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 
 import pytest
 import torch
 
 from splitserve import LLM, TurbomindEngineConfig
-from tests.parity.test_new_archs import _SHAPE, build, generate_and_check, llm, references
+from tests.helpers.parity import ROPE_PROMPTS, SHAPE, build, dynamic_llama, generate_and_check, llm, references
 
 MAX_TOKENS = 24
-ORIGINAL_LENGTH = 32  # max_position_embeddings of the dynamic model: prompts and outputs go past it
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in (5, 20, 31, 32, 33, 40, 50)]
-    shared = [rng.randrange(3, 1024) for _ in range(36)]
-    # Past the original length with a common prefix: their prompt tokens rotate for different
-    # lengths, so prefix caching must not hand one the other's blocks.
-    return prompts + [shared + [5, 6, 7], shared + [8, 9, 10, 11, 12, 13]]
-
-
-PROMPTS = _prompts()
-
-
-def _dynamic_llama(rope_type: str = "dynamic"):
-    import transformers
-
-    rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
-    if rope_type == "default":
-        rope = {"rope_type": "default", "rope_theta": 10000.0}
-    config = transformers.LlamaConfig(
-        **_SHAPE,
-        num_key_value_heads=2,
-        max_position_embeddings=ORIGINAL_LENGTH,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
-    )
-    return build(config, seed=21)
 
 
 @pytest.fixture(scope="module")
 def dynamic_model(tmp_path_factory, smollm_tokenizer):
-    """(checkpoint directory, transformers' reference tokens for PROMPTS)."""
-    model = _dynamic_llama()
+    """(checkpoint directory, transformers' reference tokens for ROPE_PROMPTS)."""
+    model = dynamic_llama()
     path = tmp_path_factory.mktemp("dynamic_llama")
     model.save_pretrained(path)
     smollm_tokenizer.save_pretrained(path)
-    return str(path), references(model, PROMPTS)
+    return str(path), references(model, ROPE_PROMPTS)
 
 
 def test_dynamic_ntk_whole_batch_and_prefix_cache(dynamic_model):
     path, refs = dynamic_model
     engine = llm(path, max_model_len=96, block_size=8)
-    generate_and_check(engine, refs, PROMPTS)
-    generate_and_check(engine, refs, PROMPTS)  # again, from the prefix cache
+    generate_and_check(engine, refs, ROPE_PROMPTS)
+    generate_and_check(engine, refs, ROPE_PROMPTS)  # again, from the prefix cache
     stats = engine.llm_engine.engine_core.scheduler.prefix_cache_stats
     assert stats.hits > 0
 
@@ -81,13 +51,13 @@ def test_dynamic_ntk_whole_batch_and_prefix_cache(dynamic_model):
 def test_dynamic_ntk_however_batched(dynamic_model, kwargs):
     path, refs = dynamic_model
     engine = llm(path, max_model_len=96, **kwargs)
-    generate_and_check(engine, refs, PROMPTS)
+    generate_and_check(engine, refs, ROPE_PROMPTS)
     if "num_gpu_blocks_override" in kwargs:
         assert engine.llm_engine.engine_core.scheduler.num_preemptions > 0
 
 
 def test_max_model_len_past_max_position_embeddings_needs_dynamic_rope(tmp_path, smollm_tokenizer):
-    model = _dynamic_llama("default")
+    model = dynamic_llama("default")
     model.save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="max_model_len=96 is outside 1..32"):
@@ -98,8 +68,8 @@ def test_lmdeploy_rope_scaling_factor_is_dynamic_ntk(tmp_path, smollm_tokenizer)
     """The engine TurbomindEngineConfig(rope_scaling_factor=2) asks for, on a model without rope
     scaling, gives the tokens of transformers' Llama with dynamic NTK factor 2; its session_len
     exceeds max_position_embeddings."""
-    scaled = _dynamic_llama()
-    plain = _dynamic_llama("default")
+    scaled = dynamic_llama()
+    plain = dynamic_llama("default")
     plain.load_state_dict(scaled.state_dict())
     plain.save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
@@ -108,7 +78,7 @@ def test_lmdeploy_rope_scaling_factor_is_dynamic_ntk(tmp_path, smollm_tokenizer)
     )
     kwargs = dataclasses.asdict(backend.to_engine_args(str(tmp_path)))
     engine = LLM(kwargs.pop("model"), **{**kwargs, "use_tqdm_on_load": False})
-    generate_and_check(engine, references(scaled, PROMPTS), PROMPTS)
+    generate_and_check(engine, references(scaled, ROPE_PROMPTS), ROPE_PROMPTS)
 
 
 def test_lmdeploy_fields_become_hf_overrides():
@@ -149,14 +119,14 @@ def logn_reference(monkeypatch):
 def test_logn_attention(tmp_path, smollm_tokenizer, logn_reference):
     import transformers
 
-    config = transformers.LlamaConfig(**_SHAPE, num_key_value_heads=2, max_position_embeddings=512)
+    config = transformers.LlamaConfig(**SHAPE, num_key_value_heads=2, max_position_embeddings=512)
     config.seq_length = TRAINING_LENGTH
     model = build(config, seed=22)
     model.save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
-    refs = references(model, PROMPTS)
+    refs = references(model, ROPE_PROMPTS)
     engine = llm(str(tmp_path), hf_overrides={"use_logn_attn": True}, max_num_batched_tokens=16)
-    generate_and_check(engine, refs, PROMPTS)
+    generate_and_check(engine, refs, ROPE_PROMPTS)
 
 
 def test_logn_scale_leaves_positions_within_the_training_length_alone():
@@ -185,7 +155,7 @@ def test_default_rope_has_no_per_token_work(dynamic_model, tmp_path, smollm_toke
     dynamic_runner = llm(path, max_model_len=64).llm_engine.engine_core.executor.runner
     assert dynamic_runner.uses_rope_lengths
     assert isinstance(dynamic_runner.model.model.rotary, DynamicNTKRotaryEmbedding)
-    plain = _dynamic_llama("default")
+    plain = dynamic_llama("default")
     plain.save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
     runner = llm(str(tmp_path), max_model_len=32).llm_engine.engine_core.executor.runner

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.parity.hf_reference import load_hf_model
+from tests.helpers.hf_reference import load_hf_model
 
 PROMPT = {"prompt_token_ids": [17, 300, 45, 901, 12, 77, 5, 640, 33]}
 OTHERS = [{"prompt_token_ids": [400 + i, 7, 8, 9 + i]} for i in range(5)]

@@ -72,6 +72,7 @@ def test_overlap_scheduling_gives_the_same_guided_outputs(tiny_chat_model, llm):
     assert _generate(overlap, guide, seed=3) == _generate(llm, guide, seed=3)
 
 
+@pytest.mark.slow  # loads the default model
 def test_the_default_model_fills_the_knight_schema(default_gguf):
     """The Ascend guide's guided_json example, offline, on the embedded model at temperature 0."""
     schema = {

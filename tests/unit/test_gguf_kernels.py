@@ -256,6 +256,7 @@ def test_reference_path_when_the_kernels_are_off(monkeypatch, caplog):
     )
 
 
+@pytest.mark.slow  # rebuilds the kernels and reruns this module in a subprocess
 @pytest.mark.skipif(
     cpu_features.requested_isa() == "avx2" or cpu_features.isa() != "avx512",
     reason="this run is the AVX2 build already (or the machine has no AVX-512 to leave out)",

@@ -204,6 +204,7 @@ def test_stand_in_tokenizer_takes_end_of_sequence_from_the_config(empty_hf_cache
     assert processor.eos_token_id == 2  # its own tokenizer
 
 
+@pytest.mark.slow  # the default model's full-size architecture (~12 s)
 def test_dummy_builtin_model_generates_text(empty_hf_cache):
     from splitserve import LLM, SamplingParams
 

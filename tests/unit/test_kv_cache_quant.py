@@ -13,7 +13,7 @@ from splitserve.executor.attention.backend import AttentionMetadata
 from splitserve.executor.attention.torch_ref import TorchAttentionBackend, write_kv, write_quantized_kv
 from splitserve.layers.attention import Attention
 from splitserve.quantization.kv_cache import dequantize_kv, kv_cache_spec, pack_int4, quantize_kv
-from tests.unit.test_kv_connector import _params, _result
+from tests.helpers.kv_transfer import pull_params, pull_result
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2", "int4"]
 
@@ -235,8 +235,8 @@ def connectors():
 def test_quantized_blocks_and_scales_arrive_intact(connectors, name):
     prefill, decode = connectors("prefill", name, True), connectors("decode", name, False)
     prefill.add_lease("p1", [5, 2, 7], num_pulls=1)
-    decode.submit_pull("d1", _params(prefill), first_block=1, dest_block_ids=[0, 3])
-    assert _result(decode).ok
+    decode.submit_pull("d1", pull_params(prefill), first_block=1, dest_block_ids=[0, 3])
+    assert pull_result(decode).ok
     pairs = list(zip(prefill.kv_caches, decode.kv_caches)) + list(zip(prefill.kv_scales, decode.kv_scales))
     for src, dst in pairs:
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)  # fp8 has no equality kernel on CPU
@@ -250,8 +250,8 @@ def test_quantized_blocks_and_scales_arrive_intact(connectors, name):
 def test_different_kv_cache_dtypes_are_refused(connectors, prefill_dtype, decode_dtype):
     prefill, decode = connectors("prefill", prefill_dtype, True), connectors("decode", decode_dtype, False)
     prefill.add_lease("p1", [1], num_pulls=1)
-    decode.submit_pull("d1", _params(prefill), 0, [0])
-    error = _result(decode).error
+    decode.submit_pull("d1", pull_params(prefill), 0, [0])
+    error = pull_result(decode).error
     assert f"KV cache is {prefill_dtype}, this instance's is {decode_dtype}" in error
     assert "same --kv-cache-dtype" in error
     assert torch.count_nonzero(decode.kv_caches[0].view(torch.uint8)) == 0

@@ -17,6 +17,7 @@ from splitserve.config import KVTransferConfig
 from splitserve.distributed.kv_transfer import transport as C
 from splitserve.engine.messages import KVTransferParams
 from splitserve.process_utils import free_port
+from tests.helpers.kv_transfer import pull_params, pull_result
 
 LAYERS, HEADS, BLOCKS, BS, DIM = 2, 2, 8, 4, 8
 
@@ -40,20 +41,6 @@ def pair():
     decode.shutdown()
 
 
-def _params(prefill: C.KVConnector, request_id: str = "p1") -> KVTransferParams:
-    return KVTransferParams(remote_host="127.0.0.1", remote_port=prefill.port, remote_request_id=request_id)
-
-
-def _result(connector: C.KVConnector, timeout: float = 10.0) -> C.PullResult:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        results = connector.poll_pulled()
-        if results:
-            return results[0]
-        time.sleep(0.01)
-    raise AssertionError("no pull result")
-
-
 def _released(connector: C.KVConnector, timeout: float = 5.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -67,8 +54,8 @@ def _released(connector: C.KVConnector, timeout: float = 5.0) -> list[str]:
 def test_blocks_arrive_intact_and_the_lease_ends(pair):
     prefill, decode = pair
     prefill.add_lease("p1", [5, 2, 7], num_pulls=1)
-    decode.submit_pull("d1", _params(prefill), first_block=1, dest_block_ids=[0, 3])
-    assert _result(decode).ok
+    decode.submit_pull("d1", pull_params(prefill), first_block=1, dest_block_ids=[0, 3])
+    assert pull_result(decode).ok
     for src, dst in zip(prefill.kv_caches, decode.kv_caches):
         assert torch.equal(dst[:, :, 0], src[:, :, 2]) and torch.equal(dst[:, :, 3], src[:, :, 7])
         assert torch.count_nonzero(dst[:, :, 1]) == 0  # nothing else was written
@@ -82,10 +69,10 @@ def test_a_lease_serves_n_pulls(pair):
     prefill, decode = pair
     prefill.add_lease("p1", [1, 2], num_pulls=2)
     for _ in range(2):
-        decode.submit_pull("d", _params(prefill), 0, [4, 5])
-        assert _result(decode).ok
-    decode.submit_pull("d", _params(prefill), 0, [4, 5])
-    assert "unknown or expired lease" in _result(decode).error
+        decode.submit_pull("d", pull_params(prefill), 0, [4, 5])
+        assert pull_result(decode).ok
+    decode.submit_pull("d", pull_params(prefill), 0, [4, 5])
+    assert "unknown or expired lease" in pull_result(decode).error
 
 
 def test_expired_lease_is_refused_and_freed(pair):
@@ -93,8 +80,8 @@ def test_expired_lease_is_refused_and_freed(pair):
     prefill.config.lease_seconds = 0.2
     prefill.add_lease("p1", [1], num_pulls=1)
     assert _released(prefill) == ["p1"]
-    decode.submit_pull("d1", _params(prefill), 0, [0])
-    result = _result(decode)
+    decode.submit_pull("d1", pull_params(prefill), 0, [0])
+    result = pull_result(decode)
     assert not result.ok and "expired" in result.error
     assert prefill.snapshot_stats().lease_expiries == 1 and prefill.snapshot_stats().pulls_refused == 1
     assert decode.snapshot_stats().pull_failures == 1
@@ -103,8 +90,8 @@ def test_expired_lease_is_refused_and_freed(pair):
 def test_asking_past_the_lease_is_refused(pair):
     prefill, decode = pair
     prefill.add_lease("p1", [1, 2], num_pulls=1)
-    decode.submit_pull("d1", _params(prefill), 1, [0, 1])
-    assert "blocks 1..2 asked" in _result(decode).error
+    decode.submit_pull("d1", pull_params(prefill), 1, [0, 1])
+    assert "blocks 1..2 asked" in pull_result(decode).error
 
 
 @pytest.mark.parametrize(
@@ -126,8 +113,8 @@ def test_frames_that_do_not_match_are_refused(pair, monkeypatch, field, value, m
 
     monkeypatch.setattr(C.KVConnector, "_read_blocks", tampered)
     prefill.add_lease("p1", [3], num_pulls=1)
-    decode.submit_pull("d1", _params(prefill), 0, [6])
-    result = _result(decode)
+    decode.submit_pull("d1", pull_params(prefill), 0, [6])
+    result = pull_result(decode)
     assert not result.ok and message in result.error
     assert torch.count_nonzero(decode.kv_caches[0]) == 0  # nothing was written
 
@@ -138,7 +125,7 @@ def test_a_kv_server_that_is_gone_fails_the_pull_at_once(pair, monkeypatch):
     dead = KVTransferParams(remote_host="127.0.0.1", remote_port=free_port(), remote_request_id="x")
     start = time.monotonic()
     decode.submit_pull("d1", dead, 0, [0])
-    result = _result(decode)
+    result = pull_result(decode)
     assert not result.ok and "refused the connection" in result.error
     assert time.monotonic() - start < 5
 
@@ -167,7 +154,7 @@ def test_a_kv_server_that_dies_mid_pull_fails_the_pull_at_once(pair, monkeypatch
     port, _ = _silent_kv_server(close_after_request=True)
     start = time.monotonic()
     decode.submit_pull("d1", KVTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id="x"), 0, [0])
-    result = _result(decode)
+    result = pull_result(decode)
     assert not result.ok and "closed the connection" in result.error
     assert time.monotonic() - start < 5
 
@@ -177,7 +164,7 @@ def test_no_answer_is_a_clean_failure(pair, monkeypatch):
     monkeypatch.setattr(C, "PULL_TIMEOUT_S", 0.3)
     port, thread = _silent_kv_server(close_after_request=False)
     decode.submit_pull("d1", KVTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id="x"), 0, [0])
-    result = _result(decode)
+    result = pull_result(decode)
     assert not result.ok and "no answer within" in result.error
     thread.join()
 
@@ -189,8 +176,8 @@ def test_fault_injection_delays_each_block(monkeypatch, caplog):
     decode = C.KVConnector(KVTransferConfig("decode"), _caches(False))
     prefill.add_lease("p1", [1, 2, 3], num_pulls=1)
     start = time.monotonic()
-    decode.submit_pull("d1", _params(prefill), 0, [4, 5, 6])
-    assert _result(decode).ok
+    decode.submit_pull("d1", pull_params(prefill), 0, [4, 5, 6])
+    assert pull_result(decode).ok
     assert time.monotonic() - start >= 0.6
     assert "Fault injection (SPLITSERVE_FAULT_KV_BLOCK_DELAY_S): sending 3 KV blocks of request p1" in caplog.text
     prefill.shutdown()

@@ -14,7 +14,7 @@ from splitserve.layers.lora import LoRABatchContext, LoRASlots
 from splitserve.lora.peft import BaseModelShapes, LoRALoadError, load_lora_model
 from splitserve.lora.request import LoRAModulePath, LoRARequest, parse_lora_modules
 from splitserve.sampling_params import SamplingParams
-from tests.unit.test_scheduler import BS, add, make_sched, plan, step
+from tests.helpers.scheduling import BS, add, make_sched, plan, step
 
 
 # --- --lora-modules ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Quantized weight formats and kernels against straightforward references: the packers against
-the word-by-word layouts of tests/quant_layouts.py, and every quantized matmul against a float
+the word-by-word layouts of tests/helpers/quant_layouts.py, and every quantized matmul against a float
 matmul with the dequantized weight."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from splitserve.quantization.packing import (
     unpack_awq,
     unpack_gptq,
 )
-from tests.quant_layouts import awq_tensors, gptq_tensors, rtn_int4
+from tests.helpers.quant_layouts import awq_tensors, gptq_tensors, rtn_int4
 
 OUT, IN, GROUP = 96, 128, 32
 

@@ -3,8 +3,6 @@ once dequantized back into the transformers model, the algorithms' own guarantee
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -14,25 +12,19 @@ import safetensors.torch
 import torch
 import transformers
 
-from splitserve.entrypoints import quantize_cli
 from splitserve.quantization import algorithms, tool
 from splitserve.quantization.calibration import collect_input_stats, read_token_ids
-from splitserve.quantization.packing import quantize_int4_groupwise, unpack_awq, unpack_gptq
-from tests.conftest import _COMMON
+from splitserve.quantization.packing import quantize_int4_groupwise
+from tests.helpers.models import TINY_CONFIG
+from tests.helpers.quantize import dequantized_model, load_float, read_config, run_tool
 
 GROUP = 32  # divides the tiny models' hidden (64) and intermediate (128) sizes
 
 
-def run_tool(*argv: str) -> str:
-    parser = argparse.ArgumentParser()
-    quantize_cli.add_arguments(parser)
-    return quantize_cli.main(parser.parse_args(list(argv)))
-
-
 def _save_llama(directory: str, tokenizer, **overrides) -> str:
-    # initializer_range 0.05, not conftest's 0.5: with weights that large the random model is
+    # initializer_range 0.05, not TINY_CONFIG's 0.5: with weights that large the random model is
     # chaotic (int8 rounding alone moves its logits by ~13%), which would hide what is measured.
-    config = transformers.LlamaConfig(**{**_COMMON, "initializer_range": 0.05, **overrides})
+    config = transformers.LlamaConfig(**{**TINY_CONFIG, "initializer_range": 0.05, **overrides})
     config.bos_token_id, config.eos_token_id = 1, 2
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
@@ -62,10 +54,6 @@ def calib_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def _load_float(directory: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -73,37 +61,6 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def _eval_ids() -> torch.Tensor:
     return torch.randint(3, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
-
-
-def dequantized_model(out_dir: str, float_dir: str):
-    """The float model with every tensor of the quantized checkpoint, dequantized."""
-    tensors = safetensors.torch.load_file(os.path.join(out_dir, "model.safetensors"))
-    qc = _config(out_dir)["quantization_config"]
-    state = {}
-    for name, tensor in tensors.items():
-        base, suffix = name.rsplit(".", 1)
-        if suffix == "weight" and tensor.dtype == torch.int8:
-            state[name] = tensor.float() * tensors[f"{base}.weight_scale"][:, None]
-        elif suffix == "qweight" and qc["quant_method"] == "awq":
-            state[f"{base}.weight"] = unpack_awq(
-                tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], qc["group_size"]
-            ).dequantize()
-        elif suffix == "qweight":
-            state[f"{base}.weight"] = unpack_gptq(
-                tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], tensors[f"{base}.g_idx"], qc["group_size"]
-            ).dequantize()
-        elif suffix not in ("weight_scale", "qzeros", "scales", "g_idx"):
-            state[name] = tensor.float()
-    model = _load_float(float_dir)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected
-    assert set(missing) <= {"lm_head.weight"} and (not missing or model.config.tie_word_embeddings)
-    return model
-
-
-def _config(out_dir: str) -> dict:
-    with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
 
 
 def _linear_names(num_layers: int = 3):
@@ -122,7 +79,7 @@ def _linear_names(num_layers: int = 3):
 
 def _check_tensors(out_dir: str, quant_type: str, float_dir: str, dtype: torch.dtype) -> None:
     tensors = safetensors.torch.load_file(os.path.join(out_dir, "model.safetensors"))
-    reference = _load_float(float_dir).state_dict()
+    reference = load_float(float_dir).state_dict()
     for name in _linear_names():
         out_features, in_features = reference[f"{name}.weight"].shape
         if quant_type in ("weight_only_int8", "smooth_quant"):
@@ -195,7 +152,7 @@ def test_checkpoint_layout_and_accuracy(llama, calib_file, tmp_path, quant_type)
         "--tokenids-path",
         calib_file,
     )
-    config = _config(out)
+    config = read_config(out)
     assert config["quantization_config"] == {**_EXPECTED_CONFIG[quant_type], "tensor_parallel_size": 1}
     assert config["dtype"] == config["torch_dtype"] == "bfloat16"
     assert config["architectures"] == ["LlamaForCausalLM"] and not config["tie_word_embeddings"]
@@ -205,7 +162,7 @@ def test_checkpoint_layout_and_accuracy(llama, calib_file, tmp_path, quant_type)
     assert "lm_head.weight" in safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
 
     ids = _eval_ids()
-    reference = _logits(_load_float(llama), ids)
+    reference = _logits(load_float(llama), ids)
     logits = _logits(dequantized_model(out, llama), ids)
     relative = ((logits - reference).norm() / reference.norm()).item()
     nll = [
@@ -242,7 +199,7 @@ def test_gptq_desc_act_tied_embeddings_and_biases(tiny_models, calib_file, tmp_p
         "--desc-act",
         "--no-sym",
     )
-    config = _config(out)
+    config = read_config(out)
     assert config["quantization_config"]["desc_act"] is True and config["quantization_config"]["sym"] is False
     assert config["tie_word_embeddings"] is True and config["dtype"] == "float16"
     tensors = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
@@ -256,6 +213,7 @@ def test_gptq_desc_act_tied_embeddings_and_biases(tiny_models, calib_file, tmp_p
     dequantized_model(out, tiny_models["qwen2"])  # loads: every tensor has its place
 
 
+@pytest.mark.slow  # two CLI processes (~9 s)
 def test_cli_subprocess(llama, calib_file, tmp_path):
     out = str(tmp_path / "awq")
     result = subprocess.run(
@@ -289,7 +247,7 @@ def test_cli_subprocess(llama, calib_file, tmp_path):
     assert "2 KV heads are read from its config" in result.stderr
     assert "Ignoring -sq" in result.stderr
     assert "Quantized 21 linear layers with awq" in result.stderr
-    assert _config(out)["quantization_config"]["tensor_parallel_size"] == 2
+    assert read_config(out)["quantization_config"]["tensor_parallel_size"] == 2
 
     bad = subprocess.run(
         [
@@ -316,7 +274,7 @@ def test_cli_subprocess(llama, calib_file, tmp_path):
 
 
 def test_awq_scaling_keeps_the_float_model_and_never_loses_to_no_scaling(llama_mha, calib_file):
-    model = _load_float(llama_mha)
+    model = load_float(llama_mha)
     ids = _eval_ids()
     reference = _logits(model, ids)
     stats = _calibrate(model, calib_file)
@@ -365,7 +323,7 @@ def test_awq_objective_is_the_output_error_on_the_calibration_inputs():
 
 @pytest.mark.parametrize("sym, desc_act", [(True, False), (False, False), (True, True)])
 def test_gptq_beats_round_to_nearest_on_calibration_data(llama, calib_file, sym, desc_act):
-    model = _load_float(llama)
+    model = load_float(llama)
     stats = _calibrate(model, calib_file)
     for group in (g for groups in algorithms.decoder_groups(model) for g in groups):
         moment, weight = stats[group.site].second_moment(), group.weight()
@@ -404,7 +362,7 @@ def test_builtin_calibration_text(tiny_chat_model, tmp_path):
         "--num-samples",
         "2",
     )
-    assert _config(out)["quantization_config"]["smoothing_strength"] == 0.5
+    assert read_config(out)["quantization_config"]["smoothing_strength"] == 0.5
 
 
 @pytest.mark.parametrize(

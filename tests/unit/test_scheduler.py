@@ -8,55 +8,17 @@ import pytest
 from splitserve.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulePlan
+from splitserve.engine.scheduler import Scheduler
 from splitserve.sampling_params import SamplingParams
+from tests.helpers.scheduling import BS, add, make_sched, plan, run_step, step
 
-BS = 4
 EOS = 2
-
-
-def make_sched(
-    num_blocks=64, max_num_seqs=8, budget=64, max_model_len=64, chunked=True, threshold=0, caching=True, tail=0
-) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=threshold,
-        prompt_tail_tokens=tail,
-    )
-    config.verify()
-    return Scheduler(config, KVCacheManager(num_blocks, BS, caching))
 
 
 def req(rid: str, prompt, max_tokens: int = 4, **params) -> Request:
     return Request(
         rid, list(prompt), SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS, max_tokens=max_tokens
     )
-
-
-def add(sched: Scheduler, *requests: Request) -> None:
-    for r in requests:
-        sched.add_request(r)
-
-
-def run_step(sched: Scheduler, out: SchedulePlan, sampled: dict[str, int]) -> None:
-    """What the engine does with a planned step: launch it (advance), then record its samples."""
-    sched.advance(out)
-    sched.record_samples(out, sampled)
-
-
-def step(sched: Scheduler, token: int = 7) -> SchedulePlan:
-    out = sched.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    run_step(sched, out, sampled)
-    sched.check_invariants()
-    return out
-
-
-def plan(out: SchedulePlan) -> list[tuple[str, int]]:
-    return [(r.request_id, n) for r, n in out.scheduled]
 
 
 def run_all(sched: Scheduler, max_steps: int = 200) -> list[list[tuple[str, int]]]:

@@ -13,11 +13,11 @@ from splitserve.quantization import algorithms, smoothquant
 from splitserve.quantization.calibration import collect_input_stats, token_folds
 from splitserve.quantization.linear import W8A8Int8Method
 from splitserve.quantization.packing import quantize_int8_per_channel
-from tests.conftest import _COMMON
+from tests.helpers.models import TINY_CONFIG
 
 
 def _llama(**overrides):
-    config = transformers.LlamaConfig(**{**_COMMON, "initializer_range": 0.05, **overrides})
+    config = transformers.LlamaConfig(**{**TINY_CONFIG, "initializer_range": 0.05, **overrides})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 

@@ -1,7 +1,8 @@
-"""Quantized checkpoints written by the tests themselves, independently of splitserve's packing
-code: round-to-nearest quantizers and the AutoAWQ / GPTQ / fp8 layouts spelled out word by word.
-Each writer also returns the dequantized float weights, so that a transformers model carrying
-exactly those weights is the reference."""
+"""Quantized checkpoints written by the tests themselves, independently of splitserve's packing code.
+
+Round-to-nearest quantizers and the AutoAWQ / GPTQ / fp8 layouts spelled out word by word. Each
+writer also returns the dequantized float weights, so that a transformers model carrying exactly
+those weights is the reference."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""What the PD end-to-end tests share: the instances' flags, waiting for a condition, and whether an
-instance holds no KV block (by its /metrics: the usage gauge and the engine's own invariant check)."""
+"""What the PD end-to-end tests share: the instances' flags, waiting for a condition, idleness.
+
+Idle: an instance runs nothing and holds no KV block, by its /metrics (the usage gauge and the
+engine's own invariant check)."""
 
 from __future__ import annotations
 
 import math
 import time
 
-from tests.e2e.test_openai_server import _metric
+from tests.helpers.server import metric
 
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--disable-log-requests"]
 
@@ -26,12 +28,12 @@ def idle(url: str, since: float = 0.0) -> bool:
     the engine takes, block by block, in its invariant check while idle (NaN while requests run),
     both from engine stats taken after `since` (Unix time: an engine held up in a step still shows
     the stats from before it)."""
-    held = _metric(url, "splitserve:kv_cache_blocks_held")
+    held = metric(url, "splitserve:kv_cache_blocks_held")
     return (
-        _metric(url, "splitserve:engine_stats_time_seconds") > since
-        and _metric(url, "splitserve:kv_cache_usage_perc") == 0
-        and _metric(url, "splitserve:num_requests_running") == 0
-        and _metric(url, "splitserve:kv_transfer_leases_active") == 0
+        metric(url, "splitserve:engine_stats_time_seconds") > since
+        and metric(url, "splitserve:kv_cache_usage_perc") == 0
+        and metric(url, "splitserve:num_requests_running") == 0
+        and metric(url, "splitserve:kv_transfer_leases_active") == 0
         and not math.isnan(held)
         and held == 0
     )

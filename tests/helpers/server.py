@@ -1,4 +1,4 @@
-"""Real `splitserve serve` processes on loopback, for end-to-end tests."""
+"""Real `splitserve serve` processes on loopback for end-to-end tests, and what the tests read from them."""
 
 from __future__ import annotations
 
@@ -98,3 +98,43 @@ class RemoteServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def metric(server, name: str) -> float:
+    """The sum of a metric's series, from a server (or a base URL)."""
+    url = server if isinstance(server, str) else server.url
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def engine_pid(server: RemoteServer) -> int:
+    """The engine core process: of the server's spawned children (it and multiprocessing's resource
+    tracker) the one holding the model, i.e. the largest resident memory."""
+
+    def rss(pid: int) -> int:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1])
+
+    spawned = [p for p in server.child_pids() if "spawn_main" in cmdline(p)]
+    assert spawned, "no engine process found"
+    return max(spawned, key=rss)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

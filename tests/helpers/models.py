@@ -1,0 +1,72 @@
+"""Tiny random-weight models of every supported architecture and PEFT LoRA adapters for them."""
+
+from __future__ import annotations
+
+# Small enough to run in seconds on two cores, large enough that bugs show: GQA, several layers,
+# head_dim 16, and a vocabulary within the SmolLM2 tokenizer so outputs detokenize.
+TINY_CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+)
+
+TINY_ARCHS = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_tiny_model(directory: str, arch: str, tokenizer) -> str:
+    import torch
+    import transformers
+
+    config_name, extra = TINY_ARCHS[arch]
+    config = getattr(transformers, config_name)(**TINY_CONFIG, **extra)
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(list(TINY_ARCHS).index(arch))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_peft_adapter(
+    base_dir: str, out_dir: str, target_modules, r: int = 8, alpha: int = 16, seed: int = 0, **lora_kwargs
+) -> str:
+    """A PEFT LoRA adapter of `base_dir` with random A and B (PEFT starts B at zero, which would make
+    the adapter a no-op), saved as PEFT saves it: adapter_config.json + adapter_model.safetensors."""
+    import peft
+    import torch
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, **lora_kwargs)
+    model = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.save_pretrained(out_dir)
+    return out_dir
