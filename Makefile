@@ -11,7 +11,7 @@ STAMP := $(VENV)/.splitserve-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile splitserve/kernels/cpu_ops.cpp
+$(STAMP): pyproject.toml Makefile $(wildcard splitserve/kernels/*.cpp splitserve/kernels/*.h)
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0

@@ -1,15 +1,22 @@
 """Fused kernels for the hot element-wise steps of a decoder layer, paged decode attention and
 temperature sampling.
 
-On CPU they come from a small C++ extension (cpu_ops.cpp), compiled with the installed torch the
-first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about 30 s once
-per machine); later starts load that library directly while the sources, flags and torch are the
-same (a note under ~/.cache/splitserve/kernels). Each function here takes that path for CPU
-tensors and otherwise runs the torch code it replaces, which stays the reference the kernels are
-tested against.
+On CPU they come from a small C++ extension, torch.ops.splitserve_cpu, compiled with the installed
+torch the first time an engine needs it and cached by torch under ~/.cache/torch_extensions (about
+30 s once per machine); later starts load that library directly while the sources, flags and torch
+are the same (a note under ~/.cache/splitserve/kernels). build.py builds and loads it. Each
+function here takes that path for CPU tensors and otherwise runs the torch code it replaces, which
+stays the reference the kernels are tested against.
 
-The same extension holds the GGUF kernels (gguf_ops.cpp, called through splitserve.kernels.gguf):
-products, dequantization and embedding lookups with weights kept in their GGUF quantized blocks.
+The C++ sources, one concern each: elementwise.cpp (RMSNorm with or without the residual add,
+rotary, SiLU-and-mul), decode_attention.cpp (paged decode attention, the KV cache write),
+prefill_attention.cpp, sampling.cpp, the GGUF kernels called through splitserve.kernels.gguf
+(gguf_formats.h: the block layouts and their dequantization; gguf_repack.h/.cpp: Q4_0 and Q4_1
+interleaved 16 rows at a time; gguf_products.cpp: products; gguf_dequantize.cpp: dequantization
+and embedding lookups), decode_stack.cpp (a decode step's decoder layers in one call). Every
+operator is registered in ops_registry.cpp and declared in cpu_ops.h; cpu_simd.h is their one
+instruction-set layer (which vector code a build takes, vectors, horizontal sums, exp, bfloat16
+conversions).
 
 SPLITSERVE_CPU_KERNELS=0 turns the C++ kernels off (to compare, or to rule them out); a build
 that fails is logged once, with the compiler's reason, and the torch code runs instead.
@@ -27,10 +34,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 import torch.nn.functional as F
+
+from splitserve import envs
+from splitserve.kernels.build import build as _build
+from splitserve.kernels.build import identity as _identity  # noqa: F401 (the tests' handles on the build)
+from splitserve.kernels.build import load_built as _load_built  # noqa: F401
+from splitserve.kernels.build import stamp_path as _stamp_path  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -45,116 +57,8 @@ def cpu_ops():
     return _state["ops"]
 
 
-def _switched_on(variable: str) -> bool:
-    return os.environ.get(variable, "1") not in ("0", "false", "False", "")
-
-
 def cpu_kernels_enabled() -> bool:
-    return _switched_on("SPLITSERVE_CPU_KERNELS")
-
-
-def _build():
-    if not cpu_kernels_enabled():
-        logger.info("SPLITSERVE_CPU_KERNELS=0: the CPU runs the plain torch ops instead of splitserve's kernels.")
-        return None
-    from splitserve.kernels import cpu_features
-
-    isa = cpu_features.isa()
-    name = "splitserve_cpu_ops" if cpu_features.requested_isa() == "native" else "splitserve_cpu_ops_avx2"
-    # -march=native: the code runs on the machine that compiles it (without AVX-512 when an AVX2
-    # build is asked for, under a name of its own so that both builds stay cached).
-    # -ffp-contract=off: no fused multiply-adds, so the element-wise kernels round exactly as the
-    # torch ops they replace, and GGUF dequantization as the gguf package's numpy code.
-    cflags = ["-O3", *_ISA_FLAGS[cpu_features.requested_isa()], "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
-    start = time.perf_counter()
-    stamp = _stamp_path(name, cflags)
-    if not _load_built(stamp):
-        try:
-            _compile(name, cflags, stamp)
-        except Exception as exc:  # a missing compiler, or a torch without its headers
-            logger.warning(
-                "splitserve's CPU kernels could not be built (%s); the CPU runs the plain torch ops, which are slower.",
-                str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
-            )
-            return None
-    logger.info(
-        "CPU kernels (%s code, %s) ready in %.1f s (built once per machine, then loaded from torch's cache).",
-        _ISA_NAMES[isa],
-        cpu_features.describe(),
-        time.perf_counter() - start,
-    )
-    return torch.ops.splitserve_cpu
-
-
-def _stamp_path(name: str, cflags: list[str]) -> str:
-    """Where the path of the library built from these sources, headers, flags and torch is noted."""
-    import hashlib
-    import sys
-
-    from splitserve.loader.gguf_cache import cache_root
-
-    digest = hashlib.sha256(f"{torch.__version__}\0{sys.version}\0{cflags}".encode())
-    directory = os.path.dirname(__file__)
-    for source in sorted(n for n in os.listdir(directory) if n.endswith((".cpp", ".h"))):
-        with open(os.path.join(directory, source), "rb") as f:
-            digest.update(source.encode() + b"\0" + f.read())
-    return os.path.join(cache_root(), "kernels", f"{name}-{digest.hexdigest()[:16]}")
-
-
-def _load_built(stamp: str) -> bool:
-    """Load the library a previous start built from the same inputs, without torch's build
-    machinery (importing torch.utils.cpp_extension alone takes 0.2 s: it imports setuptools)."""
-    try:
-        with open(stamp, encoding="utf-8") as f:
-            library, noted = f.read().split("\n")[:2]
-        if _identity(library) != noted:  # rebuilt since (from other sources): let torch decide
-            return False
-    except (OSError, ValueError):
-        return False
-    torch.ops.load_library(library)
-    return True
-
-
-def _identity(library: str) -> str:
-    st = os.stat(library)
-    return f"{st.st_size} {st.st_mtime_ns}"
-
-
-def _compile(name: str, cflags: list[str], stamp: str) -> None:
-    """Build (or find in torch's cache) the extension and note the library's path at `stamp`."""
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    sources = [os.path.join(os.path.dirname(__file__), n) for n in _SOURCES]
-    load(
-        name=name,
-        sources=sources,
-        is_python_module=False,
-        verbose=False,
-        extra_cflags=cflags,
-        extra_ldflags=["-fopenmp"],
-    )
-    built = [
-        entry.path
-        for entry in os.scandir(_get_build_directory(name, verbose=False))
-        if entry.name.startswith(name) and entry.name.endswith(".so")
-    ]
-    if not built:
-        return
-    library = max(built, key=os.path.getmtime)  # torch names a rebuild name_v1.so, name_v2.so, ...
-    try:
-        os.makedirs(os.path.dirname(stamp), exist_ok=True)
-        with open(stamp + ".tmp", "w", encoding="utf-8") as f:
-            f.write(f"{library}\n{_identity(library)}\n")
-        os.replace(stamp + ".tmp", stamp)
-    except OSError as exc:
-        logger.info("Could not note where the CPU kernels were built (%s); torch finds them at each start.", exc)
-
-
-# decode_stack.cpp calls cpu_ops.cpp and gguf_ops.cpp through cpu_ops.h (torch rebuilds when a source changes, not
-# when only the header does).
-_SOURCES = ("cpu_ops.cpp", "gguf_ops.cpp", "decode_stack.cpp", "prefill_attention.cpp")
-_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}
-_ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "generic": "generic"}
+    return envs.SPLITSERVE_CPU_KERNELS
 
 
 def enable_transparent_huge_pages() -> None:
@@ -171,7 +75,7 @@ def _use_cpu_kernel(x: torch.Tensor) -> bool:
 
 
 def gpu_kernels_enabled() -> bool:
-    return _switched_on("SPLITSERVE_GPU_KERNELS")
+    return envs.SPLITSERVE_GPU_KERNELS
 
 
 def gpu_ops():

@@ -13,11 +13,11 @@ code is tested on every machine; it also lets one measure the AVX2 path where on
 from __future__ import annotations
 
 import functools
-import os
 import platform
 
+from splitserve import envs
+
 ISA_ENV = "SPLITSERVE_CPU_ISA"
-_ISAS = ("native", "avx2")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -35,10 +35,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def requested_isa() -> str:
-    value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
-    if value not in _ISAS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(_ISAS)}, got {value!r}.")
-    return value
+    """ "native" or "avx2" (SPLITSERVE_CPU_ISA, checked by splitserve.envs)."""
+    return envs.SPLITSERVE_CPU_ISA
 
 
 def isa() -> str:

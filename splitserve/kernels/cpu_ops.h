@@ -1,12 +1,25 @@
-// The entry points of cpu_ops.cpp and gguf_ops.cpp that other C++ code of the extension calls
-// directly (decode_stack.cpp), without going back through Python or the dispatcher. Each one is
-// the function registered under the same name in torch.ops.splitserve_cpu; see its definition for
-// the shapes and dtypes it takes.
+// The entry points of splitserve's C++ CPU kernels, one for each operator of torch.ops.splitserve_cpu.
+// ops_registry.cpp registers them under the same names, and other C++ code of the extension
+// (decode_stack.cpp) calls them directly, without going back through Python or the dispatcher. See
+// each definition for the shapes and dtypes it takes:
+//   elementwise.cpp       rms_norm, add_rms_norm, rotary, silu_and_mul
+//   decode_attention.cpp  write_kv, decode_attention
+//   prefill_attention.cpp prefill_attention
+//   sampling.cpp          sample
+//   gguf_products.cpp     gguf_mm
+//   gguf_dequantize.cpp   gguf_dequantize, gguf_embedding
+//   gguf_repack.cpp       gguf_repack
+//   decode_stack.cpp      register_decode_stack (the DecodeStack class and decode_stack_forward)
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
+
+namespace torch {
+class Library;
+}  // namespace torch
 
 namespace splitserve {
 
@@ -14,9 +27,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+
 void write_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, int64_t num_decodes, double scale, int64_t sliding_window);
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       const at::Tensor& query_start_loc, int64_t first, double scale, int64_t sliding_window);
+
+std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& temperature,
+                                          const at::Tensor& u);
+
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool native_bf16);
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, at::ScalarType dtype);
+at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t K,
+                          at::ScalarType dtype);
+at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K);
+
+// The DecodeStack class and its decode_stack_forward operator, into the library being registered.
+void register_decode_stack(torch::Library& m);
 
 }  // namespace splitserve

@@ -13,7 +13,7 @@
 // bfloat16 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
 // bias added) in runs of output rows. What it does not run
 // (LoRA, tensor or pipeline parallelism, quantized KV caches, q/k norms ...) the Python side never
-// builds it for.
+// builds it for. Registered through ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -177,7 +177,8 @@ at::Tensor decode_stack_forward(const c10::intrusive_ptr<DecodeStack>& stack, co
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+// Called from ops_registry.cpp's TORCH_LIBRARY(splitserve_cpu, m).
+void splitserve::register_decode_stack(torch::Library& m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &DecodeStack::add_layer)

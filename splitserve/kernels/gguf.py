@@ -4,14 +4,15 @@ blocks, as they lie in the .gguf file.
 Layout: a weight of N output rows and K input values is a uint8 tensor [N, row_bytes], row n holding
 the blocks of row n in file order, row_bytes = K / block_values * block_bytes (gguf.GGML_QUANT_SIZES:
 32 values per block for Q4_0 .. Q8_0, 256 for the K-quants, so K must be a multiple of that).
-The C++ kernels (gguf_ops.cpp) take the types in KERNEL_TYPES.
+The C++ kernels (gguf_formats.h: the block layouts) take the types in KERNEL_TYPES.
 
 Which path runs:
-- CPU tensors, C++ kernels built: gguf_ops.cpp. gguf_mm of a few rows (fewer than 8 for bfloat16 x
-  on a CPU with native bf16, else 16) quantizes x to 8 bits per 32 values and multiplies in
-  integers, reading each weight row once for all rows of x: its results differ from x @ W.T by that
-  rounding of x, about 0.5% of the outputs' root mean square. More rows go through dequantized tiles
-  and at::mm (bfloat16 tiles with native bf16 and bfloat16 x, else float32): as exact as F.linear.
+- CPU tensors, C++ kernels built: gguf_products.cpp, gguf_dequantize.cpp. gguf_mm of a few rows
+  (fewer than 8 for bfloat16 x on a CPU with native bf16, else 16) quantizes x to 8 bits per 32
+  values and multiplies in integers, reading each weight row once for all rows of x: its results
+  differ from x @ W.T by that rounding of x, about 0.5% of the outputs' root mean square. More rows
+  go through dequantized tiles and at::mm (bfloat16 tiles with native bf16 and bfloat16 x, else
+  float32): as exact as F.linear.
   Q4_0 and Q4_1 weights of a multiple of 16 rows can be repacked (repack(): 16 rows interleaved, one
   per vector lane, as llama.cpp's CPU backend repacks them); the model's loader does so on the CPU.
   gguf_dequantize and gguf_embedding equal the gguf package's dequantize, rounded once to dtype.
@@ -31,9 +32,9 @@ from splitserve.kernels import cpu_features, cpu_ops, row_buckets
 
 logger = logging.getLogger(__name__)
 
-# ggml type id -> name, for the types gguf_ops.cpp computes with.
+# ggml type id -> name, for the types the C++ kernels compute with (gguf_formats.h).
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# Added to the type id of a weight that repack() interleaved (gguf_ops.cpp's kRepacked), for the
+# Added to the type id of a weight that repack() interleaved (gguf_repack.h's kRepacked), for the
 # types it repacks; such a weight is [N / REPACK_ROWS, REPACK_ROWS * row_bytes].
 REPACKED = 256
 REPACK_TYPES = {2: "Q4_0", 3: "Q4_1"}

@@ -16,10 +16,9 @@ per shape here too.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from splitserve import envs
 from splitserve.kernels import row_buckets
 
 ENV = "SPLITSERVE_CPU_PACKED_WEIGHTS"
@@ -29,7 +28,7 @@ _BATCH_HINT = 64
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return envs.SPLITSERVE_CPU_PACKED_WEIGHTS
 
 
 def can_pack(weight: torch.Tensor) -> bool:

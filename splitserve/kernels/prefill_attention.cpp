@@ -18,10 +18,13 @@
 //  - everything else (float32, float16, bfloat16 on AVX2 or AVX-512 without BF16): float32 FMAs
 //    on AVX-512 or AVX2 vectors, plain loops elsewhere.
 // Head dims are zero-padded to a multiple of 32 and keys to a multiple of 32 in the buffers.
+// Registered in ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "cpu_ops.h"
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -31,10 +34,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int64_t kTileQ = 64;  // query tokens per work item
@@ -43,107 +42,9 @@ constexpr int kRB = 4;          // query rows per register block
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// ---- float32 vectors --------------------------------------------------------------------------
-#if defined(__AVX512F__)
-using vec = __m512;
-constexpr int64_t kW = 16;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
-inline float vhsum(vec v) { return _mm512_reduce_add_ps(v); }
-inline vec vexp2i(vec n) {  // 2^n for integral n in [-126, 127]
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
-inline vec vzero_le(vec v, vec x, float bound) {  // 0 where x <= bound, else v
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_GT_OQ), v);
-}
-// lanes whose index k0 + i lies in [a, z] keep v, the others take other
-inline vec vin_range(vec v, int64_t k0, int64_t a, int64_t z, float other) {
-  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0)),
-                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __mmask16 m = _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(static_cast<int>(a)), _MM_CMPINT_NLT) &
-                      _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(static_cast<int>(z)), _MM_CMPINT_LE);
-  return _mm512_mask_mov_ps(_mm512_set1_ps(other), m, v);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-using vec = __m256;
-constexpr int64_t kW = 8;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline float vhmax(vec v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline float vhsum(vec v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
-inline vec vexp2i(vec n) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
-inline vec vzero_le(vec v, vec x, float bound) { return _mm256_and_ps(v, _mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_GT_OQ)); }
-inline vec vin_range(vec v, int64_t k0, int64_t a, int64_t z, float other) {
-  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(k0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i m = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(static_cast<int>(a - 1))),
-                                     _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(z + 1)), idx));
-  return _mm256_blendv_ps(_mm256_set1_ps(other), v, _mm256_castsi256_ps(m));
-}
-#else
-using vec = float;
-constexpr int64_t kW = 1;
-inline vec vzero() { return 0.f; }
-inline vec vload(const float* p) { return *p; }
-inline void vstore(float* p, vec v) { *p = v; }
-inline vec vset1(float x) { return x; }
-inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
-inline vec vmul(vec a, vec b) { return a * b; }
-inline vec vadd(vec a, vec b) { return a + b; }
-inline vec vsub(vec a, vec b) { return a - b; }
-inline vec vmin(vec a, vec b) { return std::min(a, b); }
-inline vec vmax(vec a, vec b) { return std::max(a, b); }
-inline float vhmax(vec v) { return v; }
-inline float vhsum(vec v) { return v; }
-inline vec vexp2i(vec n) {
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline vec vzero_le(vec v, vec x, float bound) { return x > bound ? v : 0.f; }
-inline vec vin_range(vec v, int64_t k0, int64_t a, int64_t z, float other) { return k0 >= a && k0 <= z ? v : other; }
-#endif
-
-// cpu_ops.cpp's fast_exp on a vector: the same steps (x = n ln2 + r, a degree-6 polynomial for e^r,
-// 2^n from the exponent bits), so the same results to the last bit or so.
-inline vec vexp(vec x) {
-  x = vmin(vmax(x, vset1(-87.3f)), vset1(88.7f));
-  const vec n = vsub(vadd(vmul(x, vset1(1.44269504088896341f)), vset1(12582912.f)), vset1(12582912.f));
-  const vec r = vsub(vsub(x, vmul(n, vset1(0.693145751953125f))), vmul(n, vset1(1.42860682030941723e-6f)));
-  vec p = vset1(1.f / 720.f);
-  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vadd(vmul(p, r), vset1(c));
-  return vzero_le(vmul(p, vexp2i(n)), x, -87.3f);
-}
 // Vectors of head dims per P V register block: 4 x 16 on AVX-512 (16 accumulators of 32
 // registers), 2 x 8 on AVX2 (8 of 16).
-constexpr int kNC = kW == 16 ? 4 : 2;
+constexpr int kNC = kVecWidth == 16 ? 4 : 2;
 
 // One work item's shapes: rows = query tokens x G heads, keys [lo, lo + n) of its request.
 struct Item {
@@ -154,13 +55,13 @@ struct Shape {
   int64_t G, D, Dp, npad;  // Dp, npad: D and n padded to kPad
 };
 
-// S[r][k0, k0 + 2 kW) = Q[r] . Kt[:, k] for RB rows (float32; Q [rows][Dp], Kt [Dp][npad]).
+// S[r][k0, k0 + 2 kVecWidth) = Q[r] . Kt[:, k] for RB rows (float32; Q [rows][Dp], Kt [Dp][npad]).
 template <int RB>
 inline void scores_f32(const float* Q, const float* Kt, const Shape& s, int64_t k0, float* S) {
   vec acc[RB][2];
   for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t d = 0; d < s.Dp; ++d) {
-    const vec lo = vload(Kt + d * s.npad + k0), hi = vload(Kt + d * s.npad + k0 + kW);
+    const vec lo = vload(Kt + d * s.npad + k0), hi = vload(Kt + d * s.npad + k0 + kVecWidth);
     for (int r = 0; r < RB; ++r) {
       const vec qb = vset1(Q[r * s.Dp + d]);
       acc[r][0] = vfma(qb, lo, acc[r][0]);
@@ -169,11 +70,11 @@ inline void scores_f32(const float* Q, const float* Kt, const Shape& s, int64_t 
   }
   for (int r = 0; r < RB; ++r) {
     vstore(S + r * s.npad + k0, acc[r][0]);
-    vstore(S + r * s.npad + k0 + kW, acc[r][1]);
+    vstore(S + r * s.npad + k0 + kVecWidth, acc[r][1]);
   }
 }
 
-// O[r][c0 kW, (c0 + NC) kW) = sum_{k < kend} P[r][k] V[k] for RB rows (float32; V [npad][Dp]).
+// O[r][c0 kVecWidth, (c0 + NC) kVecWidth) = sum_{k < kend} P[r][k] V[k] for RB rows (float32; V [npad][Dp]).
 template <int RB, int NC>
 inline void values_f32(const float* P, const float* V, const Shape& s, int64_t kend, int64_t c0, float* O) {
   vec acc[RB][NC];
@@ -181,17 +82,17 @@ inline void values_f32(const float* P, const float* V, const Shape& s, int64_t k
     for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
   for (int64_t k = 0; k < kend; ++k) {
     vec v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = vload(V + k * s.Dp + (c0 + c) * kW);
+    for (int c = 0; c < NC; ++c) v[c] = vload(V + k * s.Dp + (c0 + c) * kVecWidth);
     for (int r = 0; r < RB; ++r) {
       const vec pb = vset1(P[r * s.npad + k]);
       for (int c = 0; c < NC; ++c) acc[r][c] = vfma(pb, v[c], acc[r][c]);
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) vstore(O + r * s.Dp + (c0 + c) * kW, acc[r][c]);
+    for (int c = 0; c < NC; ++c) vstore(O + r * s.Dp + (c0 + c) * kVecWidth, acc[r][c]);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(SPLITSERVE_HAS_AVX512BF16)
 // The same two products on pairs of bfloat16 values (words of two): Qw [rows][Dp/2] and
 // Kp [Dp/2][npad] pair up head dims; Pw [rows][npad/2] and Vp [npad/2][Dp] pair up keys.
 template <int RB>
@@ -304,8 +205,8 @@ struct Kernel {
       const int64_t rb = std::min<int64_t>(kRB, rows - r0);
       const int64_t kend = round_up(last_key(r0 + rb - 1) + 1, kPad);  // a multiple of every step below
       with_rows(rb, [&]<int RB>() {
-        for (int64_t k0 = 0; k0 < std::min(kend, s.npad); k0 += (bf16_dot ? 32 : 2 * kW)) {
-#if defined(__AVX512BF16__)
+        for (int64_t k0 = 0; k0 < std::min(kend, s.npad); k0 += (bf16_dot ? 32 : 2 * kVecWidth)) {
+#if defined(SPLITSERVE_HAS_AVX512BF16)
           if (bf16_dot) {
             scores_bf16<RB>(reinterpret_cast<const uint32_t*>(b.q.data()) + r0 * Dp / 2,
                             reinterpret_cast<const uint32_t*>(b.k.data()), s, k0, b.s.data() + r0 * s.npad);
@@ -318,10 +219,10 @@ struct Kernel {
       for (int64_t r = r0; r < r0 + rb; ++r) softmax_row(b, s, r, first_key(r), last_key(r), std::min(kend, s.npad));
       const int64_t vend = last_key(r0 + rb - 1) + 1;
       with_rows(rb, [&]<int RB>() {
-        const int64_t step = bf16_dot ? 16 : kW, vectors = Dp / step;
+        const int64_t step = bf16_dot ? 16 : kVecWidth, vectors = Dp / step;
         for (int64_t c0 = 0; c0 < vectors; c0 += kNC) {
           with_cols<RB>(std::min<int64_t>(kNC, vectors - c0), [&]<int RB_, int NC>() {
-#if defined(__AVX512BF16__)
+#if defined(SPLITSERVE_HAS_AVX512BF16)
             if (bf16_dot) {
               values_bf16<RB_, NC>(reinterpret_cast<const uint32_t*>(b.p.data()) + r0 * s.npad / 2,
                                    reinterpret_cast<const uint32_t*>(b.v.data()), s, vend, c0,
@@ -339,11 +240,10 @@ struct Kernel {
       const float* o = b.o.data() + r * Dp;
       const float w = b.inv_sum[r];
       int64_t d = 0;
-#if defined(__AVX512BF16__)
+#if defined(SPLITSERVE_HAS_AVX512BF16)
       if constexpr (std::is_same_v<T, c10::BFloat16>)
         for (; d + 16 <= D; d += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(w)))));
+          store(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(w)));
 #endif
       for (; d < D; ++d) dst[d] = static_cast<T>(o[d] * w);
     }
@@ -354,7 +254,7 @@ struct Kernel {
   void pack(const Item& it, const Shape& s, Scratch& b) const {
     const int64_t G = s.G, D = s.D, Dp = s.Dp;
     const int64_t base = qsl[it.req] + it.t0;
-#if defined(__AVX512BF16__)
+#if defined(SPLITSERVE_HAS_AVX512BF16)
     if (bf16_dot) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         uint16_t* qb = reinterpret_cast<uint16_t*>(b.q.data());
@@ -408,22 +308,21 @@ struct Kernel {
     // In whole vectors over the (padded) range, the row's keys selected by lane: no scalar tails.
     float* row_s = b.s.data() + r * s.npad;
     vec m = vset1(-INFINITY);
-    for (int64_t k = 0; k < end; k += kW) m = vmax(m, vin_range(vload(row_s + k), k, a, z, -INFINITY));
-    const vec sc = vset1(scale), shift = vset1(vhmax(m) * scale);
+    for (int64_t k = 0; k < end; k += kVecWidth) m = vmax(m, vin_range(vload(row_s + k), k, a, z, -INFINITY));
+    const vec sc = vset1(scale), shift = vset1(hmax(m) * scale);
     vec total = vzero();
-    for (int64_t k = 0; k < end; k += kW) {
+    for (int64_t k = 0; k < end; k += kVecWidth) {
       const vec e = vin_range(vexp(vsub(vmul(vload(row_s + k), sc), shift)), k, a, z, 0.f);
       vstore(row_s + k, e);
       total = vadd(total, e);
     }
-    const float sum = vhsum(total);
+    const float sum = hsum(total);
     b.inv_sum[r] = 1.f / sum;
-#if defined(__AVX512BF16__)
+#if defined(SPLITSERVE_HAS_AVX512BF16)
     if (bf16_dot) {
       uint16_t* p = b.p.data() + r * s.npad;
       for (int64_t k = 0; k < end; k += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + k),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(row_s + k))));
+        store(reinterpret_cast<c10::BFloat16*>(p + k), _mm512_loadu_ps(row_s + k));
     }
 #endif
   }
@@ -453,7 +352,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   kern.scale = static_cast<float>(scale);
   kern.window = window;
   kern.shape = Shape{G, D, round_up(D, kPad), 0};
-#if defined(__AVX512BF16__)
+#if defined(SPLITSERVE_HAS_AVX512BF16)
   kern.bf16_dot = std::is_same_v<T, c10::BFloat16> && D % 2 == 0;
 #else
   kern.bf16_dot = false;
@@ -486,6 +385,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
+namespace splitserve {
+
 // Rows of out [T, Hq, D] (contiguous) for the tokens of requests [first, R): their attention over
 // their cached context and themselves. q [T, Hq, D] (any token and head strides, unit dim stride);
 // kv_cache [2, Hkv, blocks, block_size, D] with the step's K/V already written; block_tables
@@ -515,8 +416,4 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv
   });
 }
 
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, int first, float scale, int sliding_window) -> ()",
-        &prefill_attention);
-}
+}  // namespace splitserve

@@ -19,10 +19,10 @@ SPLITSERVE_CPU_ROW_BUCKETS=0 turns it off.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from splitserve import envs
 
 _EXACT_UP_TO = 16
 _PER_DOUBLING = 8
@@ -30,7 +30,7 @@ _BUCKETED_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
 
 
 # Read once: padded_rows runs for every linear of every step.
-ENABLED = os.environ.get("SPLITSERVE_CPU_ROW_BUCKETS", "1") != "0"
+ENABLED = envs.SPLITSERVE_CPU_ROW_BUCKETS
 
 
 def row_bucket(m: int) -> int:

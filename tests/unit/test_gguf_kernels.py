@@ -1,4 +1,4 @@
-"""splitserve's GGUF kernels (splitserve/kernels/gguf_ops.cpp) against the gguf package's numpy
+"""splitserve's GGUF kernels (splitserve/kernels/gguf_products.cpp) against the gguf package's numpy
 dequantize: dequantization and embedding rows exactly, products against x @ dequantize(w).T."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_embedding_rows_equal_the_gguf_package(ops, qtype):
 
 
 def _integer_path(m: int, dtype: torch.dtype, native_bf16: bool) -> bool:
-    """Whether gguf_mm takes the 8-bit integer path (gguf_ops.cpp's kDequantizeFromRows[Bf16])."""
+    """Whether gguf_mm takes the 8-bit integer path (gguf_products.cpp's kDequantizeFromRows[Bf16])."""
     return m < (8 if dtype == torch.bfloat16 and native_bf16 else 16)
 
 
