@@ -30,7 +30,7 @@ from splitserve.engine.messages import (
     SchedulerStats,
 )
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulePlan
+from splitserve.engine.scheduler import SchedulePlan, Scheduler
 from splitserve.engine.step_input_builder import StepInputBuilder
 from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
@@ -271,7 +271,7 @@ class EngineCore:
             outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries
         for request in updated:
             if request.request_id in self.scheduler.leased and request.is_finished():
-                outputs[request.request_id].kv_transfer = self._lease(request)
+                outputs[request.request_id].kv_transfer = self._lease(request, outputs[request.request_id])
         self.step_inputs.forget(r.request_id for r in updated if r.is_finished())
         return list(outputs.values())
 
@@ -303,13 +303,37 @@ class EngineCore:
         for request_id in released:
             self.scheduler.release_lease(request_id)
         for result in pulled:
-            self.scheduler.finish_remote_prefill(result.request_id, result.ok)
+            request = self.scheduler.finish_remote_prefill(result.request_id, result.ok)
+            if request is not None:
+                self._pending_outputs.append(self._first_token_output(request))
+
+    def _first_token_output(self, request: Request) -> EngineCoreOutput:
+        """A decode request whose KV arrived with the prefill instance's first token: that token is
+        its first output, as if sampled here (its grammar takes it too)."""
+        kv = request.kv_transfer
+        if request.grammar is not None and not request.grammar.accept_token(kv.first_token_id):
+            logger.error("Request %s: the prefill's first token is outside its grammar", request.request_id)
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        output = EngineCoreOutput(
+            request.request_id,
+            [kv.first_token_id],
+            new_logprobs=kv.first_logprobs,
+            new_token_logprob=kv.first_token_logprob,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        if request.is_finished():
+            self.step_inputs.forget([request.request_id])
+        return output
 
     def _start_pulls(self, pulls) -> None:
         for request, first_block, dest in pulls:
             self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
 
-    def _lease(self, request: Request) -> KVTransferParams:
+    def _lease(self, request: Request, output: EngineCoreOutput) -> KVTransferParams:
+        """Keep the request's blocks for the decode instance; the answer says where they wait and
+        carries the first token sampled from the prompt's logits (see KVTransferParams)."""
         num_pulls = request.kv_transfer.remote_num_pulls
         self.connector.add_lease(request.request_id, self.kv_manager.get_block_ids(request.request_id), num_pulls)
         host, port = self.connector.endpoints[0]
@@ -319,6 +343,9 @@ class EngineCore:
             remote_request_id=request.request_id,
             remote_num_pulls=num_pulls,
             remote_endpoints=self.connector.endpoints if self.connector.num_ranks > 1 else None,
+            first_token_id=request.output_token_ids[0] if request.output_token_ids else None,
+            first_token_logprob=output.new_token_logprob,
+            first_logprobs=output.new_logprobs,
         )
 
     @staticmethod

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from splitserve.config import ModelConfig
 from splitserve.engine import startup
 from splitserve.engine.messages import EngineCoreRequest, KVTransferParams
@@ -44,6 +46,11 @@ class FrontEnd:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples, core_requests = {}, []
         num_samples = max(params.n, params.best_of or 1)  # best_of > n: draw best_of, keep the best n
+        if num_samples > 1 and kv_transfer is not None and kv_transfer.first_token_id is not None:
+            # One first token cannot start several samples: each computes its own from the prompt.
+            kv_transfer = msgspec.structs.replace(
+                kv_transfer, first_token_id=None, first_token_logprob=None, first_logprobs=None
+            )
         for i in range(num_samples):
             core_id = request_id if num_samples == 1 else f"{i}_{request_id}"
             child = _sample_params(params, i, num_samples)

@@ -17,8 +17,12 @@ from splitserve.sampling_params import SamplingParams
 class KVTransferParams(msgspec.Struct, omit_defaults=True):
     """Prefill/decode disaggregation, per request. A prefill instance gets do_remote_decode: it
     computes the prompt, keeps its KV blocks under a lease for `remote_num_pulls` pulls, and
-    answers with where to pull them from. A decode instance gets do_remote_prefill plus that
-    address: it pulls the KV of all prompt tokens but the last, and computes from there."""
+    answers with where to pull them from and the first token it sampled from the prompt's logits. A
+    decode instance gets do_remote_prefill plus that answer: it pulls the KV of every prompt token
+    and goes on from that first token, so that it computes exactly what a mixed instance computes
+    after the prompt (the same rows through the same kernels). Without a first token (an answer of an
+    older instance, or one sample of several) it pulls all prompt tokens but the last and computes
+    the last one itself, giving the logits of its own first token."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -29,6 +33,10 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
     # With several ranks per instance, where each rank's blocks wait (host, port), in rank order:
     # decode rank r pulls its own KV heads (or layers) from prefill rank r.
     remote_endpoints: list[tuple[str, int]] | None = None
+    # The prefill instance's first token, its logprob, and its top logprobs when they were asked for.
+    first_token_id: int | None = None
+    first_token_logprob: float | None = None
+    first_logprobs: TokenLogprobs | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):

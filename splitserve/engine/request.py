@@ -101,6 +101,12 @@ class Request:
         return self.kv_transfer is not None and self.kv_transfer.do_remote_prefill
 
     @property
+    def remote_kv_target(self) -> int:
+        """PD decode side: the prompt tokens whose KV is pulled. All of them when the prefill
+        instance sent its first token; else all but the last, which is computed here for its logits."""
+        return self.num_prompt_tokens - (self.kv_transfer.first_token_id is None)
+
+    @property
     def keeps_kv_for_remote_decode(self) -> bool:
         return self.kv_transfer is not None and self.kv_transfer.do_remote_decode
 

@@ -227,7 +227,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_cached = self.kv.get_computed_blocks(request)
-            if request.wants_remote_prefill and num_cached < request.num_prompt_tokens - 1:
+            if request.wants_remote_prefill and num_cached < request.remote_kv_target:
                 if not self._admit_remote_prefill(request, hits, num_cached, out):
                     break
             else:
@@ -261,9 +261,9 @@ class Scheduler:
             self.prefix_cache_stats.hits += num_cached
 
     def _admit_remote_prefill(self, request: Request, hits, num_cached: int, out: SchedulePlan) -> bool:
-        """Reserve blocks for all prompt tokens but the last and ask for their KV to be pulled (only
-        the blocks the local prefix cache lacks); the last token is computed here, giving logits."""
-        target = request.num_prompt_tokens - 1
+        """Reserve blocks for the prompt tokens whose KV comes from the prefill instance and ask for it
+        to be pulled (only the blocks the local prefix cache lacks; see Request.remote_kv_target)."""
+        target = request.remote_kv_target
         if not self.kv.allocate_slots(request, target - num_cached, hits, self._decode_reserve(), register=False):
             return False
         self._admit(request, num_cached, RequestStatus.WAITING_FOR_REMOTE_KV)
@@ -273,24 +273,34 @@ class Scheduler:
         out.kv_pulls.append((request, first, self.kv.get_block_ids(request.request_id)[first : -(-target // bs)]))
         return True
 
-    def finish_remote_prefill(self, request_id: str, ok: bool) -> None:
-        """A pull ended. On success the request runs from its last prompt token; on failure it
-        computes its prompt itself, as a plain request."""
+    def finish_remote_prefill(self, request_id: str, ok: bool) -> Request | None:
+        """A pull ended. On success the request runs on from the prefill's first token (returned:
+        it is the request's first output, and may already finish it), or from its last prompt token
+        when it came without one; on failure it computes its prompt itself, as a plain request."""
         request = self.receiving.pop(request_id)
         if request.is_finished():  # aborted while its KV was on the way
             self._free(request)
-            return
+            return None
         if ok:
-            request.num_computed_tokens = request.num_prompt_tokens - 1
+            request.num_computed_tokens = request.remote_kv_target
             self.kv.cache_blocks(request, request.num_computed_tokens)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            return
+            first = request.kv_transfer.first_token_id
+            if first is None:
+                self.running.append(request)
+                return None
+            request.append_output_token(first)
+            if request.check_stop(self.config.max_model_len):
+                self._free(request)
+            else:
+                self.running.append(request)
+            return request
         self.kv.free(request)
         request.kv_transfer = None
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+        return None
 
     def release_lease(self, request_id: str) -> None:
         """PD prefill side: the decode instance has its KV (or the lease expired): free the blocks."""

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest
 from splitserve.lora.request import LoRARequest
 from splitserve.sampling_params import SamplingParams
@@ -27,8 +25,8 @@ class CachedRequestState:
     block_ids: list[int] = field(default_factory=list)
     # Tokens past the prompt, kept only when sampling reads them (penalties, bad words, min_tokens).
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None  # a seeded request's own, made on first use
     lora_request: LoRARequest | None = None
+    sample_index: int = 0  # the output index this step samples (seeded draws are keyed by it)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
@@ -63,11 +61,6 @@ class CachedRequestState:
             return
         del self.output_token_ids[start + first - self.num_prompt_tokens :]
         self.output_token_ids.extend(token_ids[first:])
-
-    def generator_on(self, device: torch.device) -> torch.Generator:
-        if self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
-        return self.generator
 
 
 class PromptLogprobSpan(NamedTuple):
@@ -125,6 +118,7 @@ class InputBatch:
         if row.samples:
             self.sample_rows.append(index)
             self.logits_indices.append(self.query_start_loc[-1] - 1)
+            state.sample_index = end - state.num_prompt_tokens
         if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
             count = min(end, state.num_prompt_tokens - 1) - start
             self.prompt_logprob_spans.append(PromptLogprobSpan(index, self.query_start_loc[-2], start, count))

@@ -1,13 +1,15 @@
 """Batched sampling on the model runner's device.
 
-Order of operations (as vLLM's V1 sampler): logprobs are taken from the raw model logits; then
-logit processors (allowed tokens, logit_bias, bad words, min_tokens) and penalties adjust the
-logits; greedy rows take the argmax, random rows are scaled by temperature, cut by top-k,
-top-p and min-p, and sampled by inverting their cumulative distribution at one uniform draw
-per row, taken from the request's own generator when it has a seed so that its tokens do not
-depend on what else is in the batch (one draw per row, not one per vocabulary entry, keeps
-sampling cheap on CPU). On CPU, a batch that asks for nothing but temperature (or greedy) is
-sampled by one fused kernel (splitserve.kernels.sample) straight from the model-dtype logits.
+Order of operations (as vLLM's V1 sampler): logprobs are taken from the raw model logits; then logit
+processors (allowed tokens, logit_bias, bad words, min_tokens) and penalties adjust the logits;
+greedy rows take the argmax, random rows are scaled by temperature, cut by top-k, top-p and min-p,
+and sampled by inverting their cumulative distribution at one uniform draw per row (one draw per
+row, not one per vocabulary entry, keeps sampling cheap on CPU). A seeded request's draw for its
+output token i is a fixed function of (seed, i) (`seeded_uniform`): its tokens do not depend on what
+else is in the batch, on preemptions, on which instance of a PD deployment samples them, nor on how
+many draft tokens speculative decoding verified before. On CPU, a batch that asks for nothing but
+temperature (or greedy) is sampled by one fused kernel (splitserve.kernels.sample) straight from the
+model-dtype logits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None  # [R] int64; vocab size means "no limit"
     top_p: torch.Tensor | None = None  # [R] float32
     min_p: torch.Tensor | None = None  # [R] float32
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    seeds: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (seed, output index it samples)
     repetition_penalty: torch.Tensor | None = None  # [R]
     frequency_penalty: torch.Tensor | None = None  # [R]
     presence_penalty: torch.Tensor | None = None  # [R]
@@ -59,7 +61,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if _plain(meta) and kernels.sample_supported(logits):
             # Temperature (or greedy) only: one fused CPU pass per row, on the model-dtype logits.
-            return SamplerOutput(*kernels.sample(logits, meta.temperature, _uniforms(logits, meta.generators)))
+            return SamplerOutput(*kernels.sample(logits, meta.temperature, _uniforms(logits, meta.seeds)))
         raw = logits.float()
         raw_logprobs = torch.log_softmax(raw, dim=-1) if meta.max_num_logprobs is not None else None
         logits = apply_logit_processors(raw, meta)
@@ -84,7 +86,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if meta.min_p is not None:
             probs = apply_min_p(probs, meta.min_p)
-        sampled = inverse_cdf_sample(probs, meta.generators)
+        sampled = inverse_cdf_sample(probs, meta.seeds)
         return torch.where(is_greedy, greedy, sampled)
 
 
@@ -138,17 +140,34 @@ def _plain(meta: SamplingMetadata) -> bool:
     )
 
 
-def _uniforms(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One uniform draw per row [R]; a row with a seeded generator draws from it."""
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A uniform draw in [0, 1) that depends on (seed, index) only: SplitMix64 of both, 53 bits."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64)) >> 11) * 2.0**-53
+
+
+def _uniforms(like: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
+    """One uniform draw per row [R]; a seeded row's is seeded_uniform(seed, output index)."""
     u = torch.rand(like.shape[0], device=like.device)
-    for row, generator in generators.items():
-        u[row] = torch.rand(1, generator=generator, device=like.device)
+    if seeds:
+        rows = list(seeds)
+        values = [seeded_uniform(*seeds[row]) for row in rows]
+        u[torch.tensor(rows, device=like.device)] = torch.tensor(values, device=like.device)
     return u
 
 
-def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def inverse_cdf_sample(probs: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
     """One token per row of (unnormalised) `probs`: the first whose cumulative mass exceeds u * total."""
-    u = _uniforms(probs, generators)[:, None]
+    u = _uniforms(probs, seeds)[:, None]
     cdf = probs.cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(1)

@@ -23,8 +23,8 @@ def build_sampling_metadata(requests: list[CachedRequestState], vocab: int, devi
     """The sampler's inputs for `requests` (one row each, in order) over a vocabulary of `vocab` logits.
 
     Optional fields stay None when no row needs them, so that the sampler can skip their work (and
-    take its fused path when nothing but temperature is asked for). A seeded request draws from its own
-    generator, so that its draws do not depend on the rest of the batch.
+    take its fused path when nothing but temperature is asked for). A seeded row's draw is keyed by its
+    seed and the output index it samples (`sample_index`), so that it depends on nothing else.
     """
     params = [r.sampling_params for r in requests]
     temps = [p.temperature for p in params]
@@ -32,7 +32,11 @@ def build_sampling_metadata(requests: list[CachedRequestState], vocab: int, devi
         temperature=to_device(temps, torch.float32, device), all_greedy=all(t < GREEDY_TEMPERATURE for t in temps)
     )
     _add_truncation(meta, params, vocab, device)
-    meta.generators = {i: r.generator_on(device) for i, r in enumerate(requests) if r.sampling_params.seed is not None}
+    meta.seeds = {
+        i: (r.sampling_params.seed, r.sample_index)
+        for i, r in enumerate(requests)
+        if r.sampling_params.seed is not None
+    }
     _add_penalties(meta, requests, vocab, device)
     meta.logit_bias = _logit_bias(requests, vocab, device)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]

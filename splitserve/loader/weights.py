@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 
 from splitserve.config import ModelConfig
 from splitserve.layers.basic import pack_cpu_weights
+from splitserve.layers.gguf_weight import GGUFWeight
 from splitserve.loader.gguf_file import GGUFFile, GGUFTensor
 from splitserve.models.registry import get_model_class
-from splitserve.layers.gguf_weight import GGUFWeight
 from splitserve.quantization.linear import weight_bytes
 
 logger = logging.getLogger(__name__)

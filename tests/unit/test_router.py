@@ -343,6 +343,7 @@ def test_non_streamed_completion_goes_prefill_then_decode(cluster):
         "model": "fake",
         "prompt": "The capital of France is",
         "max_tokens": 1,
+        "min_tokens": 1,
         "temperature": 0.0,
         "n": 2,
         "stream": False,
@@ -363,7 +364,8 @@ def test_streamed_completion_is_passed_through_unchanged(cluster):
     assert sse_events(received)[-1] == "[DONE]"
     prefill_body = p.bodies[0][1]
     assert prefill_body["stream"] is False and prefill_body["max_tokens"] == 1
-    assert "stream_options" not in prefill_body and "min_tokens" not in prefill_body
+    assert "stream_options" not in prefill_body
+    assert prefill_body["min_tokens"] == 1  # the first token is sampled under the client's min_tokens
     assert d.bodies[0][1]["stream"] is True and d.bodies[0][1]["stream_options"] == {"include_usage": True}
     assert d.bodies[0][1]["kv_transfer_params"]["do_remote_prefill"] is True
 
@@ -401,7 +403,7 @@ def test_chat_completion_flow(cluster):
         "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 1,
         "stream": False,
-        "metadata": {"k": "v"},
+        "metadata": {"min_tokens": 1, "k": "v"},
         "kv_transfer_params": {"do_remote_decode": True},
     }
     kv = json.loads(p.sent[0])["kv_transfer_params"]
@@ -761,6 +763,7 @@ def test_request_bodies():
     assert prefill_request_body(body) == {
         "prompt": "p",
         "max_tokens": 1,
+        "min_tokens": 1,
         "stream": False,
         "n": 3,
         "kv_transfer_params": {"do_remote_decode": True},

@@ -84,12 +84,11 @@ def test_top_k_top_p_rows_are_independent():
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
-    def sample(batch_rows: int, seed_row: int) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
+    def sample(batch_rows: int, seed_row: int, indices=range(20)) -> list[int]:
         tokens = []
-        for _ in range(20):
+        for index in indices:
             logits = LOGITS.expand(batch_rows, V).clone()
-            meta = _meta(batch_rows, generators={seed_row: gen})
+            meta = _meta(batch_rows, seeds={seed_row: (1234, index)})
             tokens.append(int(Sampler()(logits, meta).token_ids[seed_row]))
         return tokens
 
@@ -97,6 +96,18 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     assert sample(5, 3) == alone
     assert sample(2, 1) == alone
     assert len(set(alone)) > 1  # it really sampled
+    # A draw is keyed by the output index alone: the same index gives the same token in any order.
+    assert sample(1, 0, reversed(range(20))) == alone[::-1]
+
+
+def test_seeded_uniforms_are_fixed_functions_of_seed_and_index():
+    from splitserve.executor.sampler import seeded_uniform
+
+    draws = [seeded_uniform(seed, i) for seed in (0, 1, -5, 2**40) for i in range(200)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    assert seeded_uniform(7, 3) == seeded_uniform(7, 3) != seeded_uniform(8, 3)
+    mean = sum(draws) / len(draws)
+    assert abs(mean - 0.5) < 0.03
 
 
 def test_penalties_and_bias_arithmetic():

@@ -42,7 +42,11 @@ def reference(requests: list[Request], vocab: int) -> SamplingMetadata:
         meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     if any(p.min_p > 0.0 for p in params):
         meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    meta.generators = {i: r.generator_on(CPU) for i, r in enumerate(requests) if r.sampling_params.seed is not None}
+    meta.seeds = {
+        i: (r.sampling_params.seed, r.sample_index)
+        for i, r in enumerate(requests)
+        if r.sampling_params.seed is not None
+    }
     reference_penalties(meta, requests, vocab)
     meta.logit_bias = reference_logit_bias(requests, vocab)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -103,8 +107,6 @@ def assert_same(got: SamplingMetadata, want: SamplingMetadata) -> None:
             assert isinstance(a, torch.Tensor), f.name
             assert a.dtype == b.dtype and a.shape == b.shape, (f.name, a.dtype, b.dtype, a.shape, b.shape)
             assert torch.equal(a, b), (f.name, a, b)
-        elif f.name == "generators":
-            assert a.keys() == b.keys() and all(a[k] is b[k] for k in b), f.name
         else:
             assert a == b and (a is None) == (b is None), (f.name, a, b)
 
@@ -194,7 +196,7 @@ def test_mixed_batch_matches_the_per_row_reference():
         "logit_bias",
     ):
         assert getattr(meta, name) is not None, name
-    assert set(meta.generators) == {1, 4} and meta.max_num_logprobs == 5 and not meta.all_greedy
+    assert set(meta.seeds) == {1, 4} and meta.max_num_logprobs == 5 and not meta.all_greedy
 
 
 def test_mixed_batch_values_spelled_out():
@@ -253,9 +255,9 @@ def test_temperature_only_leaves_every_optional_field_unset(greedy):
     temps = [0.0, 0.0] if greedy else [0.0, 0.8]
     requests = [make(f"t{i}", [1, 2], [3, 3], temperature=t, min_tokens=1) for i, t in enumerate(temps)]
     meta = check(requests)
-    assert meta.all_greedy is greedy and meta.generators == {} and meta.temperature.dtype == torch.float32
+    assert meta.all_greedy is greedy and meta.seeds == {} and meta.temperature.dtype == torch.float32
     for f in dataclasses.fields(SamplingMetadata):
-        if f.name not in ("temperature", "all_greedy", "generators"):
+        if f.name not in ("temperature", "all_greedy", "seeds"):
             assert getattr(meta, f.name) is None, f.name
 
 

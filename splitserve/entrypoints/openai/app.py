@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from splitserve.version import __version__
 from splitserve.config import EngineConfig
 from splitserve.engine.async_llm import AsyncLLM
 from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, install_error_handlers, read_json_body
@@ -18,6 +17,7 @@ from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from splitserve.version import __version__
 
 logger = logging.getLogger("splitserve.api_server")
 

@@ -22,7 +22,6 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from splitserve.version import __version__
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import KVTransferParams
@@ -37,6 +36,7 @@ from splitserve.lora.request import LoRARequest
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
+from splitserve.version import __version__
 
 logger = logging.getLogger("splitserve.api_server")
 

@@ -9,11 +9,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from splitserve.version import __version__
 from splitserve.entrypoints.http import APIError, ApiKeyMiddleware, install_error_handlers
 from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
 from splitserve.entrypoints.router.router import Router
+from splitserve.version import __version__
 
 
 def build_router_app(config: RouterConfig) -> FastAPI:

@@ -22,16 +22,23 @@ _DISCONNECT_POLL_S = 0.5
 # --- request bodies ----------------------------------------------------------------------------
 def prefill_request_body(body: dict) -> dict:
     """The prefill instance's copy: one token, no streaming, and the ask to keep the KV for a remote
-    decode. min_tokens goes (also as metadata.min_tokens), and so does max_completion_tokens, since
-    both would contradict max_tokens=1 and turn a good request into a 400."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "max_completion_tokens")}
+    decode. Its first token starts the decode, so it is sampled under the client's rules: min_tokens
+    (also metadata.min_tokens) becomes 1 when it was more, and max_completion_tokens goes, since both
+    would contradict max_tokens=1 and turn a good request into a 400."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    if _positive(out.get("min_tokens")):
+        out["min_tokens"] = 1
     metadata = out.get("metadata")
-    if isinstance(metadata, dict) and "min_tokens" in metadata:
-        out["metadata"] = {k: v for k, v in metadata.items() if k != "min_tokens"}
+    if isinstance(metadata, dict) and _positive(metadata.get("min_tokens")):
+        out["metadata"] = {**metadata, "min_tokens": 1}
     out["max_tokens"] = 1
     out["stream"] = False
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def decode_request_body(body: dict, prefill_kv: dict) -> dict:
