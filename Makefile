@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.splitserve-installed
 
-.PHONY: setup serve generate test bench clean
+.PHONY: setup serve generate test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ generate: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The edit-test loop: everything but the tests marked slow (servers, worker processes, Ray, the
+# default model); a few minutes. `make test` stays the whole suite.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	$(VENV)/bin/splitserve bench throughput --backend splitserve hf --num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16

@@ -13,6 +13,8 @@ from splitserve import envs
 if TYPE_CHECKING:  # torch is imported where it is used: `splitserve serve` parses its flags and
     import torch  # starts its engine process before its own torch import (1 s)
 
+    from splitserve.spec_decode.config import SpeculativeConfig
+
 logger = logging.getLogger(__name__)
 
 _STR_TO_DTYPE = {  # --dtype spellings -> torch dtype names
@@ -119,6 +121,9 @@ class SchedulerConfig:
     # What preemption does with a request's KV: "recompute" frees it, "swap" copies it to host
     # memory (CacheConfig.num_cpu_blocks) and back when the request resumes.
     preemption_mode: str = "recompute"
+    # KV slots reserved past a step's tokens (speculative decoding's draft model writes its next
+    # drafts' KV there; vLLM's num_lookahead_slots).
+    num_lookahead_tokens: int = 0
 
     def verify(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -260,6 +265,8 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     lora_config: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
     health_timeout: float = 30.0  # a step running longer is reported by the engine's watchdog (the server's)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    draft_model_config: ModelConfig | None = None  # speculative_config's draft model, resolved
 
 
 def resolve_device(device: str) -> torch.device:

@@ -202,6 +202,8 @@ class EngineCoreProc:
             s.num_waiting,
             100 * s.kv_cache_usage,
         )
+        if s.spec_decoding is not None:
+            logger.info("Speculative decoding: %s", s.spec_decoding.describe())
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 

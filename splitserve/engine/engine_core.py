@@ -18,19 +18,20 @@ from concurrent.futures import Future
 
 from splitserve import kernels
 from splitserve.config import EngineConfig
-from splitserve.engine import startup
+from splitserve.engine import pd, startup
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.lora_registry import LoRANotFoundError, LoRARegistry
 from splitserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
-    KVTransferParams,
     LoRACall,
     LoRAReply,
     SchedulerStats,
 )
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import SchedulePlan, Scheduler
+from splitserve.engine.schedule_plan import SchedulePlan
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.speculation import Speculator
 from splitserve.engine.step_input_builder import StepInputBuilder
 from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
@@ -78,6 +79,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, lora_config and lora_config.max_loras)
         self.loras = LoRARegistry(config, self.executor)
         self.step_inputs = StepInputBuilder(self.kv_manager)
+        self.speculator = Speculator(config.speculative_config, config.model_config.max_model_len)
         self.structured_output = StructuredOutputManager(config.model_config, self._tokenizer)
         self._compiling: dict[str, tuple[Request, Future]] = {}  # guided requests whose grammar compiles
         self._pending_outputs: list[EngineCoreOutput] = []  # outputs of requests that never ran
@@ -225,7 +227,8 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return None
         sched = self.scheduler.schedule()
-        self._start_pulls(sched.kv_pulls)
+        for request, first_block, dest in sched.kv_pulls:
+            self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
         return None if sched.is_empty else sched
 
     @staticmethod
@@ -255,7 +258,7 @@ class EngineCore:
         """The next-token bitmask of every guided request that samples in this step."""
         sampling = {row.request_id for row in step_input.scheduled if row.samples}
         guided = [r for r, _ in sched.scheduled if r.grammar is not None and r.request_id in sampling]
-        return self.structured_output.fill_bitmasks(guided)
+        return self.structured_output.fill_bitmasks(guided, sched.spec_tokens)
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         sched, handle = self._in_flight
@@ -264,32 +267,39 @@ class EngineCore:
 
     def _update(self, sched: SchedulePlan, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record a finished step's tokens in its requests and turn them into outputs."""
-        updated = self.scheduler.record_samples(sched, result.sampled)
+        updated = self.scheduler.record_samples(sched, self.speculator.new_tokens(sched, result))
         self._advance_grammars(updated)
         outputs = {r.request_id: self._output(r, result) for r in updated}
         for rid, entries in result.prompt_logprobs.items():
             outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries
         for request in updated:
             if request.request_id in self.scheduler.leased and request.is_finished():
-                outputs[request.request_id].kv_transfer = self._lease(request, outputs[request.request_id])
-        self.step_inputs.forget(r.request_id for r in updated if r.is_finished())
+                outputs[request.request_id].kv_transfer = pd.lease(
+                    self.connector, request, self.kv_manager, outputs[request.request_id]
+                )
+        finished = [r for r in updated if r.is_finished()]
+        for request in finished:
+            self.speculator.finish(request)
+        self.step_inputs.forget(r.request_id for r in finished)
+        self.speculator.propose(self.scheduler.running, result.draft_token_ids)
         return list(outputs.values())
 
     def _advance_grammars(self, updated: list[Request]) -> None:
-        """Each guided request's matcher takes its new token; a grammar that has ended (its stop
+        """Each guided request's matcher takes its new tokens; a grammar that has ended (its stop
         token accepted) ends the request, even one that ignores end-of-sequence tokens."""
         ended = []
         for request in updated:
-            if request.grammar is None or request.grammar.is_terminated():
-                continue
-            token = request.output_token_ids[-1]
-            if not request.grammar.accept_token(token):
-                logger.error(
-                    "Request %s: token %d is outside its grammar; the request is stopped", request.request_id, token
-                )
-                ended.append(request.request_id)
-            elif request.grammar.is_terminated() and not request.is_finished():
-                ended.append(request.request_id)
+            for token in request.new_token_ids if request.grammar is not None else ():
+                if request.grammar.is_terminated():
+                    break
+                if not request.grammar.accept_token(token):
+                    logger.error(
+                        "Request %s: token %d is outside its grammar; the request is stopped", request.request_id, token
+                    )
+                    ended.append(request.request_id)
+                    break
+                if request.grammar.is_terminated() and not request.is_finished():
+                    ended.append(request.request_id)
         if ended:
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
 
@@ -305,57 +315,18 @@ class EngineCore:
         for result in pulled:
             request = self.scheduler.finish_remote_prefill(result.request_id, result.ok)
             if request is not None:
-                self._pending_outputs.append(self._first_token_output(request))
+                self._pending_outputs.append(pd.first_token_output(request, self.scheduler))
+                if request.is_finished():
+                    self.step_inputs.forget([request.request_id])
 
-    def _first_token_output(self, request: Request) -> EngineCoreOutput:
-        """A decode request whose KV arrived with the prefill instance's first token: that token is
-        its first output, as if sampled here (its grammar takes it too)."""
-        kv = request.kv_transfer
-        if request.grammar is not None and not request.grammar.accept_token(kv.first_token_id):
-            logger.error("Request %s: the prefill's first token is outside its grammar", request.request_id)
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        output = EngineCoreOutput(
-            request.request_id,
-            [kv.first_token_id],
-            new_logprobs=kv.first_logprobs,
-            new_token_logprob=kv.first_token_logprob,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
-        if request.is_finished():
-            self.step_inputs.forget([request.request_id])
-        return output
-
-    def _start_pulls(self, pulls) -> None:
-        for request, first_block, dest in pulls:
-            self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
-
-    def _lease(self, request: Request, output: EngineCoreOutput) -> KVTransferParams:
-        """Keep the request's blocks for the decode instance; the answer says where they wait and
-        carries the first token sampled from the prompt's logits (see KVTransferParams)."""
-        num_pulls = request.kv_transfer.remote_num_pulls
-        self.connector.add_lease(request.request_id, self.kv_manager.get_block_ids(request.request_id), num_pulls)
-        host, port = self.connector.endpoints[0]
-        return KVTransferParams(
-            remote_host=host,
-            remote_port=port,
-            remote_request_id=request.request_id,
-            remote_num_pulls=num_pulls,
-            remote_endpoints=self.connector.endpoints if self.connector.num_ranks > 1 else None,
-            first_token_id=request.output_token_ids[0] if request.output_token_ids else None,
-            first_token_logprob=output.new_token_logprob,
-            first_logprobs=output.new_logprobs,
-        )
-
-    @staticmethod
-    def _output(request: Request, result) -> EngineCoreOutput:
+    def _output(self, request: Request, result) -> EngineCoreOutput:
         rid = request.request_id
+        top_logprobs, token_logprobs = self.speculator.logprobs(request, result)
         return EngineCoreOutput(
             request_id=rid,
-            new_token_ids=[request.output_token_ids[-1]],
-            new_logprobs=result.logprobs.get(rid),
-            new_token_logprob=result.sampled_logprobs.get(rid),
+            new_token_ids=list(request.new_token_ids),
+            new_logprobs=top_logprobs,
+            new_token_logprobs=token_logprobs,
             new_prompt_logprobs=result.prompt_logprobs.get(rid),
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
@@ -386,6 +357,7 @@ class EngineCore:
             kv_stats,
             self.loras.version,
             *self._kv_cache_memory(),
+            spec_decoding=self.speculator.stats if self.speculator.enabled else None,
         )
 
     def _kv_cache_memory(self) -> tuple[int, int]:

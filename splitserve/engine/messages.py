@@ -93,8 +93,8 @@ ClientMessage = EngineCoreRequest | AbortRequests | Ping | GrammarVocabulary | L
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: TokenLogprobs | None = None
-    new_token_logprob: float | None = None  # the new token's logprob, also when no logprobs were asked for
+    new_logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when logprobs were asked for
+    new_token_logprobs: list[float] | None = None  # the new tokens' logprobs, also when none were asked for
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -107,6 +107,40 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class SpecDecodingStats(msgspec.Struct, array_like=True):
+    """Speculative decoding's counters, cumulative since start, as vLLM's spec_decode metrics."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []  # [i]: drafts accepted at position i
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying step: the accepted drafts plus the token the target adds."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def describe(self) -> str:
+        return (
+            f"acceptance rate {100 * self.acceptance_rate:.1f}% ({self.num_accepted_tokens} of "
+            f"{self.num_draft_tokens} draft tokens), mean acceptance length {self.mean_acceptance_length:.2f} "
+            f"over {self.num_drafts} drafts"
+        )
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -126,6 +160,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # while it is idle (None while requests run): 0 on an idle instance that holds no lease.
     kv_blocks_held: int | None = None
     taken_at: float = 0.0  # Unix time at which the engine process took these stats
+    spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -150,26 +150,28 @@ class OutputProcessor:
         metrics.last_token_time = now
 
     def _add_tokens(self, sample: SampleState, out: EngineCoreOutput) -> bool:
-        """True when a stop string ended the sample here."""
+        """Take the output's tokens one by one (speculative decoding sends several): a stop string
+        ends the sample at the token that completed it, and the tokens after it are dropped. True
+        when a stop string ended the sample here."""
         params = sample.params
-        sample.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None:
-            self._add_sample_logprobs(sample, out.new_logprobs)
-        elif out.new_token_logprob is not None:  # AIAK's cum_log_probs on every choice
-            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + out.new_token_logprob
         stopped_by_token = out.finish_reason == "stop"  # the core stops on eos / stop_token_ids only
-        hit = None
-        if sample.detokenizer is not None and not (stopped_by_token and not params.include_stop_str_in_output):
-            new_chars = 0
-            for token in out.new_token_ids:
-                new_chars += len(sample.detokenizer.add_token(token))
+        detokenize = sample.detokenizer is not None and not (stopped_by_token and not params.include_stop_str_in_output)
+        for i, token in enumerate(out.new_token_ids):
+            sample.token_ids.append(token)
+            if out.new_logprobs is not None:
+                self._add_sample_logprobs(sample, out.new_logprobs[i])
+            elif out.new_token_logprobs is not None:  # AIAK's cum_log_probs on every choice
+                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + out.new_token_logprobs[i]
+            if not detokenize:
+                continue
+            new_chars = len(sample.detokenizer.add_token(token))
             sample.text = sample.detokenizer.output_text
             if params.stop and len(sample.token_ids) >= params.min_tokens:
                 hit = find_stop_string(sample.text, new_chars, params.stop, params.include_stop_str_in_output)
-        if hit is not None:
-            sample.text = sample.text[: hit[1]]
-            sample.finish_reason, sample.stop_reason = "stop", hit[0]
-            return not out.finished
+                if hit is not None:
+                    sample.text = sample.text[: hit[1]]
+                    sample.finish_reason, sample.stop_reason = "stop", hit[0]
+                    return not out.finished or i + 1 < len(out.new_token_ids)
         if out.finished:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
         return False

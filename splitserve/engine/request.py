@@ -64,6 +64,9 @@ class Request:
     # Dynamic NTK rope, a prompt past the trained length: its keys are rotated for this length, so
     # prefix caching may share its blocks only with prompts of the same length (0: any).
     rope_scaling_len: int = 0
+    # Speculative decoding: draft tokens proposed to follow the sequence, verified by its next step.
+    spec_token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)  # what the last step appended
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

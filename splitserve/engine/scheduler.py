@@ -14,45 +14,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # tokens of admitted requests that were looked up in the prefix cache
-    hits: int = 0  # of which were found cached
-
-    def reset(self) -> PrefixCacheStats:
-        taken = PrefixCacheStats(self.queries, self.hits)
-        self.queries = self.hits = 0
-        return taken
-
-
-@dataclass
-class SchedulePlan:
-    """One step's plan, live objects included (it stays in the engine; engine/step_input_builder.py turns it
-    into the data-only StepInput the runners get): requests in execution order with the number of
-    tokens each computes, preemptions, KV pulls and swap copies."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # PD decode side: (request, first block index in the prefill instance, local destination blocks)
-    kv_pulls: list[tuple[Request, int, list[int]]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block) copies
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block) copies
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and no blocks to copy."""
-        return not self.scheduled and not self.swap_out and not self.swap_in
+from splitserve.engine.schedule_plan import PrefixCacheStats, SchedulePlan
 
 
 class Scheduler:
@@ -161,12 +127,24 @@ class Scheduler:
                 i += 1  # finishes when its pending token is read: another step would be wasted
                 continue
             n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, n, out):
+            drafts = self._drafts(request, n, budget)
+            if not self._allocate_or_preempt(request, n + len(drafts) + self.config.num_lookahead_tokens, out):
                 break
-            out.scheduled.append((request, n))
-            budget -= n
+            if drafts:
+                out.spec_tokens[request.request_id] = drafts
+            out.scheduled.append((request, n + len(drafts)))
+            budget -= n + len(drafts)
             i += 1
         return budget
+
+    @staticmethod
+    def _drafts(request: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens a decode verifies in this step (as many as the budget leaves room for);
+        they are taken either way: the next step gets fresh ones."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or n != 1 or request.num_pending_tokens:
+            return []
+        return drafts[: budget - 1]
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulePlan) -> bool:
         """Find blocks for `request`, preempting from the back of the running list; False when the
@@ -188,6 +166,7 @@ class Scheduler:
             self.swapped.append(request)
             return
         self._free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -323,23 +302,31 @@ class Scheduler:
         for request, n in out.scheduled:
             if request.is_finished():  # stopped by the step before, after this one was launched
                 continue
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens_with_pending:
+            request.num_computed_tokens += n  # its draft tokens too, until they are verified
+            if request.num_computed_tokens >= request.num_tokens_with_pending:
                 request.num_pending_tokens += 1
 
-    def record_samples(self, out: SchedulePlan, sampled: dict[str, int]) -> list[Request]:
-        """Append the sampled token of each request that sampled one and check its stop conditions.
-        Returns the requests that got a new token (finished ones too). A request finished since the
-        step was launched (aborted, or stopped by the step before) drops its token."""
+    def record_samples(self, out: SchedulePlan, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append the new tokens of each request that sampled (one, or with speculative decoding its
+        accepted drafts and the token after them), checking stop conditions after each: a stop cuts
+        the rest. Rejected drafts leave the computed tokens. Returns the requests that got tokens
+        (finished ones too), each with `new_token_ids` set. A request finished since the step was
+        launched (aborted, or stopped by the step before) drops its tokens."""
         updated = []
         for request, _ in out.scheduled:
-            if request.request_id not in sampled or request.is_finished():
+            tokens = sampled.get(request.request_id)
+            if tokens is None or request.is_finished():
                 continue
             assert request.num_pending_tokens > 0
             request.num_pending_tokens -= 1
-            request.append_output_token(sampled[request.request_id])
-            if request.check_stop(self.config.max_model_len):
-                self._finish_stopped(request)
+            request.num_computed_tokens -= len(out.spec_tokens.get(request.request_id, ())) - (len(tokens) - 1)
+            request.new_token_ids = []
+            for token in tokens:
+                request.append_output_token(token)
+                request.new_token_ids.append(token)
+                if request.check_stop(self.config.max_model_len):
+                    self._finish_stopped(request)
+                    break
             updated.append(request)
         return updated
 

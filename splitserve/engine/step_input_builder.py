@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
-from splitserve.engine.scheduler import SchedulePlan
+from splitserve.engine.schedule_plan import SchedulePlan
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest, StepInput
 
 
@@ -31,25 +31,26 @@ class StepInputBuilder:
         for request, num_tokens in sched.scheduled:
             if request.request_id not in self.num_blocks_sent:
                 step.new_requests.append(_new_request_data(request))
-            step.scheduled.append(self._scheduled(request, num_tokens))
+            step.scheduled.append(self._scheduled(request, num_tokens, sched.spec_tokens.get(request.request_id, [])))
         return step
 
-    def _scheduled(self, request: Request, num_tokens: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_tokens: int, drafts: list[int]) -> ScheduledRequest:
         rid = request.request_id
         blocks = self.kv.get_block_ids(rid)
         sent = self.num_blocks_sent.get(rid, 0)
         assert len(blocks) >= sent, f"request {rid} lost blocks without a preemption"
         self.num_blocks_sent[rid] = len(blocks)
         start = request.num_computed_tokens
-        end = start + num_tokens
+        end = start + num_tokens - len(drafts)
         return ScheduledRequest(
             request_id=rid,
             num_computed_tokens=start,
             num_tokens=num_tokens,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + drafts,
             new_block_ids=blocks[sent:],
             samples=end == request.num_tokens_with_pending,
             resumed=_take(self.resumed, rid),
+            num_draft_tokens=len(drafts),
         )
 
     def forget(self, request_ids: Iterable[str]) -> None:

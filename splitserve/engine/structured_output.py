@@ -119,16 +119,34 @@ class StructuredOutputManager:
 
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
-    def fill_bitmasks(self, requests: list) -> dict[str, bytes]:
-        """The next-token bitmask of each request (that has a matcher), as bytes for the step."""
+    def fill_bitmasks(self, requests: list, drafts: dict[str, list[int]]) -> dict[str, bytes]:
+        """The next-token bitmask of each request (that has a matcher), as bytes for the step. A
+        request verifying draft tokens gets one mask per verified position, concatenated: the
+        matcher takes each draft in turn and is rolled back after. Past a draft the grammar refuses,
+        or one that ends it, the masks repeat (verification stops at a refused draft, since the
+        target cannot sample it; a draft that ends the grammar ends the request)."""
         if not requests:
             return {}
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.model_config.vocab_size)
-        for i, request in enumerate(requests):
-            request.grammar.fill_next_token_bitmask(bitmask, i)
-        return {r.request_id: bitmask[i].numpy().tobytes() for i, r in enumerate(requests)}
+        rows = [1 + len(drafts.get(r.request_id, ())) for r in requests]
+        bitmask = xgr.allocate_token_bitmask(sum(rows), self.model_config.vocab_size)
+        out, row = {}, 0
+        for request, count in zip(requests, rows):
+            matcher, accepted = request.grammar, 0
+            matcher.fill_next_token_bitmask(bitmask, row)
+            for i, token in enumerate(drafts.get(request.request_id, ())):
+                if accepted == i and not matcher.is_terminated() and matcher.accept_token(token):
+                    accepted += 1
+                if accepted == i + 1 and not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(bitmask, row + i + 1)
+                else:  # refused, or the draft ended the grammar: the request stops before this row counts
+                    bitmask[row + i + 1] = bitmask[row + i]
+            if accepted:
+                matcher.rollback(accepted)
+            out[request.request_id] = bitmask[row : row + count].numpy().tobytes()
+            row += count
+        return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

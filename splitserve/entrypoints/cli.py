@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from splitserve.engine.arg_utils import add_engine_args, engine_args_from
+from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:

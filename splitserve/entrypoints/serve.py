@@ -17,7 +17,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from splitserve.disagg.environment import resolve_pd_environment
-from splitserve.engine.arg_utils import EngineArgs, engine_flags
+from splitserve.engine.arg_flags import engine_flags
+from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server
 

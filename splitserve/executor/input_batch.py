@@ -26,7 +26,6 @@ class CachedRequestState:
     # Tokens past the prompt, kept only when sampling reads them (penalties, bad words, min_tokens).
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None
-    sample_index: int = 0  # the output index this step samples (seeded draws are keyed by it)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
@@ -63,6 +62,39 @@ class CachedRequestState:
         self.output_token_ids.extend(token_ids[first:])
 
 
+class SampleSlot:
+    """One position a step samples after: a request's last token, or with speculative decoding each
+    of the positions it verifies (its last token and its drafts). It answers what sampling asks of a
+    request, as of that position: the output index it samples (seeded draws are keyed by it) and
+    the outputs before it (penalties, bad words and min_tokens read them, drafts included)."""
+
+    __slots__ = ("state", "sample_index")
+
+    def __init__(self, state: CachedRequestState, sample_index: int):
+        self.state, self.sample_index = state, sample_index
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.state.sampling_params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.state.prompt_token_ids
+
+    @property
+    def stop_token_set(self) -> set[int]:
+        return self.state.stop_token_set
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        outputs = self.state.output_token_ids
+        return outputs if len(outputs) <= self.sample_index else outputs[: self.sample_index]
+
+
 class PromptLogprobSpan(NamedTuple):
     """Prompt positions whose next-token logprobs a step scores."""
 
@@ -87,8 +119,10 @@ class InputBatch:
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     num_decodes: int = 0
-    sample_rows: list[int] = field(default_factory=list)  # rows that sample a token
-    logits_indices: list[int] = field(default_factory=list)  # the token each of them samples from
+    sample_slots: list[SampleSlot] = field(default_factory=list)  # what samples, in logits order
+    logits_indices: list[int] = field(default_factory=list)  # the token each slot samples after
+    # Speculative decoding: request id -> (index of its first slot, the drafts its slots verify)
+    drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
     # (index in input_ids, request id) of tokens that the step in flight is still sampling
     pending_inputs: list[tuple[int, str]] = field(default_factory=list)
@@ -116,9 +150,12 @@ class InputBatch:
         self.seq_lens.append(end)
         self.block_tables.append(blocks)
         if row.samples:
-            self.sample_rows.append(index)
-            self.logits_indices.append(self.query_start_loc[-1] - 1)
-            state.sample_index = end - state.num_prompt_tokens
+            k = row.num_draft_tokens
+            if k:
+                self.drafts[state.request_id] = (len(self.sample_slots), row.token_ids[-k:])
+            for i in range(k + 1):
+                self.sample_slots.append(SampleSlot(state, end - k + i - state.num_prompt_tokens))
+                self.logits_indices.append(self.query_start_loc[-1] - 1 - k + i)
         if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
             count = min(end, state.num_prompt_tokens - 1) - start
             self.prompt_logprob_spans.append(PromptLogprobSpan(index, self.query_start_loc[-2], start, count))
@@ -133,10 +170,6 @@ class InputBatch:
             positions = self.positions[self.query_start_loc[i] : self.query_start_loc[i + 1]]
             lengths.extend(max(request.num_prompt_tokens, p + 1) for p in positions)
         return lengths
-
-    @property
-    def sampling_requests(self) -> list[CachedRequestState]:
-        return [self.requests[i] for i in self.sample_rows]
 
     def padded_block_tables(self) -> list[list[int]]:
         width = max(len(r) for r in self.block_tables)

@@ -4,7 +4,6 @@ StepInput (the data-only step the engine sends) into one forward pass plus sampl
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,10 +15,11 @@ from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
+from splitserve.executor.in_flight import InFlightStep, collect_samples
 from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
 from splitserve.executor.kv_memory import kv_memory_use, kv_zeros
 from splitserve.executor.kv_swap import HostKVSwap
-from splitserve.executor.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_token_bitmask
+from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.layers.rotary import is_dynamic_ntk
@@ -30,26 +30,6 @@ from splitserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logprobs exist at once
-
-
-@dataclass
-class InFlightStep:
-    """A launched step: its sampled tokens on the device (for the next step's inputs) and on their
-    way to the host, and `ready`, reached when they have arrived. It holds what collect() needs of
-    its requests, which may be forgotten by the time it is collected."""
-
-    request_ids: list[str]  # the rows of `sampled`: the requests that sample
-    num_logprobs: list[int | None]  # per row: how many top logprobs it asked for
-    sampled: SamplerOutput | None = None
-    host: list = field(default_factory=list)  # host copies of sampled.host_tensors()
-    prompt_host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # host copies, per request
-    ready: StepReady | None = None
-
-    def __post_init__(self) -> None:
-        self._rows = {rid: i for i, rid in enumerate(self.request_ids)}
-
-    def row_of(self, request_id: str) -> int:
-        return self._rows[request_id]
 
 
 class ModelRunner:
@@ -275,13 +255,15 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, meta)
         if hidden is None:  # a pipeline stage before the last: its share of the step is done
             return InFlightStep([], [], ready=StepReady(self.device))
-        sampling = batch.sampling_requests
-        step = InFlightStep([r.request_id for r in sampling], [r.sampling_params.logprobs for r in sampling])
-        if sampling:
+        slots = batch.sample_slots
+        step = InFlightStep(
+            [s.request_id for s in slots], [s.sampling_params.logprobs for s in slots], drafts=batch.drafts
+        )
+        if slots:
             logits = self.model.compute_logits(self._sampled_rows(hidden, batch))
             if step_input.grammar_bitmasks:
-                self._apply_grammars(logits, sampling, step_input.grammar_bitmasks)
-            meta = build_sampling_metadata(sampling, logits.shape[-1], self.device)
+                self._apply_grammars(logits, slots, step_input.grammar_bitmasks)
+            meta = build_sampling_metadata(slots, logits.shape[-1], self.device)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in step.sampled.host_tensors()]
         for span in batch.prompt_logprob_spans:
@@ -296,15 +278,17 @@ class ModelRunner:
         step.ready.wait()
         out = ModelRunnerOutput()
         if step.request_ids:
-            self._collect_samples(step, out)
+            collect_samples(step, out)
         for request_id, (ids, lps, ranks) in step.prompt_host.items():
             out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out
 
-    def _apply_grammars(self, logits: torch.Tensor, sampling: list[CachedRequestState], bitmasks: dict) -> None:
-        """Structured output: forbid, for each guided row, the tokens its grammar does not allow next."""
-        rows = [i for i, r in enumerate(sampling) if r.request_id in bitmasks]
-        words = b"".join(bitmasks[sampling[i].request_id] for i in rows)
+    def _apply_grammars(self, logits: torch.Tensor, slots: list, bitmasks: dict) -> None:
+        """Structured output: forbid, for each guided row, the tokens its grammar does not allow next
+        (a request verifying drafts sends one mask per slot, in slot order)."""
+        rows = [i for i, s in enumerate(slots) if s.request_id in bitmasks]
+        guided = dict.fromkeys(slots[i].request_id for i in rows)  # each once, in slot order
+        words = b"".join(bitmasks[rid] for rid in guided)
         bitmask = torch.frombuffer(bytearray(words), dtype=torch.int32).view(len(rows), -1)
         apply_token_bitmask(logits, to_device(rows, torch.long, self.device), move(bitmask, self.device))
 
@@ -361,17 +345,6 @@ class ModelRunner:
             and batch.num_decodes <= self.graph_runner.max_batch_size
             and max(batch.seq_lens, default=0) <= self.config.max_seq_len_to_capture
         )
-
-    @staticmethod
-    def _collect_samples(step: InFlightStep, out: ModelRunnerOutput) -> None:
-        tokens, token_logprobs = step.host[0].tolist(), step.host[1].tolist()
-        if len(step.host) > 2:
-            ids, lps, ranks = (t.tolist() for t in step.host[2:])
-        for i, (request_id, k) in enumerate(zip(step.request_ids, step.num_logprobs)):
-            out.sampled[request_id] = tokens[i]
-            out.sampled_logprobs[request_id] = token_logprobs[i]
-            if k is not None:
-                out.logprobs[request_id] = (ids[i][: k + 1], lps[i][: k + 1], ranks[i])
 
     def _prompt_logprobs(
         self, request: CachedRequestState, hidden: torch.Tensor, span: PromptLogprobSpan

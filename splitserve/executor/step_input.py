@@ -37,6 +37,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     new_block_ids: list[int]  # blocks added since the last step (all of them when `resumed`)
     samples: bool  # the step reaches its last token: sample the next one
     resumed: bool = False  # back after a preemption: its block list starts over
+    # Speculative decoding: the last this-many of token_ids are drafts to verify. The step samples
+    # after every one of its last num_draft_tokens + 1 tokens (input_batch.py).
+    num_draft_tokens: int = 0
 
     @property
     def last_token_pending(self) -> bool:
@@ -68,3 +71,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: dict[str, TokenLogprobs] = {}
     # Per request: logprobs of the prompt tokens this step scored (position p scores token p + 1).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Speculative decoding: how many of a request's drafts were accepted (its `sampled` token comes
+    # after them), their logprobs in order, and a draft model's drafts for its next step.
+    num_accepted: dict[str, int] = {}
+    accepted_token_logprobs: dict[str, list[float]] = {}
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
+    draft_token_ids: dict[str, list[int]] = {}

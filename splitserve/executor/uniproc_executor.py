@@ -6,7 +6,8 @@ from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank
 from splitserve.distributed.kv_transfer.handler import KVTransferHandler
 from splitserve.executor.abstract import Executor
-from splitserve.executor.model_runner import InFlightStep, ModelRunner
+from splitserve.executor.in_flight import InFlightStep
+from splitserve.executor.model_runner import ModelRunner
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 
 

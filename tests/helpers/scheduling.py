@@ -5,7 +5,8 @@ from __future__ import annotations
 from splitserve.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
-from splitserve.engine.scheduler import SchedulePlan, Scheduler
+from splitserve.engine.schedule_plan import SchedulePlan
+from splitserve.engine.scheduler import Scheduler
 
 BS = 4
 
@@ -30,7 +31,7 @@ def add(sched: Scheduler, *requests: Request) -> None:
         sched.add_request(r)
 
 
-def run_step(sched: Scheduler, out: SchedulePlan, sampled: dict[str, int]) -> None:
+def run_step(sched: Scheduler, out: SchedulePlan, sampled: dict[str, list[int]]) -> None:
     """What the engine does with a planned step: launch it (advance), then record its samples."""
     sched.advance(out)
     sched.record_samples(out, sampled)
@@ -38,7 +39,7 @@ def run_step(sched: Scheduler, out: SchedulePlan, sampled: dict[str, int]) -> No
 
 def step(sched: Scheduler, token: int = 7) -> SchedulePlan:
     out = sched.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: [token] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
     run_step(sched, out, sampled)
     sched.check_invariants()
     return out

@@ -166,7 +166,7 @@ def test_hf_overrides_flag_round_trips():
     """--hf-overrides takes a JSON object, and launchers that recreate the flags pass it on."""
     import argparse
 
-    from splitserve.engine.arg_utils import add_engine_args, engine_args_from, engine_flags
+    from splitserve.engine.arg_flags import add_engine_args, engine_args_from, engine_flags
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -7,7 +7,8 @@ import argparse
 import pytest
 import torch
 
-from splitserve.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from, engine_flags
+from splitserve.engine.arg_flags import add_engine_args, engine_args_from, engine_flags
+from splitserve.engine.arg_utils import EngineArgs
 
 
 def test_engine_flags_round_trip():
@@ -65,4 +66,4 @@ def test_flags_that_cannot_be_honoured_are_refused(flags, message):
 
 def test_disable_async_output_proc_turns_overlap_off():
     args = _parse("--disable-async-output-proc")
-    assert args._async_scheduling(torch.device("cuda"), None) is False
+    assert args._async_scheduling(torch.device("cuda"), None, None) is False

@@ -220,7 +220,7 @@ def test_dummy_builtin_model_generates_text(empty_hf_cache):
 
 def test_nano_vllm_workload_flags():
     from splitserve.benchmarks import throughput
-    from splitserve.engine.arg_utils import engine_args_from
+    from splitserve.engine.arg_flags import engine_args_from
     from splitserve.entrypoints.cli import build_parser
 
     argv = (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import splitserve.executor.sampling_metadata as sm
-from splitserve.executor.input_batch import CachedRequestState as Request
+from splitserve.executor.input_batch import CachedRequestState, SampleSlot
 from splitserve.executor.sampler import SamplingMetadata
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.sampling_params import SamplingParams
@@ -21,16 +21,17 @@ CPU = torch.device("cpu")
 INF = float("inf")
 
 
-def make(rid: str, prompt, output=(), bad_words=(), **params) -> Request:
-    """The model runner's state of a request (what sampling reads of it)."""
+def make(rid: str, prompt, output=(), bad_words=(), **params) -> SampleSlot:
+    """What sampling reads of a request: the model runner's state, as of its next output token."""
     sp = SamplingParams(max_tokens=16, **params)
     sp.bad_words_token_ids = [list(w) for w in bad_words]  # filled by the processor in the engine
     stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {EOS})
-    return Request(rid, list(prompt), sp, stop, output_token_ids=list(output))
+    state = CachedRequestState(rid, list(prompt), sp, stop, output_token_ids=list(output))
+    return SampleSlot(state, len(output))
 
 
 # --- the per-row reference: the old model-runner logic, one request at a time -----------------------
-def reference(requests: list[Request], vocab: int) -> SamplingMetadata:
+def reference(requests: list[SampleSlot], vocab: int) -> SamplingMetadata:
     params = [r.sampling_params for r in requests]
     temps = [p.temperature for p in params]
     meta = SamplingMetadata(
@@ -57,7 +58,7 @@ def reference(requests: list[Request], vocab: int) -> SamplingMetadata:
 _NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
-def reference_penalties(meta: SamplingMetadata, requests: list[Request], vocab: int) -> None:
+def reference_penalties(meta: SamplingMetadata, requests: list[SampleSlot], vocab: int) -> None:
     params = [r.sampling_params for r in requests]
     used = [name for name, neutral in _NEUTRAL.items() if any(getattr(p, name) != neutral for p in params)]
     if not used:
@@ -75,7 +76,7 @@ def reference_penalties(meta: SamplingMetadata, requests: list[Request], vocab: 
                 meta.prompt_mask[i, token] = True
 
 
-def reference_logit_bias(requests: list[Request], vocab: int) -> torch.Tensor | None:
+def reference_logit_bias(requests: list[SampleSlot], vocab: int) -> torch.Tensor | None:
     out = torch.zeros(len(requests), vocab)
     needed = False
     for i, r in enumerate(requests):
@@ -112,7 +113,7 @@ def assert_same(got: SamplingMetadata, want: SamplingMetadata) -> None:
 
 
 # --- a batch with a bit of everything --------------------------------------------------------------
-def mixed_batch(copies: int = 1) -> list[Request]:
+def mixed_batch(copies: int = 1) -> list[SampleSlot]:
     specs = [
         {"prompt": [1, 2, 3], "temperature": 0.0},  # greedy, nothing else
         {
@@ -176,7 +177,7 @@ def mixed_batch(copies: int = 1) -> list[Request]:
     return requests
 
 
-def check(requests: list[Request], vocab: int = V) -> SamplingMetadata:
+def check(requests: list[SampleSlot], vocab: int = V) -> SamplingMetadata:
     got = build_sampling_metadata(requests, vocab, CPU)
     assert_same(got, reference(requests, vocab))
     return got
@@ -221,7 +222,7 @@ def test_random_batches_match_the_per_row_reference():
         check([random_request(rng, f"q{i}") for i in range(rng.randint(1, 12))])
 
 
-def random_request(rng: random.Random, rid: str) -> Request:
+def random_request(rng: random.Random, rid: str) -> SampleSlot:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(V) for _ in range(n)]
 

@@ -215,7 +215,7 @@ def test_preemption_evicts_the_last_running_request_and_it_resumes_later():
     assert plan(out) == [("b", 5), ("c", 1)]
     assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 4
     assert sched.kv.get_block_ids("b") == [2, 3, 1] and sched.kv.get_block_ids("c") == [0]
-    run_step(sched, out, {"b": 7, "c": 7})
+    run_step(sched, out, {"b": [7], "c": [7]})
     sched.check_invariants()
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert b.output_token_ids == [7, 7, 7]
@@ -387,7 +387,7 @@ def test_prefix_cache_hit_at_admission_sets_cached_and_computed_tokens():
     assert plan(out) == [("a", 1), ("b", 1)]
     assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
     assert sched.kv.get_block_ids("b")[:2] == sched.kv.get_block_ids("a")[:2] == [0, 1]
-    run_step(sched, out, {"a": 7, "b": 7})
+    run_step(sched, out, {"a": [7], "b": [7]})
     sched.check_invariants()
     assert b.num_computed_tokens == 9 and b.output_token_ids == [7]
     assert (sched.prefix_cache_stats.queries, sched.prefix_cache_stats.hits) == (18, 8)

@@ -8,7 +8,8 @@ import dataclasses
 import os
 
 from splitserve import envs
-from splitserve.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from
+from splitserve.engine.arg_flags import add_engine_args, engine_args_from
+from splitserve.engine.arg_utils import EngineArgs
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from splitserve.engine.messages import KVTransferStats, SchedulerStats
+from splitserve.engine.messages import KVTransferStats, SchedulerStats, SpecDecodingStats
 from splitserve.outputs import RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -74,6 +74,12 @@ _KV_COUNTERS = {
     "pulls_refused": "KV pulls this prefill instance refused (unknown or expired lease).",
     "lease_expiries": "KV leases that expired before a decode instance pulled them.",
 }
+# Speculative decoding counters (SpecDecodingStats fields), as vLLM's vllm:spec_decode_*.
+_SPEC_COUNTERS = {
+    "num_drafts": "Request-steps that verified draft tokens.",
+    "num_draft_tokens": "Draft tokens verified.",
+    "num_accepted_tokens": "Draft tokens accepted.",
+}
 
 
 class Metrics:
@@ -128,6 +134,12 @@ class Metrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.kv_transfer = {name: counter(f"kv_transfer_{name}", doc) for name, doc in _KV_COUNTERS.items()}
         self.kv_leases_active = gauge("kv_transfer_leases_active", "KV leases waiting for a decode instance's pull.")
+        self.spec_decode = {name: counter(f"spec_decode_{name}", doc) for name, doc in _SPEC_COUNTERS.items()}
+        self.spec_decode_per_pos = Counter(
+            "splitserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            ["model_name", "position"],
+        )
         self._last: SchedulerStats | None = None
         self._last_kv = KVTransferStats()
 
@@ -150,6 +162,15 @@ class Metrics:
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
         if stats.kv_transfer is not None:
             self._record_kv(stats.kv_transfer)
+        if stats.spec_decoding is not None:
+            self._record_spec_decoding(stats.spec_decoding, last.spec_decoding or SpecDecodingStats())
+
+    def _record_spec_decoding(self, now: SpecDecodingStats, before: SpecDecodingStats) -> None:
+        for name, counter in self.spec_decode.items():
+            counter.inc(max(getattr(now, name) - getattr(before, name), 0))
+        for pos, count in enumerate(now.accepted_per_position):
+            previous = before.accepted_per_position[pos] if pos < len(before.accepted_per_position) else 0
+            self.spec_decode_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(max(count - previous, 0))
 
     def _record_kv(self, kv: KVTransferStats) -> None:
         self.kv_leases_active.set(kv.leases_active)
