@@ -266,6 +266,7 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
     health_timeout: float = 30.0  # a step running longer is reported by the engine's watchdog (the server's)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    batch_invariant: bool = False  # a row's results never depend on the rest of its step (CPU)
     draft_model_config: ModelConfig | None = None  # speculative_config's draft model, resolved
 
 

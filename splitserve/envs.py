@@ -113,6 +113,13 @@ _DECLARED = [
         "kernels",
     ),
     EnvVar(
+        "SPLITSERVE_BATCH_INVARIANT",
+        _flag,
+        "0",
+        "1 turns on batch-invariant numerics by default (--batch-invariant; docs/determinism.md).",
+        "kernels",
+    ),
+    EnvVar(
         "SPLITSERVE_ATTENTION_BACKEND",
         _optional_str,
         "",

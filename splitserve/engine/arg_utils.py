@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from splitserve import envs
 from splitserve.config import (
     LOAD_FORMATS,
     CacheConfig,
@@ -77,6 +78,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_modules: list[str] | None = None
     speculative_config: dict | None = None  # SpeculativeConfig's keys (spec_decode/config.py)
+    batch_invariant: bool = False  # or SPLITSERVE_BATCH_INVARIANT=1 (kernels/batch_invariant.py)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -136,6 +138,7 @@ class EngineArgs:
             kv_transfer_config=kv_transfer_config,
             lora_config=self._lora_config(),
             speculative_config=speculative,
+            batch_invariant=self.batch_invariant or envs.SPLITSERVE_BATCH_INVARIANT,
             draft_model_config=self._draft_model_config(speculative, model_config, device),
         )
 

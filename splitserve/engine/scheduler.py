@@ -181,7 +181,7 @@ class Scheduler:
             if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= (self.max_loras or 0):
                 break
             n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            copies = self.kv.swap_in(request, n)
+            copies = self.kv.swap_in(request, n + self.config.num_lookahead_tokens)
             if copies is None:
                 break
             self.swapped.popleft()
@@ -214,7 +214,9 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
                 n = self._chunk(remaining, budget)
-                if not self.kv.allocate_slots(request, n, hits, self._decode_reserve()):
+                if not self.kv.allocate_slots(
+                    request, n + self.config.num_lookahead_tokens, hits, self._decode_reserve()
+                ):
                     break
                 self._admit(request, num_cached, RequestStatus.RUNNING)
                 self.running.append(request)

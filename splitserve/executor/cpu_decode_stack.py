@@ -23,7 +23,7 @@ import logging
 import torch
 
 from splitserve import envs, kernels
-from splitserve.kernels import cpu_features, row_buckets
+from splitserve.kernels import batch_invariant, cpu_features, row_buckets
 from splitserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from splitserve.quantization.gguf import GGUFLinearMethod
 
@@ -57,6 +57,7 @@ class CPUDecodeStack:
             layers[0].input_layernorm.eps,
             attn.attn.scale,
             cpu_features.native_bf16(),
+            batch_invariant.enabled(),
         )
         for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -88,7 +89,7 @@ class CPUDecodeStack:
         x = self.model.embed_tokens(input_ids)
         encoding = self.model.position_encoding(positions, x.dtype, meta)
         num_tokens = x.shape[0]
-        rows = row_buckets.row_bucket(num_tokens) if row_buckets.ENABLED else num_tokens
+        rows = row_buckets.rows_for(num_tokens)
         return torch.ops.splitserve_cpu.decode_stack_forward(
             self.stack,
             x,

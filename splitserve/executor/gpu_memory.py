@@ -5,6 +5,7 @@ on the GPU (other processes included) and that peak are set aside."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class MemoryProfile:
 def profile_cuda_memory(runner) -> MemoryProfile:
     """Run runner.profile_run() and measure it. CUDA only."""
     device = runner.device
+    gc.collect()  # an engine dropped just before (held by reference cycles) must not count as in use
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -95,6 +95,22 @@ class SampleSlot:
         return outputs if len(outputs) <= self.sample_index else outputs[: self.sample_index]
 
 
+def _decodes(state: CachedRequestState, row: ScheduledRequest) -> bool:
+    """A decode row: one generated token (a prompt's last token, recomputed alone after a prefix hit,
+    is a prompt row, so that it goes through the kernels that compute it within its prompt)."""
+    return row.num_tokens == 1 and row.num_computed_tokens >= state.num_prompt_tokens
+
+
+def _verify_rows(state: CachedRequestState, row: ScheduledRequest):
+    """A row as it is, or, verifying drafts, one single-token row per position that samples after it."""
+    if not row.num_draft_tokens:
+        yield state, row
+        return
+    for i, token in enumerate(row.token_ids):
+        position = row.num_computed_tokens + i
+        yield state, ScheduledRequest(row.request_id, position, 1, [token], [], samples=True)
+
+
 class PromptLogprobSpan(NamedTuple):
     """Prompt positions whose next-token logprobs a step scores."""
 
@@ -106,7 +122,7 @@ class PromptLogprobSpan(NamedTuple):
 
 @dataclass
 class InputBatch:
-    """One step on the host. Rows are requests, decodes (one query token) first, so that attention
+    """One step on the host. Rows are requests, decodes (one generated token) first, so that attention
     can batch them in one call, and the decodes of one LoRA adapter together, so that its delta is one
     matmul over them; each row's tokens are consecutive."""
 
@@ -129,10 +145,17 @@ class InputBatch:
 
     @classmethod
     def build(cls, rows: list[tuple[CachedRequestState, ScheduledRequest]], block_size: int) -> InputBatch:
-        rows = sorted(rows, key=lambda row: (row[1].num_tokens != 1, row[0].lora_int_id))
+        """The step's rows. A request verifying drafts becomes one decode row per token (its last
+        token and each draft, each attending to the keys up to its own position), so that every
+        verified position is computed as a plain decode would compute it, by the same kernels."""
+        drafts = {row.request_id: row.token_ids[-row.num_draft_tokens :] for _, row in rows if row.num_draft_tokens}
+        rows = [expanded for row in rows for expanded in _verify_rows(*row)] if drafts else rows
+        rows = sorted(rows, key=lambda row: (not _decodes(*row), row[0].lora_int_id))
         batch = cls([state for state, _ in rows], block_size)
-        batch.num_decodes = sum(1 for _, scheduled in rows if scheduled.num_tokens == 1)
+        batch.num_decodes = sum(1 for row in rows if _decodes(*row))
         for index, (state, scheduled) in enumerate(rows):
+            if state.request_id in drafts and state.request_id not in batch.drafts:
+                batch.drafts[state.request_id] = (len(batch.sample_slots), drafts[state.request_id])
             batch._add_row(index, state, scheduled)
         return batch
 
@@ -150,12 +173,8 @@ class InputBatch:
         self.seq_lens.append(end)
         self.block_tables.append(blocks)
         if row.samples:
-            k = row.num_draft_tokens
-            if k:
-                self.drafts[state.request_id] = (len(self.sample_slots), row.token_ids[-k:])
-            for i in range(k + 1):
-                self.sample_slots.append(SampleSlot(state, end - k + i - state.num_prompt_tokens))
-                self.logits_indices.append(self.query_start_loc[-1] - 1 - k + i)
+            self.sample_slots.append(SampleSlot(state, end - state.num_prompt_tokens))
+            self.logits_indices.append(self.query_start_loc[-1] - 1)
         if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
             count = min(end, state.num_prompt_tokens - 1) - start
             self.prompt_logprob_spans.append(PromptLogprobSpan(index, self.query_start_loc[-2], start, count))

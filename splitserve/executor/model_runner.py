@@ -22,6 +22,7 @@ from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
+from splitserve.kernels import batch_invariant
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -45,6 +46,8 @@ class ModelRunner:
             kernels.enable_transparent_huge_pages()
         self.rank = get_parallel_rank()
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load and self.rank.rank == 0)
+        if config.batch_invariant:
+            batch_invariant.enable(self.model, self.device)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
         self.uses_rope_lengths = is_dynamic_ntk(config.model_config.hf_config)  # AttentionMetadata.rope_lengths
         self.sampler = Sampler()
@@ -56,6 +59,7 @@ class ModelRunner:
         self.swap: HostKVSwap | None = None  # host memory for swapped-out KV (preemption_mode "swap")
         self.decode_stack: CPUDecodeStack | None = None  # CPU decode steps in one C++ call, once the KV is bound
         self.lora_manager = self._lora_manager()
+        self.draft = self._draft_proposer()
         self.use_cuda_graphs = self._use_cuda_graphs()
         self.num_steps = 0
 
@@ -76,6 +80,14 @@ class ModelRunner:
             return False
         return True
 
+    def _draft_proposer(self):
+        if self.config.draft_model_config is None:
+            return None
+        from splitserve.executor.draft_model import DraftModelProposer
+
+        show = self.config.use_tqdm_on_load and self.rank.rank == 0
+        return DraftModelProposer(self.config, self.device, self.backend, self.rank, show)
+
     def _lora_manager(self):
         if self.config.lora_config is None:
             return None
@@ -95,7 +107,8 @@ class ModelRunner:
         """Of this rank: its layers (pipeline stage) and KV heads (tensor-parallel share)."""
         layers = self.model.attention_layers()
         head = layers[0]
-        return 2 * len(layers) * self.block_size * head.num_kv_heads * self.kv_spec.bytes_per_vector(head.head_dim)
+        target = 2 * len(layers) * self.block_size * head.num_kv_heads * self.kv_spec.bytes_per_vector(head.head_dim)
+        return target + (self.draft.kv_bytes_per_block() if self.draft is not None else 0)
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -147,6 +160,8 @@ class ModelRunner:
         that preempted requests' KV is swapped to (kv_swap.py)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks + self.use_cuda_graphs)
         if self.device.type == "cpu":  # deciding builds the CPU kernels: never on another device
             self.decode_stack = CPUDecodeStack.build(self.model, self.backend, self.rank, self.lora_manager is not None)
         spec = self.kv_spec
@@ -237,6 +252,8 @@ class ModelRunner:
         it from previous.sampled.token_ids on the device. collect() reads the result."""
         if self.swap is not None:
             self.swap.apply(step_input.swap_out, step_input.swap_in)
+        if self.draft is not None:
+            self.draft.observe(step_input)
         if not step_input.scheduled:  # a step that only moved blocks to or from host memory
             self._update_states(step_input)
             return InFlightStep([], [], ready=StepReady(self.device))
@@ -279,6 +296,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if step.request_ids:
             collect_samples(step, out)
+            if self.draft is not None:
+                self.draft.propose(self.requests, step, out)
         for request_id, (ids, lps, ranks) in step.prompt_host.items():
             out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out
@@ -297,6 +316,10 @@ class ModelRunner:
         on the others (which hand their (hidden, residual) to the next stage)."""
         if self.decode_stack is not None and self.decode_stack.takes(meta, positions.shape[0]):
             return self.decode_stack.forward(input_ids, positions, meta)
+        with batch_invariant.step_rows(positions.shape[0], meta.num_decodes):
+            return self._forward_layers(input_ids, positions, meta)
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         intermediate = None
         if not self.rank.is_first_stage:
             shape = (positions.shape[0], self.config.model_config.hf_config.hidden_size)

@@ -38,7 +38,9 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv
 std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& temperature,
                                           const at::Tensor& u);
 
-at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool native_bf16);
+// path: 0 by row count, 1 integers, 2 dequantized tiles (gguf_products.cpp)
+at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool native_bf16,
+                   int64_t path);
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, at::ScalarType dtype);
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t K,
                           at::ScalarType dtype);

@@ -74,9 +74,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool native_bf16)
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool native_bf16,
+              bool batch_invariant)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        native_bf16_(native_bf16) {}
+        native_bf16_(native_bf16),
+        batch_invariant_(batch_invariant) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window) {
     StackLayer layer;
@@ -148,13 +150,15 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor y = packed_linear(padded(x, padded_rows), run.weight, linear.fused_bias ? linear.bias : at::Tensor());
         outputs.push_back(y.narrow(0, 0, M));
       } else if (run.qtype == kDense) {  // bfloat16 products go through oneDNN: padded rows (row_buckets.linear)
-        const at::Tensor xp = x.scalar_type() == at::kBFloat16 ? padded(x, padded_rows) : x;
+        const at::Tensor xp = x.scalar_type() == at::kBFloat16 || batch_invariant_ ? padded(x, padded_rows) : x;
         const at::Tensor y = linear.fused_bias ? at::linear(xp, run.weight, linear.bias) : at::linear(xp, run.weight);
         outputs.push_back(y.narrow(0, 0, M));
       } else {  // as splitserve.kernels.gguf.gguf_mm
-        const bool pad = x.scalar_type() == at::kBFloat16 && native_bf16_;
+        const bool pad = x.scalar_type() == at::kBFloat16 && native_bf16_ && !batch_invariant_;
         const at::Tensor xp = (pad ? padded(x, padded_rows) : x).contiguous();
-        outputs.push_back(splitserve::gguf_mm(xp, run.weight, run.qtype, run.rows, K, native_bf16_).narrow(0, 0, M));
+        outputs.push_back(
+            splitserve::gguf_mm(xp, run.weight, run.qtype, run.rows, K, native_bf16_, batch_invariant_ ? 1 : 0)
+                .narrow(0, 0, M));
       }
     }
     at::Tensor y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
@@ -165,6 +169,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   bool native_bf16_;
+  bool batch_invariant_;  // the rows' results must not depend on their count (kernels/batch_invariant.py)
   std::vector<StackLayer> layers_;
 };
 
@@ -180,7 +185,7 @@ at::Tensor decode_stack_forward(const c10::intrusive_ptr<DecodeStack>& stack, co
 // Called from ops_registry.cpp's TORCH_LIBRARY(splitserve_cpu, m).
 void splitserve::register_decode_stack(torch::Library& m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, bool, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_run", &DecodeStack::add_run)
       .def("set_bias", &DecodeStack::set_bias)

@@ -28,7 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_features, cpu_ops, row_buckets
+from splitserve.kernels import batch_invariant, cpu_features, cpu_ops, row_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ REPACKED = 256
 REPACK_TYPES = {2: "Q4_0", 3: "Q4_1"}
 REPACK_ROWS = 16
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_INTEGER, _TILES = 1, 2  # gguf_mm's path (gguf_products.cpp): by row count when not given
 _logged: set[str] = set()
 
 
@@ -52,10 +53,27 @@ def gguf_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int) -> tor
     flat = x.reshape(-1, k)
     compute = flat if flat.dtype in _KERNEL_DTYPES else flat.float()
     native_bf16 = cpu_features.native_bf16()
-    if compute.dtype == torch.bfloat16 and native_bf16:  # the tiles of larger batches go through oneDNN
-        compute = row_buckets.padded_rows(compute)
-    out = ops.gguf_mm(compute.contiguous(), w, qtype, n, k, native_bf16)[: flat.shape[0]]
+    if batch_invariant.enabled():
+        out = _invariant_mm(ops, compute, w, qtype, n, k, native_bf16)
+    else:
+        if compute.dtype == torch.bfloat16 and native_bf16:  # the tiles of larger batches go through oneDNN
+            compute = row_buckets.padded_rows(compute)
+        out = ops.gguf_mm(compute.contiguous(), w, qtype, n, k, native_bf16)[: flat.shape[0]]
     return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _invariant_mm(ops, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: int, native_bf16: bool):
+    """Batch-invariant numerics: generated tokens' rows take the integer path and prompt tokens' rows
+    the dequantized tiles (rows padded as every invariant product is), whatever their numbers."""
+    start = batch_invariant.prompt_rows(x.shape[0])
+    parts = []
+    if start:
+        parts.append(ops.gguf_mm(x[:start].contiguous(), w, qtype, n, k, native_bf16, _INTEGER))
+    if start < x.shape[0]:
+        prompt = x[start:]
+        padded = row_buckets.padded_rows(prompt.contiguous())
+        parts.append(ops.gguf_mm(padded, w, qtype, n, k, native_bf16, _TILES)[: prompt.shape[0]])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def gguf_dequantize(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -27,6 +27,7 @@
 
 namespace {
 
+constexpr int64_t kAuto = 0, kInteger = 1, kTiles = 2;  // gguf_mm's `path` (splitserve.kernels.gguf)
 // Where the few-rows path ends: gguf_mm multiplies in integers for M below these and through
 // dequantized tiles from there on. Measured on SmolLM2-135M's shapes (K=576 -> N=192, 576, 3072,
 // 49152; K=1536 -> N=576) with Q4_1 and Q8_0 weights, one thread of an AMD EPYC (Zen 4, AVX-512
@@ -493,14 +494,17 @@ at::Tensor mm_dequantized(const at::Tensor& x, const at::Tensor& w, int64_t N, i
   return out.to(x.scalar_type());
 }
 
-// x @ W.T for a weight of format Q in the block layout or repacked: integers for a few rows of x,
-// dequantized tiles from the layout's threshold on.
+// x @ W.T for a weight of format Q in the block layout or repacked. `path` kAuto: integers for a few
+// rows of x, dequantized tiles from the layout's threshold on; kInteger or kTiles: that path whatever
+// the row count (batch-invariant numerics choose by what the rows are, not by how many).
 template <class Q, bool kIsRepacked>
-at::Tensor mm(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, bool native_bf16) {
+at::Tensor mm(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, bool native_bf16, int64_t path) {
   const bool bf16_tiles = x.scalar_type() == at::kBFloat16 && native_bf16;
   const int64_t from = kIsRepacked ? (bf16_tiles ? kRepackedDequantizeFromRowsBf16 : kRepackedDequantizeFromRows)
                                    : (bf16_tiles ? kDequantizeFromRowsBf16 : kDequantizeFromRows);
-  if (x.size(0) >= from) return mm_dequantized<Q, kIsRepacked>(x, w, N, K, bf16_tiles);
+  TORCH_CHECK(path == kAuto || path == kInteger || path == kTiles, "gguf_mm: path must be 0, 1 or 2, got ", path);
+  if (path == kTiles || (path == kAuto && x.size(0) >= from))
+    return mm_dequantized<Q, kIsRepacked>(x, w, N, K, bf16_tiles);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -520,7 +524,8 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, bo
 
 namespace splitserve {
 
-at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool native_bf16) {
+at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool native_bf16,
+                   int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with K = ", K, ", got ", x.sizes());
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor, got ", x.scalar_type(), " on ", x.device());
@@ -529,13 +534,13 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
     return with_repackable_format(qtype - kRepacked, [&](auto format) {
       using Q = decltype(format);
       check_repacked_weight<Q>(w, N, K);
-      return mm<Q, true>(x, w, N, K, native_bf16);
+      return mm<Q, true>(x, w, N, K, native_bf16, path);
     });
   }
   return with_format(qtype, [&](auto format) {
     using Q = decltype(format);
     check_weight<Q>(w, N, K);
-    return mm<Q, false>(x, w, N, K, native_bf16);
+    return mm<Q, false>(x, w, N, K, native_bf16, path);
   });
 }
 

@@ -16,11 +16,15 @@ per shape here too.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from splitserve import envs
 from splitserve.kernels import row_buckets
 
+logger = logging.getLogger(__name__)
 ENV = "SPLITSERVE_CPU_PACKED_WEIGHTS"
 # The batch size oneDNN is told to expect when it picks the blocked layout; any row count works
 # with it (measured: as fast as packing for the exact row count from 1 to 2048 rows).
@@ -37,7 +41,20 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
+        and _onednn_packs_bf16()
     )
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """oneDNN's bfloat16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2 CPU, or one
+    capped by ONEDNN_MAX_CPU_ISA, multiplies bfloat16 weights as they are (F.linear), as logged."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _BATCH_HINT)
+    except RuntimeError as exc:
+        logger.info("bfloat16 weights are not prepacked: oneDNN cannot reorder them on this CPU (%s)", exc)
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

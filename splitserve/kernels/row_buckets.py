@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve import envs
+from splitserve.kernels import batch_invariant
 
 _EXACT_UP_TO = 16
 _PER_DOUBLING = 8
@@ -47,13 +48,20 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
+def rows_for(m: int) -> int:
+    """The rows a CPU product of m rows computes: row_bucket(m), rounded up to the batch-invariant
+    row multiple when that mode is on (kernels/batch_invariant.py)."""
+    rows = row_bucket(m) if ENABLED else m
+    return batch_invariant.padded_row_count(rows) if batch_invariant.enabled() else rows
+
+
 def padded_rows(x2: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] with zero rows appended up to row_bucket(M), where the product would go through
-    oneDNN (a CPU tensor of a bucketed dtype); x2 itself otherwise."""
+    """x2 [M, K] with zero rows appended up to rows_for(M), where the product would go through
+    oneDNN (a CPU tensor of a bucketed dtype) or batch-invariant numerics are on; x2 itself otherwise."""
     m = x2.shape[0]
-    if x2.device.type != "cpu" or x2.dtype not in _BUCKETED_DTYPES or not ENABLED:
+    if x2.device.type != "cpu" or not (batch_invariant.enabled() or (ENABLED and x2.dtype in _BUCKETED_DTYPES)):
         return x2
-    rows = row_bucket(m)
+    rows = rows_for(m)
     if rows == m:
         return x2
     padded = x2.new_empty(rows, x2.shape[1])

@@ -85,9 +85,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
+    # Batch-invariant numerics: a streamed request and the same one not streamed share their steps
+    # with whatever else is in flight, yet must give the same greedy tokens on every CPU.
     with RemoteServer(
         None,
         "serve",
+        "--batch-invariant",
         "--max-model-len",
         "1024",
         "--enable-auto-tool-choice",

@@ -236,6 +236,7 @@ def test_profile_run_sizes_the_cache_from_measured_peak(tiny_models, monkeypatch
 
 
 # --- the whole engine on a GPU ----------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not HAS_CUDA,
     reason="needs a CUDA GPU: runs the Triton backend, fused kernels and CUDA graphs against transformers on the GPU",

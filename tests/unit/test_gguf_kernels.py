@@ -116,6 +116,28 @@ def test_product_matches_the_dequantized_weights(ops, qtype, dtype, m):
     _check_product(out, x, _reference(w, qtype, n, k), dtype == torch.float32 and not _integer_path(m, dtype, native))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=["Q4_1", "Q8_0", "Q6_K"])
+def test_the_integer_path_gives_each_row_the_same_result_at_every_row_count(ops, qtype, dtype):
+    """path=1 (batch-invariant numerics' generated tokens): integers for any M, blocks or repacked,
+    and a row's result does not depend on how many rows come with it; path=2 gives the tiles at any M."""
+    n, k = 48, _k(qtype)
+    w = _weight(qtype, n, k, seed=3)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    native = cpu_features.native_bf16()
+    weights = [(w, int(qtype))]
+    repacked = gguf_kernels.repack(w, int(qtype), n, k)
+    if repacked is not None:
+        weights.append(repacked)
+    for weight, wtype in weights:
+        alone = torch.cat([ops.gguf_mm(x[i : i + 1].contiguous(), weight, wtype, n, k, native, 1) for i in range(40)])
+        for m in (1, 2, 3, 5, 8, 16, 25, 40):
+            assert torch.equal(ops.gguf_mm(x[:m].contiguous(), weight, wtype, n, k, native, 1), alone[:m]), (wtype, m)
+        _check_product(
+            ops.gguf_mm(x[:2].contiguous(), weight, wtype, n, k, native, 2), x[:2], _reference(w, qtype, n, k), False
+        )
+
+
 @pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=["Q4_1", "Q6_K"])
 def test_bfloat16_x_with_and_without_native_bf16(ops, qtype, native_bf16):

@@ -170,6 +170,7 @@ def test_quantized_cache(cache_dtype, dtype, window):
     _check(MIXED, dtype, 2, 32, window, cache_dtype)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 is garbage in Triton's CPU interpreter")
 @pytest.mark.parametrize("cache_dtype,window", [("auto", None), ("auto", 24), ("int8", None)])
 def test_bfloat16(cache_dtype, window):

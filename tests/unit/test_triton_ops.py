@@ -25,7 +25,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _CUDA_ONLY = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="bfloat16 is computed wrongly by Triton's CPU interpreter"
 )
-DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=_CUDA_ONLY)]
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=[_CUDA_ONLY, pytest.mark.gpu])]
 # Against the torch code: float32 to float32 rounding; 16-bit: a rounding step of the dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -320,6 +320,7 @@ def test_routing_conditions_on_model_layouts(monkeypatch, dtype):
         _close(got, ref, dtype, factor=2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_take_triton(monkeypatch):
     calls = []

@@ -1,0 +1,398 @@
+"""The benchmarks of the GPU check (`scripts/gpu_check.sh`, docs/gpu.md "Running the GPU check"), each
+next to its memory roofline, run one after the other within a time budget.
+
+Each is the `splitserve` command docs/gpu.md gives, in a process (group) of its own with its own
+timeout, so that a crash or a hang costs that benchmark only and the GPU is free again for the next;
+their output goes to `bench.log`, their figures to `bench.json` and one table: nano-vllm's workload
+(Qwen3-0.6B shape, random bfloat16 weights, 256 requests of 100-1024 tokens in and out), a single
+stream (1024 tokens after 128, ms per token), 64 x 128/128 against transformers' `generate`, and
+`serve` + `bench serve` at concurrency 64. A figure's roofline is the time the decode steps need to
+read the weights and the KV cache once (bytes / the card's memory bandwidth): a bound no engine
+beats. `--dry-run` runs the same on the CPU with a two-layer model: it checks the code, measures nothing.
+
+    python -m splitserve.benchmarks.gpu_check --out DIR [--dry-run] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+MODEL = "Qwen/Qwen3-0.6B"
+CLI = [sys.executable, "-m", "splitserve.entrypoints.cli"]  # `splitserve`, without installing the package
+# Memory bandwidth (bytes/s) by GPU name, from the vendors' data sheets; other cards are measured.
+BANDWIDTH_BY_NAME = (("H200", 4.8e12), ("H100 SXM", 3.35e12), ("H100 80GB HBM3", 3.35e12))
+TARGETS = {  # docs/gpu.md: measured figures on an H100, not timed tests
+    "nano_vllm": ("output_tok_s", ">=", 16000.0, "output tok/s"),
+    "single_stream": ("ms_per_token", "<=", 2.0, "ms/token"),
+    "batch64": ("speedup_vs_hf", ">=", 10.0, "x transformers"),
+}
+
+
+@dataclass
+class Bench:
+    key: str
+    title: str
+    argv: list[str]  # after `splitserve`
+    timeout: float
+    server_argv: list[str] | None = None  # `splitserve serve ...`, for the serving benchmark
+    optional: bool = False  # run only when the budget allows it in full (and not in a dry run)
+
+
+def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Bench]:
+    """The benchmarks, in the order they run (most wanted first), at full or dry-run size."""
+    model = ["--model", model_dir or MODEL, "--load-format", "dummy", "--dtype", "float32" if dry_run else "bfloat16"]
+    if dry_run:
+        nano = "--num-prompts 4 --min-input-len 4 --max-input-len 12 --min-output-len 4 --max-output-len 12"
+        batch, single = "--num-prompts 4 --input-len 8 --output-len 8", "--num-prompts 1 --input-len 8 --output-len 16"
+        serve = "--num-prompts 8 --max-concurrency 4 --random-input-len 8 --random-output-len 8"
+        max_len, caps = "128", (60, 60, 60, 90)
+    else:
+        nano = "--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 1024"
+        batch = "--num-prompts 64 --input-len 128 --output-len 128"
+        single = "--num-prompts 1 --input-len 128 --output-len 1024"
+        serve = "--num-prompts 256 --max-concurrency 64 --random-input-len 1024 --random-output-len 128"
+        max_len, caps = "2048", (100, 60, 90, 120)
+    throughput = ["bench", "throughput", *model]
+    nano_argv = [*throughput, *nano.split(), "--seed", "0", "--temperature", "0.6"]
+    single_argv = [*throughput, *single.split(), "--max-num-seqs", "8"]
+    batch_argv = [*throughput, *batch.split(), "--backend", "splitserve", "hf"]
+    serve_argv = ["bench", "serve", *serve.split(), *(["--tokenizer", tokenizer] if tokenizer else [])]
+    return [
+        Bench("nano_vllm", "nano-vllm workload", nano_argv, caps[0]),
+        Bench("single_stream", "single stream", single_argv, caps[1]),
+        Bench("batch64", "64 x 128/128 vs transformers", batch_argv, caps[2]),
+        Bench("serve", "serve, concurrency 64", serve_argv, caps[3], ["serve", *model, "--max-model-len", max_len]),
+        Bench("single_eager", "single stream, eager", [*single_argv, "--enforce-eager"], caps[1], None, True),
+    ]
+
+
+# --- rooflines -------------------------------------------------------------------------------------
+def model_bytes(model: str, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes of weights a decode step reads, bytes of K and V per cached token) of `model` (a built-in
+    hub id or a directory with a config.json). A step reads every weight once, except an untied input
+    embedding, of which it reads a row per token."""
+    import torch
+    import transformers
+
+    from splitserve.loader.known_configs import builtin_config_path
+
+    config = transformers.AutoConfig.from_pretrained(builtin_config_path(model) or model)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    unique = {id(p): p.numel() for p in hf.parameters()}
+    params = sum(unique.values())
+    if not getattr(config, "tie_word_embeddings", False):
+        params -= hf.get_input_embeddings().weight.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return params * dtype_bytes, 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def bandwidth(dry_run: bool) -> dict:
+    """The memory bandwidth to divide by: the data sheet's for the cards named in BANDWIDTH_BY_NAME,
+    else a device-to-device copy (bytes read + written per second), on the CPU when there is no GPU."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    for key, value in BANDWIDTH_BY_NAME:
+        if key in name:
+            return {"device": name, "bytes_per_s": value, "source": f"data sheet ({key})"}
+    size = (16 if dry_run or device == "cpu" else 1024) << 20
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start, reps = time.perf_counter(), 5
+    for _ in range(reps):
+        dst.copy_(src)
+    sync()
+    measured = 2 * size * reps / (time.perf_counter() - start)
+    return {"device": name, "bytes_per_s": measured, "source": f"measured copy of {size >> 20} MiB on {device}"}
+
+
+def decode_seconds(requests: list[tuple[int, int]], concurrency: int, weights: int, kv_token: int, bw: float) -> float:
+    """Seconds the decode steps of `requests` ((prompt length, output length), admitted in order, at most
+    `concurrency` at once) need to read the weights once per step and each request's KV cache."""
+    waiting, active, total = list(requests), [], 0
+    while waiting or active:
+        while waiting and len(active) < concurrency:
+            prompt, out = waiting.pop(0)
+            active.append([prompt, out])
+        total += weights + kv_token * sum(ctx for ctx, _ in active)
+        for req in active:
+            req[0] += 1
+            req[1] -= 1
+        active = [req for req in active if req[1] > 0]
+    return total / bw
+
+
+def _workload_lengths(argv: list[str]) -> list[tuple[int, int]]:
+    """The (prompt, output) lengths `bench throughput` draws for these arguments."""
+    from splitserve.benchmarks import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    ns, _ = parser.parse_known_args(argv)
+    work = throughput.make_workload(ns, 64, set())
+    return [(len(p), n) for p, n in zip(work.prompts, work.output_lens)]
+
+
+def _option(argv: list[str], name: str, default: float) -> float:
+    return float(argv[argv.index(name) + 1]) if name in argv else default
+
+
+def roofline(bench: Bench, weights: int, kv_token: int, bw: float) -> dict:
+    """The bound of each figure of `bench`, in its units."""
+    if bench.server_argv is not None:
+        conc = int(_option(bench.argv, "--max-concurrency", 1))
+        ctx = _option(bench.argv, "--random-input-len", 1024) + _option(bench.argv, "--random-output-len", 128) / 2
+        step = (weights + kv_token * conc * ctx) / bw
+        return {"output_tok_s": conc / step, "tpot_ms": 1e3 * step}
+    lengths = _workload_lengths(bench.argv)
+    seconds = decode_seconds(lengths, int(_option(bench.argv, "--max-num-seqs", 256)), weights, kv_token, bw)
+    tokens = sum(n for _, n in lengths)
+    return {"output_tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens}
+
+
+# --- running ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not answer /health in time")
+
+
+def _group_gone(proc: subprocess.Popen, seconds: float) -> bool:
+    """Whether nothing is left of the process group that `proc` leads, waiting up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        proc.poll()  # reaps the leader: a zombie would keep the group alive
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ends what is left of the process group that `proc` leads (a server's engine process too):
+    SIGTERM, then SIGKILL after 8 s, so that nothing holds the GPU for the next benchmark."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        if _group_gone(proc, 8.0):
+            break
+    proc.wait()
+
+
+def _run(argv: list[str], log, timeout: float) -> None:
+    """`splitserve ARGV` in a session of its own, so that a timeout (or an interrupt) ends whatever it
+    started too."""
+    log.write(f"\n$ splitserve {' '.join(argv)}\n")
+    log.flush()
+    proc = subprocess.Popen(CLI + argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        _stop(proc)
+    if code != 0:
+        raise RuntimeError(f"`splitserve {argv[0]} {argv[1]}` exited with code {code} (see bench.log)")
+
+
+def run_bench(bench: Bench, log, timeout: float, scratch: str) -> dict:
+    """Runs one benchmark; returns its figures (raises on failure or timeout)."""
+    out = os.path.join(scratch, f"{bench.key}.json")
+    if bench.server_argv is None:
+        _run([*bench.argv, "--output-json", out], log, timeout)
+        with open(out) as f:
+            by_backend = {r["backend"]: r for r in json.load(f)}
+        ours = by_backend["splitserve"]
+        figures = {"output_tok_s": ours["output_tokens_per_s"], "elapsed_s": ours["elapsed"]}
+        figures["ms_per_token"] = 1e3 * ours["elapsed"] / ours["output_tokens"]
+        if "hf" in by_backend:
+            figures["hf_output_tok_s"] = by_backend["hf"]["output_tokens_per_s"]
+            figures["speedup_vs_hf"] = figures["output_tok_s"] / figures["hf_output_tok_s"]
+        return figures
+    deadline = time.monotonic() + timeout
+    port = _free_port()
+    server_argv = [*bench.server_argv, "--host", "127.0.0.1", "--port", str(port)]
+    log.write(f"\n$ splitserve {' '.join(server_argv)} &\n")
+    log.flush()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(CLI + server_argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc, deadline)
+        client = [*bench.argv, "--port", str(port), "--save-result", "--disable-tqdm"]
+        client += ["--result-dir", scratch, "--result-filename", f"{bench.key}.json"]
+        _run(client, log, max(1.0, deadline - time.monotonic()))
+    finally:
+        _stop(proc)
+    with open(out) as f:
+        result = json.load(f)
+    if result["failed"]:
+        raise RuntimeError(f"{result['failed']} of {result['num_prompts']} requests failed")
+    return {
+        "output_tok_s": result["output_throughput"],
+        "median_ttft_ms": result["median_ttft_ms"],
+        "median_tpot_ms": result["median_tpot_ms"],
+        "elapsed_s": result["duration"],
+    }
+
+
+def _target(key: str, figures: dict, dry_run: bool) -> dict | None:
+    if key not in TARGETS:
+        return None
+    metric, op, bound, unit = TARGETS[key]
+    met = figures[metric] >= bound if op == ">=" else figures[metric] <= bound
+    return {"metric": metric, "op": op, "bound": bound, "unit": unit, "met": None if dry_run else met}
+
+
+def _cells(bench: dict) -> tuple[str, str, str]:
+    """(figure, roofline, share of the roofline) of a benchmark that ran."""
+    fig, roof = bench["figures"], bench["roofline"]
+    if bench["key"].startswith("single"):
+        share = roof["ms_per_token"] / fig["ms_per_token"]
+        return f"{fig['ms_per_token']:.3f} ms/token", f"{roof['ms_per_token']:.3f} ms/token", f"{share:.0%}"
+    share = fig["output_tok_s"] / roof["output_tok_s"]
+    return f"{fig['output_tok_s']:,.0f} tok/s", f"{roof['output_tok_s']:,.0f} tok/s", f"{share:.0%}"
+
+
+def _goal(target: dict | None) -> str:
+    if not target:
+        return ""
+    verdict = {None: "not judged (dry run)", True: "met", False: "NOT met"}[target["met"]]
+    return f"{target['op']} {target['bound']:,g} {target['unit']}: {verdict}"
+
+
+def format_table(report: dict) -> str:
+    """One line per benchmark: the figure, its roofline and its share of it, the target."""
+    bw = report.get("bandwidth", {})
+    kind = "DRY RUN on the CPU, not a measurement" if report.get("dry_run") else "measured"
+    lines = [
+        f"Benchmarks on {bw.get('device', '?')} ({kind}); memory bandwidth "
+        f"{bw.get('bytes_per_s', 0) / 1e9:,.0f} GB/s ({bw.get('source', '?')})",
+        f"{'benchmark':<30}{'status':<9}{'figure':>18}{'roofline':>18}{'share':>7}  target / notes",
+    ]
+    for b in report.get("benchmarks", []):
+        if b["status"] != "ok":
+            lines.append(f"{b['title']:<30}{b['status']:<9}{'-':>18}{'-':>18}{'-':>7}  {b.get('error', '')[:100]}")
+            continue
+        figure, bound, share = _cells(b)
+        fig = b["figures"]
+        note = _goal(b.get("target"))
+        if b["key"] == "serve":
+            note = f"median TTFT {fig['median_ttft_ms']:.1f} ms, TPOT {fig['median_tpot_ms']:.2f} ms"
+            note += f" (roofline {b['roofline']['tpot_ms']:.2f} ms)"
+        lines.append(f"{b['title']:<30}{'ok':<9}{figure:>18}{bound:>18}{share:>7}  {note}")
+        if "hf_output_tok_s" in fig:
+            hf, ratio = f"{fig['hf_output_tok_s']:,.0f} tok/s", f"ratio {fig['speedup_vs_hf']:.1f}x"
+            lines.append(f"{'  transformers generate':<30}{'ok':<9}{hf:>18}{'':>25}  {ratio}")
+    return "\n".join(lines)
+
+
+def _tiny_model(directory: str) -> str:
+    """The dry run's model: two layers, hidden 64 (as docs/gpu.md's host-time run), and the vocabulary
+    size of the embedded tokenizer, which `bench serve` and the server use to make and read prompts."""
+    import transformers
+
+    transformers.Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    ).save_pretrained(directory)  # fmt: skip
+    return directory
+
+
+def run_all(ns: argparse.Namespace, scratch: str) -> dict:
+    """Every benchmark of the plan that the budget allows, each with its figures and roofline."""
+    deadline = time.monotonic() + ns.budget
+    if ns.dry_run:
+        os.environ.setdefault("SPLITSERVE_CPU_KVCACHE_SPACE", "0.25")
+    model_dir = _tiny_model(os.path.join(scratch, "tiny")) if ns.dry_run else None
+    try:
+        from splitserve.loader.resolve import default_model_path
+
+        tokenizer = default_model_path()
+    except (ImportError, FileNotFoundError):
+        tokenizer = None  # bench serve then sends random words
+    weights, kv_token = model_bytes(model_dir or MODEL, 4 if ns.dry_run else 2)
+    report = {"dry_run": ns.dry_run, "bandwidth": bandwidth(ns.dry_run), "benchmarks": []}
+    name = "tiny Qwen3 (dry run)" if ns.dry_run else MODEL
+    report["model"] = {"name": name, "weight_bytes": weights, "kv_bytes_per_token": kv_token}
+    with open(os.path.join(ns.out, "bench.log"), "a") as log:
+        for bench in plan(ns.dry_run, model_dir, tokenizer):
+            entry = {"key": bench.key, "title": bench.title, "command": "splitserve " + " ".join(bench.argv)}
+            if bench.server_argv:
+                entry["server_command"] = "splitserve " + " ".join(bench.server_argv)
+            left = deadline - time.monotonic()
+            if bench.optional and ns.dry_run:
+                entry |= {"status": "skipped", "error": "optional: not run in a dry run"}
+            elif left < (bench.timeout if bench.optional else min(bench.timeout, 20.0)):
+                entry |= {"status": "skipped", "error": f"not run: {left:.0f} s of the budget left"}
+            else:
+                start = time.monotonic()
+                try:
+                    figures = run_bench(bench, log, min(bench.timeout, left), scratch)
+                    entry |= {"status": "ok", "figures": figures}
+                    entry["roofline"] = roofline(bench, weights, kv_token, report["bandwidth"]["bytes_per_s"])
+                    entry["target"] = _target(bench.key, figures, ns.dry_run)
+                except subprocess.TimeoutExpired:
+                    entry |= {"status": "timeout", "error": f"timed out after {min(bench.timeout, left):.0f} s"}
+                except Exception as exc:  # noqa: BLE001 (reported, and the next benchmark runs)
+                    entry |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                entry["seconds"] = round(time.monotonic() - start, 1)
+            report["benchmarks"].append(entry)
+            print(f"[bench] {bench.title}: {entry['status']} {entry.get('error', '')}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder of bench.json and bench.log")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks that the code runs")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds for all the benchmarks together")
+    parser.add_argument(
+        "--no-table", action="store_true", help="leave the table to the caller (gpu_check.sh's summary)"
+    )
+    ns = parser.parse_args(argv)
+    os.makedirs(ns.out, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        report = run_all(ns, scratch)
+    with open(os.path.join(ns.out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    if not ns.no_table:
+        print(format_table(report))
+    return 0 if all(b["status"] in ("ok", "skipped") for b in report["benchmarks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

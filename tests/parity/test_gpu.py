@@ -1,0 +1,398 @@
+"""The GPU checks of docs/gpu.md ("Running the GPU check"): every test here needs CUDA, is marked `gpu`
+and is skipped without it (`scripts/gpu_check.sh` runs `pytest -m gpu` on a lent GPU machine). Tiny
+models keep the whole of `pytest -m gpu` within a couple of minutes on an H100.
+
+- greedy tokens equal transformers' on the same GPU, in float16 and bfloat16, for every tiny
+  architecture, ERNIE 4.5, the default model's shape and the default model itself (when its weights
+  travelled: the GPU check carries its tokenizer only);
+- the Triton attention backend against the torch backend on the GPU: decode split-K, varlen
+  prefill, sliding windows, int8/fp8 KV caches, block sizes 16 to 128, GQA groups 1 to 8;
+- CUDA graphs on vs off and overlap scheduling on vs off give the same tokens;
+- chunked prefill with prefix-cache hits, LoRA, structured output and beam search on the GPU.
+
+Two correct 16-bit computations in different orders round differently, and a random model's top
+two logits are sometimes within that rounding: tokens must be identical up to such a near tie
+(tests/helpers/hf_reference.py's rule, with a gap of a few 16-bit rounding steps of the logits).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import re
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # As in the other Triton test modules: whichever imports triton first decides (nothing here does).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, LoRARequest, SamplingParams  # noqa: E402
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model  # noqa: E402
+from tests.helpers.models import TINY_ARCHS, make_peft_adapter  # noqa: E402
+from tests.helpers.parity import MAX_TOKENS, PROMPTS, SHAPE, build  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEVICE = "cuda"  # every engine and model here; only a scratch run on the CPU would change it
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Near ties (best two logits this close) may go either way; logprobs agree to this much.
+# On the CPU (where splitserve has no float16), bfloat16 against transformers diverged at gaps up to 0.25 on the tiny
+# models and 0.5 on the 30-layer default shape, with logprobs up to 0.25 apart before that; float16
+# keeps 3 more bits. float32: 1.2e-4 apart at most.
+TIE_GAP = {"float16": 0.1, "bfloat16": 0.75, "float32": 1e-3}
+LOGPROB_ATOL = {"float16": 0.08, "bfloat16": 0.5, "float32": 1e-3}
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Engines hold reference cycles: collect them after each test, so that the next one (and the
+    memory-profiling tests of test_gpu_paths.py after this module) finds the GPU's memory free."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+class _OnDevice:
+    """A transformers model that takes the CPU input ids of hf_greedy and runs them on its device."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, **kwargs):
+        return self.model(input_ids=input_ids.to(self.model.device), **kwargs)
+
+
+def _engine(path: str, dtype: str = "float32", **kwargs) -> LLM:
+    settings = dict(
+        dtype=dtype,
+        device=DEVICE,
+        max_model_len=256,
+        max_num_seqs=16,
+        cuda_graph_sizes=[1, 2, 4, 8, 16],
+        num_gpu_blocks_override=256,  # no profiling pass: fast, and independent of the other tests
+        use_tqdm_on_load=False,
+    )
+    return LLM(path, **{**settings, **kwargs})
+
+
+def _generate(llm: LLM, prompts, max_tokens: int = MAX_TOKENS, logprobs: int = 0, lengths=None, **kwargs):
+    lengths = lengths or [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in lengths]
+    return [
+        o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, **kwargs)
+    ]
+
+
+def greedy_parity(path: str, dtype: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
+    """splitserve's greedy tokens and logprobs against transformers', both on the GPU in `dtype`."""
+    model = load_hf_model(path, dtype=DTYPES[dtype]).to(DEVICE)
+    refs = [hf_greedy(_OnDevice(model), p, max_tokens) for p in prompts]
+    del model
+    llm = _engine(path, dtype)
+    if DEVICE == "cuda":
+        assert llm.llm_engine.engine_core.executor.runner.backend.name == "triton"
+    for completion, ref in zip(_generate(llm, prompts, max_tokens), refs):
+        logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+        assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL[dtype], TIE_GAP[dtype])
+
+
+def _assert_same_tokens(first, second, tie_gap: float, label: str = "") -> None:
+    """Identical greedy tokens, up to a step where `first`'s best two logprobs are within tie_gap."""
+    for a, b in zip(first, second):
+        for step, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                top = sorted((lp.logprob for lp in a.logprobs[step].values()), reverse=True)
+                assert top[0] - top[1] < tie_gap, f"{label} diverged at step {step}: {a.token_ids} vs {b.token_ids}"
+                break
+        else:
+            assert len(a.token_ids) == len(b.token_ids)
+
+
+# --- greedy parity with transformers on the GPU, float16 and bfloat16 -------------------------------
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_tiny_models_match_transformers(tiny_models, arch, dtype):
+    greedy_parity(tiny_models[arch], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ernie4_5_matches_transformers(tmp_path, smollm_tokenizer, dtype):
+    """Interleaved rotary, biases on every linear."""
+    import transformers
+
+    config = transformers.Ernie4_5Config(**SHAPE, num_key_value_heads=2, head_dim=16, use_bias=True)
+    build(config, seed=11).save_pretrained(tmp_path)
+    smollm_tokenizer.save_pretrained(tmp_path)
+    greedy_parity(str(tmp_path), dtype)
+
+
+@pytest.fixture(scope="module")
+def default_shape(tmp_path_factory, smollm_tokenizer) -> str:
+    """SmolLM2-135M's config (30 layers, 9 query heads on 3 KV heads, head_dim 64) with random weights
+    large enough (std 0.1) that the best logits are usually well apart."""
+    import transformers
+
+    from splitserve.loader.known_configs import load_builtin_config
+
+    config = load_builtin_config("HuggingFaceTB/SmolLM2-135M-Instruct")
+    config.initializer_range = 0.1
+    torch.manual_seed(0)
+    directory = str(tmp_path_factory.mktemp("default_shape"))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    smollm_tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_default_model_shape_matches_transformers(default_shape, dtype):
+    greedy_parity(default_shape, dtype, prompts=PROMPTS[:4], max_tokens=16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_default_model_matches_transformers(default_gguf, dtype):
+    if os.path.getsize(default_gguf) < 50 << 20:
+        pytest.skip("only the default model's tokenizer is here (its 98 MB GGUF does not fit a device call)")
+    prompts = [[1, *range(100, 100 + 7 * i)] for i in range(1, 5)]
+    directory, name = os.path.split(default_gguf)
+    model = load_hf_model(directory, dtype=DTYPES[dtype], gguf_file=name).to(DEVICE)
+    refs = [hf_greedy(_OnDevice(model), p, 24) for p in prompts]
+    llm = _engine(default_gguf, dtype, quantization="none", max_model_len=512)
+    for completion, ref in zip(_generate(llm, prompts, 24), refs):
+        logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+        assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL[dtype], TIE_GAP[dtype])
+
+
+# --- Triton attention against the torch backend on the GPU ------------------------------------------
+KV_HEADS, NUM_BLOCKS = 2, 160
+DECODES = [(1, 1), (17, 1), (300, 1), (3000, 1)]  # (seq_len, query_len); 3000 keys: several splits
+PREFILLS = [(37, 37), (52, 20), (63, 40), (150, 150), (230, 130)]  # fresh, prefix hit, chunks, tiles
+ATTENTION_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _attention_step(requests, dtype, group, head_dim, window, cache_dtype, block_size):
+    """Two identical layers (one per backend) with each request's context written to a random,
+    scattered block table, and the step's q, k, v and metadata for the new tokens."""
+    from splitserve.executor.attention import AttentionMetadata
+    from splitserve.executor.attention.torch_ref import write_kv, write_quantized_kv
+    from splitserve.layers.attention import Attention
+    from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
+
+    gen = torch.Generator().manual_seed(0)
+    spec = kv_cache_spec(cache_dtype, dtype)
+    shape = (2, KV_HEADS, NUM_BLOCKS * 128 // block_size, block_size, head_dim)
+    free = torch.randperm(shape[2], generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-seq_len // block_size))] for seq_len, _ in requests]
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(dtype).to(DEVICE)
+
+    def slots(table, positions):
+        return torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in positions], dtype=torch.long, device=DEVICE
+        )
+
+    layer = Attention(KV_HEADS * group, KV_HEADS, head_dim, head_dim**-0.5, window)
+    layer.kv_cache = torch.zeros(shape, dtype=spec.storage_dtype, device=DEVICE)
+    if spec.quantized:
+        layer.kv_scales = torch.zeros(*shape[:-1], spec.num_scale_fields, dtype=SCALE_DTYPE, device=DEVICE)
+    for table, (seq_len, query_len) in zip(tables, requests):
+        context = seq_len - query_len
+        k, v, where = (
+            randn(context, KV_HEADS, head_dim),
+            randn(context, KV_HEADS, head_dim),
+            slots(table, range(context)),
+        )
+        if spec.quantized:
+            write_quantized_kv(layer.kv_cache, layer.kv_scales, k, v, where)
+        else:
+            write_kv(layer.kv_cache[0], layer.kv_cache[1], k, v, where)
+    reference = Attention(KV_HEADS * group, KV_HEADS, head_dim, head_dim**-0.5, window)
+    reference.kv_cache = layer.kv_cache.clone()
+    reference.kv_scales = None if layer.kv_scales is None else layer.kv_scales.clone()
+    tokens = sum(n for _, n in requests)
+    q, k, v = (
+        randn(tokens, KV_HEADS * group, head_dim),
+        randn(tokens, KV_HEADS, head_dim),
+        randn(tokens, KV_HEADS, head_dim),
+    )
+    starts = [0]
+    for _, n in requests:
+        starts.append(starts[-1] + n)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        backend=None,
+        num_decodes=sum(1 for _, n in requests if n == 1),
+        query_start_loc=starts,
+        seq_lens=[s for s, _ in requests],
+        seq_lens_tensor=torch.tensor([s for s, _ in requests], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.cat([slots(t, range(s - n, s)) for t, (s, n) in zip(tables, requests)]),
+        block_size=block_size,
+    )
+    return layer, reference, q, k, v, meta
+
+
+def _check_attention(requests, dtype, group=4, head_dim=128, window=None, cache_dtype="auto", block_size=16):
+    from splitserve.executor.attention.torch_ref import TorchAttentionBackend
+    from splitserve.executor.attention.triton_attn import TritonAttentionBackend
+
+    step = _attention_step(requests, dtype, group, head_dim, window, cache_dtype, block_size)
+    layer, reference, q, k, v, meta = step
+    out = TritonAttentionBackend().forward(layer, q, k, v, meta)
+    expected = TorchAttentionBackend().forward(reference, q, k, v, meta)
+    tol = ATTENTION_TOL[dtype]
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    assert torch.equal(layer.kv_cache.view(torch.uint8), reference.kv_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "block_size,dtype",
+    [(16, torch.float16), (32, torch.bfloat16), (64, torch.float16), (128, torch.bfloat16)],
+    ids=["16-float16", "32-bfloat16", "64-float16", "128-bfloat16"],
+)
+@pytest.mark.parametrize(
+    "requests,group,head_dim,window",
+    [
+        pytest.param(DECODES, 8, 128, None, id="decode-split-k"),
+        pytest.param(PREFILLS, 3, 64, None, id="varlen-prefill"),
+        pytest.param(DECODES[:3] + PREFILLS, 1, 256, 100, id="mixed-sliding-window"),
+    ],
+)
+def test_triton_attention_matches_torch(requests, group, head_dim, window, block_size, dtype):
+    _check_attention(requests, dtype, group, head_dim, window, block_size=block_size)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_triton_attention_quantized_cache(cache_dtype, dtype):
+    if cache_dtype == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton has float8 e4m3 only from compute capability 8.9")
+    _check_attention(DECODES[1:] + PREFILLS[1:3], dtype, 2, 128, None, cache_dtype, block_size=32)
+
+
+def test_decode_splits_with_a_long_context():
+    from splitserve.executor.attention.triton_decode import num_decode_splits
+
+    assert num_decode_splits(3000, KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    _check_attention([(3000, 1)], torch.bfloat16, 4, 128)
+
+
+# --- CUDA graphs and overlap scheduling: the same tokens --------------------------------------------
+def _count_replays(graph_runner) -> list[int]:
+    """The padded size of every decode step that replays a graph, from now on."""
+    sizes, run = [], graph_runner.run
+
+    def counting(input_ids, *args):
+        sizes.append(graph_runner.padded_size(len(input_ids)))
+        return run(input_ids, *args)
+
+    graph_runner.run = counting
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_and_overlap_give_the_same_tokens(tiny_models, dtype):
+    """Requests of staggered lengths, so that decode batches shrink through the padded graph sizes."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(3, 40))] for _ in range(10)]
+    lengths = [30, 3, 17, 9, 24, 2, 12, 30, 5, 20]
+    runs = {}
+    for eager, overlap in [(True, False), (False, False), (True, True), (False, True)]:
+        llm = _engine(tiny_models["qwen3"], dtype, enforce_eager=eager, async_scheduling=overlap)
+        graph_runner = llm.llm_engine.engine_core.executor.runner.graph_runner
+        assert (graph_runner is None) == eager
+        replayed = [] if eager else _count_replays(graph_runner)
+        runs[eager, overlap] = _generate(llm, prompts, logprobs=2, lengths=lengths)
+        assert eager or len(set(replayed)) >= 4, f"too few graph sizes replayed: {replayed}"
+    reference = runs[True, False]
+    for (eager, overlap), outputs in runs.items():
+        _assert_same_tokens(reference, outputs, TIE_GAP[dtype], f"enforce_eager={eager} async_scheduling={overlap}:")
+
+
+# --- chunked prefill and prefix-cache hits ----------------------------------------------------------
+def test_chunked_prefill_and_prefix_hits_match_transformers(tiny_models):
+    path = tiny_models["llama"]
+    model = load_hf_model(path).to(DEVICE)
+    refs = [hf_greedy(_OnDevice(model), p, MAX_TOKENS) for p in PROMPTS]
+    llm = _engine(path, max_num_batched_tokens=16, block_size=16)  # prompts of up to 40 tokens: chunked
+    scheduler = llm.llm_engine.engine_core.scheduler
+    for attempt in range(2):  # the second time the prompts' full blocks are cached
+        hits = scheduler.prefix_cache_stats.hits
+        for completion, ref in zip(_generate(llm, PROMPTS), refs):
+            logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+            assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL["float32"])
+        assert attempt == 0 or scheduler.prefix_cache_stats.hits > hits
+
+
+# --- LoRA, structured output, beam search -----------------------------------------------------------
+def test_lora_matches_peft(tiny_models, tmp_path):
+    from peft import PeftModel
+
+    base = tiny_models["qwen2"]
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = LoRARequest("full", 1, make_peft_adapter(base, str(tmp_path / "full"), projections, r=8, seed=1))
+    prompts = PROMPTS[:4]
+    hf = PeftModel.from_pretrained(load_hf_model(base), adapter.lora_path).eval().to(DEVICE)
+    refs = [hf_greedy(_OnDevice(hf), p, 8) for p in prompts]
+    base_refs = [hf_greedy(_OnDevice(load_hf_model(base).to(DEVICE)), p, 8) for p in prompts]
+    llm = _engine(base, enable_lora=True, max_loras=1, max_lora_rank=8)
+    outs = _generate(llm, prompts * 2, 8, lora_request=[adapter] * 4 + [None] * 4)
+    for completion, ref in zip(outs, refs + base_refs):
+        logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+        assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL["float32"])
+
+
+def test_structured_output(tiny_chat_model):
+    """The token masks applied on the GPU: every output parses as its guide asks, ended by the grammar."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    llm = _engine(tiny_chat_model, max_model_len=256)
+    prompts = ["Describe a knight:", "Pick a colour", "Write something", "Hello"]
+    guides = [
+        GuidedDecodingParams(json=schema, whitespace_pattern=""),
+        GuidedDecodingParams(regex=r"[A-Z][a-z]{2,5}-\d{3}"),
+        GuidedDecodingParams(choice=["red", "green", "blue"]),
+    ]
+    for guide in guides:
+        params = SamplingParams(temperature=1.0, seed=0, n=2, max_tokens=120, guided_decoding=guide)
+        for completion in [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]:
+            assert completion.finish_reason == "stop", completion.text
+            if guide.json is not None:
+                value = json.loads(completion.text)
+                assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+            elif guide.regex is not None:
+                assert re.fullmatch(guide.regex, completion.text)
+            else:
+                assert completion.text in guide.choice
+
+
+def test_beam_search_matches_transformers(tiny_models):
+    path, width, max_tokens = tiny_models["llama"], 3, 10
+    prompts = [[5 + i + 3 * j for j in range(6 + 2 * i)] for i in range(3)]
+    llm = _engine(path)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(width, max_tokens))
+    model = load_hf_model(path).to(DEVICE)
+    for prompt, output in zip(prompts, outputs):
+        rows = model.generate(
+            torch.tensor([prompt], device=DEVICE),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        ).tolist()
+        expected = []
+        for row in rows:  # a hypothesis that ended with eos is padded after it
+            generated = row[len(prompt) :]
+            end = next((i + 1 for i, t in enumerate(generated) if t == 2), len(generated))
+            expected.append(prompt + generated[:end])
+        assert [s.tokens for s in output.sequences] == expected
