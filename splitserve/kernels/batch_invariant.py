@@ -32,25 +32,29 @@ _MULTIPLES = (1, 2, 4, 8, 16, 32, 64)
 _PROBE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 64)
 _ALONE_ROWS = 32  # rows whose results alone are compared: a different reduction order shows in few of the
 # rounded outputs, so many rows are compared
-_state: dict[str, object] = {"multiple": None, "step": None}
+# "multiple": the padding of products whose weight was not probed; "by_weight": id(weight) ->
+# (weight, its multiple), each weight padded as little as its own shape needs.
+_state: dict[str, object] = {"multiple": None, "by_weight": {}, "step": None}
 
 
 def enabled() -> bool:
     return _state["multiple"] is not None
 
 
-def row_multiple() -> int:
-    """The row count every CPU product is padded to a multiple of (1 when the mode is off)."""
-    return _state["multiple"] or 1
+def row_multiple(weight: torch.Tensor | None = None) -> int:
+    """The row count a CPU product with `weight` is padded to a multiple of (1 when the mode is off;
+    the largest any probed weight needs for a product whose weight is not given or not probed)."""
+    entry = _state["by_weight"].get(id(weight)) if weight is not None else None
+    return entry[1] if entry is not None else _state["multiple"] or 1
 
 
-def padded_row_count(m: int) -> int:
-    multiple = row_multiple()
+def padded_row_count(m: int, weight: torch.Tensor | None = None) -> int:
+    multiple = row_multiple(weight)
     return -(-max(m, 1) // multiple) * multiple
 
 
 def disable() -> None:
-    _state["multiple"] = None
+    _state["multiple"], _state["by_weight"] = None, {}
 
 
 @contextlib.contextmanager
@@ -80,45 +84,63 @@ def enable(model: torch.nn.Module, device: torch.device) -> None:
             "depends on the batch."
         )
     start = time.perf_counter()
-    products = _model_products(model)
-    multiple = next((m for m in _MULTIPLES if all(_invariant(p, m) for p in products)), None)
-    if multiple is None:
-        raise RuntimeError(
-            "--batch-invariant: this host's matrix products give rows results that depend on the row count "
-            f"even padded to {_MULTIPLES[-1]} rows; the mode cannot be guaranteed here."
-        )
-    _state["multiple"] = multiple
+    _pack_gguf_head(model)
+    by_weight, needed = {}, {}
+    for shape, (product, weights) in _model_products(model).items():
+        multiple = next((m for m in _MULTIPLES if _invariant(product, m)), None)
+        if multiple is None:
+            raise RuntimeError(
+                f"--batch-invariant: this host's products of {shape} give rows results that depend on the row count "
+                f"even padded to {_MULTIPLES[-1]} rows; the mode cannot be guaranteed here."
+            )
+        needed[shape] = multiple
+        by_weight.update({id(w): (w, multiple) for w in weights})
+    _state["by_weight"], _state["multiple"] = by_weight, max(needed.values(), default=1)
     logger.info(
-        "Batch-invariant numerics: products padded to a multiple of %d rows (probed in %.2f s on %d weight shapes)",
-        multiple,
+        "Batch-invariant numerics: products padded to multiples of %s rows (probed in %.2f s on %d weight shapes)",
+        sorted(set(needed.values())) or [1],
         time.perf_counter() - start,
-        len(products),
+        len(needed),
     )
 
 
-def _model_products(model: torch.nn.Module) -> list:
-    """One product per distinct (N, K, dtype, packed or not) among the model's dense linears and
-    LM head: (K, dtype, x -> x @ W.T)."""
-    seen, products = set(), []
+def _pack_gguf_head(model: torch.nn.Module) -> None:
+    """A GGUF LM head in bfloat16 multiplies by a dequantized, prepacked copy (kernels/packed_linear.py):
+    its integer path, the one path every logits row could take, costs 3x the tiles' time at 64 rows
+    (17 against 5 ms for SmolLM2's Q8_0 head), and the packed copy is within 0.6 ms of it at one row."""
+    head = model.compute_logits_embedding() if hasattr(model, "compute_logits_embedding") else None
+    if head is None or getattr(head, "gguf_qtype", None) is None or head.dtype != torch.bfloat16:
+        return
+    from splitserve.kernels import cpu_features
+
+    if not cpu_features.native_bf16():
+        return
+    rows, dim = head.gguf_blocks.shape[0], head.dim
+    dense = torch.ops.splitserve_cpu.gguf_dequantize(head.gguf_blocks, head.gguf_qtype, rows, dim, torch.bfloat16)
+    head.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense, 64)
+    logger.info("Batch-invariant numerics: the GGUF LM head multiplies by a prepacked bfloat16 copy (%d rows)", rows)
+
+
+def _model_products(model: torch.nn.Module) -> dict:
+    """The model's dense linears, LM head and GGUF tile products, by shape: shape -> (one product to
+    probe, (K, dtype, x -> x @ W.T); every weight of that shape)."""
+    found: dict = {}
+
+    def add(key, weight, product):
+        found.setdefault(key, (product, []))[1].append(weight)
+
     for module in model.modules():
         packed, weight = getattr(module, "packed_weight", None), getattr(module, "weight", None)
         if packed is not None:
             k = getattr(module, "in_features", None) or module.dim
-            key = ("packed", k, getattr(module, "out_features", None) or getattr(module, "rows_per_rank", None))
-            product = (k, torch.bfloat16, lambda x, p=packed: _packed_product(x, p))
+            rows = getattr(module, "out_features", None) or getattr(module, "rows_per_rank", None)
+            add(("packed", rows, k), packed, (k, torch.bfloat16, lambda x, p=packed: _packed_product(x, p)))
         elif isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16):
-            key = ("dense", *weight.shape, weight.dtype)
-            product = (weight.shape[1], weight.dtype, lambda x, w=weight: torch.nn.functional.linear(x, w))
-        else:
-            for key, product in _gguf_tile_products(module):
-                if key not in seen:
-                    seen.add(key)
-                    products.append(product)
-            continue
-        if key not in seen:
-            seen.add(key)
-            products.append(product)
-    return products
+            fn = lambda x, w=weight: torch.nn.functional.linear(x, w)  # noqa: E731
+            add(("dense", *weight.shape, weight.dtype), weight, (weight.shape[1], weight.dtype, fn))
+        for key, buffer, product in _gguf_tile_products(module):
+            add(key, buffer, product)
+    return found
 
 
 def _gguf_tile_products(module: torch.nn.Module):
@@ -132,7 +154,7 @@ def _gguf_tile_products(module: torch.nn.Module):
         fn = lambda x, w=weight, q=qtype, n=rows, k=k: torch.ops.splitserve_cpu.gguf_mm(  # noqa: E731
             x.contiguous(), w, q, n, k, cpu_features.native_bf16(), 2
         )
-        yield ("gguf", qtype, rows, k, dtype), (k, dtype, fn)
+        yield ("gguf", qtype, rows, k, dtype), weight, (k, dtype, fn)
 
 
 def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

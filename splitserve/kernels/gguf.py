@@ -71,7 +71,7 @@ def _invariant_mm(ops, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: 
         parts.append(ops.gguf_mm(x[:start].contiguous(), w, qtype, n, k, native_bf16, _INTEGER))
     if start < x.shape[0]:
         prompt = x[start:]
-        padded = row_buckets.padded_rows(prompt.contiguous())
+        padded = row_buckets.padded_rows(prompt.contiguous(), w)
         parts.append(ops.gguf_mm(padded, w, qtype, n, k, native_bf16, _TILES)[: prompt.shape[0]])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

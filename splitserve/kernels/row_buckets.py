@@ -48,20 +48,21 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-def rows_for(m: int) -> int:
+def rows_for(m: int, weight: torch.Tensor | None = None) -> int:
     """The rows a CPU product of m rows computes: row_bucket(m), rounded up to the batch-invariant
-    row multiple when that mode is on (kernels/batch_invariant.py)."""
+    row multiple of `weight` when that mode is on (kernels/batch_invariant.py)."""
     rows = row_bucket(m) if ENABLED else m
-    return batch_invariant.padded_row_count(rows) if batch_invariant.enabled() else rows
+    return batch_invariant.padded_row_count(rows, weight) if batch_invariant.enabled() else rows
 
 
-def padded_rows(x2: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] with zero rows appended up to rows_for(M), where the product would go through
-    oneDNN (a CPU tensor of a bucketed dtype) or batch-invariant numerics are on; x2 itself otherwise."""
+def padded_rows(x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] with zero rows appended up to rows_for(M, weight), where the product would go
+    through oneDNN (a CPU tensor of a bucketed dtype) or batch-invariant numerics are on; x2 itself
+    otherwise."""
     m = x2.shape[0]
     if x2.device.type != "cpu" or not (batch_invariant.enabled() or (ENABLED and x2.dtype in _BUCKETED_DTYPES)):
         return x2
-    rows = rows_for(m)
+    rows = rows_for(m, weight)
     if rows == m:
         return x2
     padded = x2.new_empty(rows, x2.shape[1])
@@ -75,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (all leading dims together) padded by `padded_rows`."""
     product = F.linear if product is None else product
     x2 = x.reshape(-1, x.shape[-1])
-    padded = padded_rows(x2)
+    padded = padded_rows(x2, weight)
     if padded is x2:
         return product(x, weight, bias)
     y = product(padded, weight, bias)[: x2.shape[0]]
