@@ -4,6 +4,7 @@
 # directory outside the repository (nothing here is ever committed):
 #
 #   scripts/build_llama_cpp.sh [CACHE_DIR]          # default: ~/.cache/splitserve/llama.cpp
+#   TARGETS="llama-lookup llama-speculative-simple" scripts/build_llama_cpp.sh   # speculative decoding's peers
 #   $CACHE_DIR/bin/llama-server -m model.gguf -t 2 -np 64 -c 32768 --port 8080
 #   $CACHE_DIR/bin/llama-bench -m model.gguf -t 2 -p 0 -n 128      # tg128, single stream
 #
@@ -16,6 +17,7 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${1:-${HOME}/.cache/splitserve/llama.cpp}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
+TARGETS="${TARGETS:-llama-server llama-bench}"
 
 mkdir -p "$CACHE/src" "$CACHE/bin"
 cd "$CACHE/src"
@@ -45,8 +47,9 @@ echo "Configuring llama.cpp ($SRC): AVX-512 $AVX512, AVX-512 VNNI $VNNI, AVX-512
 cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512="$AVX512" \
     -DGGML_AVX512_VNNI="$VNNI" -DGGML_AVX512_BF16="$BF16" \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-echo "Building llama-server and llama-bench with $JOBS jobs"
-cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-bench
-cp "$BUILD/bin/llama-server" "$BUILD/bin/llama-bench" "$CACHE/bin/"
-echo "Done: $CACHE/bin/llama-server, $CACHE/bin/llama-bench"
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
+echo "Building $TARGETS with $JOBS jobs"
+# shellcheck disable=SC2086  # TARGETS is a list of words
+cmake --build "$BUILD" -j "$JOBS" --target $TARGETS
+for target in $TARGETS; do cp "$BUILD/bin/$target" "$CACHE/bin/"; done
+echo "Done: $TARGETS in $CACHE/bin"

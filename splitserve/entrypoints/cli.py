@@ -78,7 +78,7 @@ def _add_quantize(qt: argparse.ArgumentParser) -> None:
 
 def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from splitserve.benchmarks import pd, quant, serve, soak, startup, throughput
+    from splitserve.benchmarks import pd, quant, serve, soak, spec, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput (vLLM's `bench throughput` workload)")
     add_engine_args(tp)
@@ -99,6 +99,13 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
     add_engine_args(qb)
     quant.add_arguments(qb)
     qb.set_defaults(func=lambda ns: quant.main(ns, engine_args_from(ns)))
+
+    sp = bench_sub.add_parser(
+        "spec", help="speculative decoding (--speculative-config) against the same engine without it, one run"
+    )
+    add_engine_args(sp)
+    spec.add_arguments(sp)
+    sp.set_defaults(func=lambda ns: spec.main(ns, engine_args_from(ns)))
 
     pdb = bench_sub.add_parser("pd", help="a PD deployment against one mixed instance, same workload, one run")
     pd.add_arguments(pdb)

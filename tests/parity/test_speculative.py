@@ -156,3 +156,81 @@ def test_unseeded_sampling_keeps_the_target_distribution(plain, speculative):
     tokens = set(without) | set(with_spec)
     distance = sum(abs(without[t] - with_spec[t]) for t in tokens) / (2 * n)
     assert distance < 0.12, (without, with_spec)
+
+
+def test_a_draft_model_proposes_and_the_target_decides(model, plain, tiny_models):
+    """The target as its own draft accepts nearly everything; another model of the same vocabulary
+    as draft accepts less; both give the target's tokens. The KV pool is small enough that requests
+    are preempted and their draft KV is rebuilt."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in _run(plain, PROMPTS, params)]
+    for draft, least_rate in ((model, 0.9), (tiny_models["qwen2"], 0.0)):
+        llm = LLM(
+            model,
+            dtype="float32",
+            max_model_len=128,
+            use_tqdm_on_load=False,
+            num_gpu_blocks_override=10,  # 160 tokens for 4 requests of up to 80 (+ lookahead): preemptions
+            speculative_config={"model": draft, "num_speculative_tokens": 3},
+        )
+        assert [o.token_ids for o in _run(llm, PROMPTS, params)] == expected
+        stats = llm.llm_engine.engine_core.speculator.stats
+        assert stats.num_drafts > 0 and stats.acceptance_rate >= least_rate
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        del llm
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_models, tiny_chat_model):
+    with pytest.raises(ValueError, match="vocabulary of 1024 tokens"):
+        LLM(
+            tiny_chat_model,
+            dtype="float32",
+            speculative_config={"model": tiny_models["llama"], "num_speculative_tokens": 2},
+        )
+
+
+def test_lora_requests_speculate_too(tiny_models, tmp_path):
+    """n-gram drafts for requests with and without an adapter: each verified against its own weights."""
+    from splitserve.lora.request import LoRARequest
+    from tests.helpers.models import make_peft_adapter
+
+    base = tiny_models["llama"]
+    adapter = make_peft_adapter(base, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    lora = LoRARequest("a", 1, adapter)
+    outputs = {}
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(
+            base,
+            dtype="float32",
+            max_model_len=256,
+            use_tqdm_on_load=False,
+            enable_lora=True,
+            speculative_config=config,
+        )
+        with_adapter = llm.generate(_inputs(PROMPTS[:2]), params, lora_request=lora, use_tqdm=False)
+        without = llm.generate(_inputs(PROMPTS[2:]), params, use_tqdm=False)
+        outputs[config is None] = [o.outputs[0].token_ids for o in with_adapter + without]
+        del llm
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_verify_and_draft(model, plain):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = [o.token_ids for o in _run(plain, PROMPTS, params)]
+    for config in (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"model": model, "num_speculative_tokens": 3},
+    ):
+        llm = LLM(
+            model,
+            dtype="float32",
+            max_model_len=256,
+            use_tqdm_on_load=False,
+            tensor_parallel_size=2,
+            speculative_config=config,
+        )
+        assert [o.token_ids for o in _run(llm, PROMPTS, params)] == expected
+        assert llm.llm_engine.engine_core.speculator.stats.num_drafts > 0
+        del llm
