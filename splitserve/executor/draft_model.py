@@ -140,20 +140,8 @@ class DraftModelProposer:
         return [tokens[state.request_id] for state, _ in going]
 
     def _forward_argmax(self, batch: InputBatch) -> list[int]:
-        from splitserve.executor.attention import AttentionMetadata
-
         dev = self.device
-        meta = AttentionMetadata(
-            backend=self.backend,
-            num_decodes=batch.num_decodes,
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            seq_lens_tensor=to_device(batch.seq_lens, torch.int32, dev),
-            block_tables=to_device(batch.padded_block_tables(), torch.int32, dev),
-            slot_mapping=to_device(batch.slot_mapping, torch.long, dev),
-            block_size=self.block_size,
-            rope_lengths=to_device(batch.rope_lengths(), torch.long, dev) if self.uses_rope_lengths else None,
-        )
+        meta = batch.attention_metadata(self.backend, dev, self.uses_rope_lengths)
         input_ids = to_device(batch.input_ids, torch.long, dev)
         positions = to_device(batch.positions, torch.long, dev)
         if self.decode_stack is not None and self.decode_stack.takes(meta, positions.shape[0]):

@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
+from splitserve.executor.attention.backend import AttentionMetadata
+from splitserve.executor.host import to_device
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest
 from splitserve.lora.request import LoRARequest
 from splitserve.sampling_params import SamplingParams
@@ -189,6 +193,21 @@ class InputBatch:
             positions = self.positions[self.query_start_loc[i] : self.query_start_loc[i + 1]]
             lengths.extend(max(request.num_prompt_tokens, p + 1) for p in positions)
         return lengths
+
+    def attention_metadata(self, backend, device: torch.device, rope_lengths: bool) -> AttentionMetadata:
+        """The step as the attention backend reads it, on `device` (rope_lengths: the model scales its
+        rotary per sequence length, dynamic NTK)."""
+        return AttentionMetadata(
+            backend=backend,
+            num_decodes=self.num_decodes,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            seq_lens_tensor=to_device(self.seq_lens, torch.int32, device),
+            block_tables=to_device(self.padded_block_tables(), torch.int32, device),
+            slot_mapping=to_device(self.slot_mapping, torch.long, device),
+            block_size=self.block_size,
+            rope_lengths=to_device(self.rope_lengths(), torch.long, device) if rope_lengths else None,
+        )
 
     def padded_block_tables(self) -> list[list[int]]:
         width = max(len(r) for r in self.block_tables)

@@ -338,18 +338,7 @@ class ModelRunner:
         return hidden.index_select(0, to_device(batch.logits_indices, torch.long, self.device))
 
     def _attention_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            backend=self.backend,
-            num_decodes=batch.num_decodes,
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            seq_lens_tensor=to_device(batch.seq_lens, torch.int32, dev),
-            block_tables=to_device(batch.padded_block_tables(), torch.int32, dev),
-            slot_mapping=to_device(batch.slot_mapping, torch.long, dev),
-            block_size=self.block_size,
-            rope_lengths=to_device(batch.rope_lengths(), torch.long, dev) if self.uses_rope_lengths else None,
-        )
+        return batch.attention_metadata(self.backend, self.device, self.uses_rope_lengths)
 
     def _input_ids(self, batch: InputBatch, previous: InFlightStep | None) -> torch.Tensor:
         input_ids = to_device(batch.input_ids, torch.long, self.device)
