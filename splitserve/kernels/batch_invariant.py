@@ -84,7 +84,6 @@ def enable(model: torch.nn.Module, device: torch.device) -> None:
             "depends on the batch."
         )
     start = time.perf_counter()
-    _pack_gguf_head(model)
     by_weight, needed = {}, {}
     for shape, (product, weights) in _model_products(model).items():
         multiple = next((m for m in _MULTIPLES if _invariant(product, m)), None)
@@ -102,23 +101,6 @@ def enable(model: torch.nn.Module, device: torch.device) -> None:
         time.perf_counter() - start,
         len(needed),
     )
-
-
-def _pack_gguf_head(model: torch.nn.Module) -> None:
-    """A GGUF LM head in bfloat16 multiplies by a dequantized, prepacked copy (kernels/packed_linear.py):
-    its integer path, the one path every logits row could take, costs 3x the tiles' time at 64 rows
-    (17 against 5 ms for SmolLM2's Q8_0 head), and the packed copy is within 0.6 ms of it at one row."""
-    head = model.compute_logits_embedding() if hasattr(model, "compute_logits_embedding") else None
-    if head is None or getattr(head, "gguf_qtype", None) is None or head.dtype != torch.bfloat16:
-        return
-    from splitserve.kernels import cpu_features
-
-    if not cpu_features.native_bf16():
-        return
-    rows, dim = head.gguf_blocks.shape[0], head.dim
-    dense = torch.ops.splitserve_cpu.gguf_dequantize(head.gguf_blocks, head.gguf_qtype, rows, dim, torch.bfloat16)
-    head.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense, 64)
-    logger.info("Batch-invariant numerics: the GGUF LM head multiplies by a prepacked bfloat16 copy (%d rows)", rows)
 
 
 def _model_products(model: torch.nn.Module) -> dict:

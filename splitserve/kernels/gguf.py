@@ -13,7 +13,7 @@ Which path runs:
   differ from x @ W.T by that rounding of x, about 0.5% of the outputs' root mean square. More rows
   go through dequantized tiles and at::mm (bfloat16 tiles with native bf16 and bfloat16 x, else
   float32): as exact as F.linear.
-  Q4_0 and Q4_1 weights of a multiple of 16 rows can be repacked (repack(): 16 rows interleaved, one
+  Q4_0, Q4_1 and Q8_0 weights of a multiple of 16 rows can be repacked (repack(): 16 rows interleaved, one
   per vector lane, as llama.cpp's CPU backend repacks them); the model's loader does so on the CPU.
   gguf_dequantize and gguf_embedding equal the gguf package's dequantize, rounded once to dtype.
 - Otherwise the reference: the gguf package's numpy dequantize, then F.linear or indexing. It runs
@@ -37,7 +37,7 @@ KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K
 # Added to the type id of a weight that repack() interleaved (gguf_repack.h's kRepacked), for the
 # types it repacks; such a weight is [N / REPACK_ROWS, REPACK_ROWS * row_bytes].
 REPACKED = 256
-REPACK_TYPES = {2: "Q4_0", 3: "Q4_1"}
+REPACK_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 REPACK_ROWS = 16
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _INTEGER, _TILES = 1, 2  # gguf_mm's path (gguf_products.cpp): by row count when not given

@@ -1,4 +1,4 @@
-// gguf_repack: Q4_0 and Q4_1 weights rewritten in the interleaved layout of gguf_repack.h, 16 rows
+// gguf_repack: Q4_0, Q4_1 and Q8_0 weights rewritten in the interleaved layout of gguf_repack.h, 16 rows
 // at a time, for the few-rows products of gguf_products.cpp. Registered in ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +20,11 @@ void repack_record(const uint8_t* rows, int64_t row_bytes, int64_t c, uint8_t* r
     const uint8_t* block = rows + r * row_bytes + c * Q::kBytes;
     std::memcpy(rec + 2 * r, block, 2);
     if constexpr (Q::kHasMin) std::memcpy(rec + Record<Q>::kMinsAt + 2 * r, block + 2, 2);
+    if constexpr (Record<Q>::kByteCodes) {  // value 4j + b of the block's 32 int8 codes (after d)
+      for (int j = 0; j < 8; ++j)
+        for (int b = 0; b < 4; ++b) codes[64 * j + 4 * r + b] = block[2 + 4 * j + b];
+      continue;
+    }
     const uint8_t* qs = block + (Q::kHasMin ? 4 : 2);  // value i in the low nibble of byte i, i + 16 in its high one
     uint8_t code[kChunk];
     for (int i = 0; i < 16; ++i) code[i] = qs[i] & 15, code[i + 16] = qs[i] >> 4;

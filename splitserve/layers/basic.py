@@ -217,6 +217,17 @@ class Embedding(nn.Module):
         self.weight.data[: len(share)].copy_(share)
         self.weight.data[len(share) :].zero_()  # padding rows of the last rank
 
+    def repack_gguf_blocks(self) -> int:
+        """Interleave a GGUF head's blocks 16 rows at a time for its logits' products (kernels.gguf.repack);
+        1 if it was, 0 where its type or row count has no repacked layout."""
+        from splitserve.kernels import gguf as gguf_kernels
+
+        repacked = gguf_kernels.repack(self.gguf_blocks, self.gguf_qtype, self.gguf_blocks.shape[0], self.dim)
+        if repacked is None:
+            return 0
+        self.gguf_blocks, self.gguf_qtype = repacked
+        return 1
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.gguf_qtype is None:
             return F.embedding(ids, self.weight)
@@ -269,7 +280,8 @@ silu_and_mul = kernels.silu_and_mul
 def pack_cpu_weights(model: nn.Module) -> int:
     """Prepack the model's weights once for the CPU kernels: dense bfloat16 linears and the LM head
     for oneDNN (kernels/packed_linear.py), and whatever a quantized linear's method repacks (GGUF
-    Q4_0/Q4_1 blocks interleaved 16 rows at a time). Returns how many weights were packed, and logs it."""
+    Q4_0/Q4_1/Q8_0 blocks interleaved 16 rows at a time), a GGUF LM head too (its token lookups read
+    the interleaved rows). Returns how many weights were packed, and logs it."""
     if not packed_linear.enabled():
         logger.info(
             "%s=0: bfloat16 linear weights are reordered by oneDNN at every call, quantized ones stay as loaded.",
@@ -289,6 +301,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
     if isinstance(head, Embedding) and head.gguf_qtype is None and packed_linear.can_pack(head.weight):
         head.packed_weight = packed_linear.pack(head.weight)
         dense += 1
+    elif isinstance(head, Embedding) and head.gguf_qtype is not None:
+        quantized += head.repack_gguf_blocks()
     if dense:
         logger.info(
             "CPU: %d bfloat16 weights prepacked for oneDNN once, not reordered at every call (%s=0 turns it off).",

@@ -45,7 +45,7 @@ class GGUFLinearMethod(LinearMethod):
             layer.gguf_runs.append((run[0].qtype if run[0].quantized else None, sum(p.shape[0] for p in run), name))
 
     def pack_cpu_weights(self, layer: Linear) -> int:
-        """Q4_0/Q4_1 runs of a multiple of 16 rows interleaved for the decode GEMV (kernels.gguf.repack)."""
+        """Q4_0/Q4_1/Q8_0 runs of a multiple of 16 rows interleaved for the decode GEMV (kernels.gguf.repack)."""
         from splitserve.kernels import gguf as gguf_kernels
 
         count = 0

@@ -141,12 +141,22 @@ class Outcome:
 
     @property
     def tokens(self) -> int:
-        return sum(1 for e in self.events if e != "[DONE]" and "choices" in json.loads(e))
+        """Tokens streamed so far (a chunk may carry several: a decode instance's first token, from the
+        prefill instance, goes out with the one it computes next)."""
+        chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
+        return sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c.get("choices"))
 
 
 def _stream(url: str, prompt: str, outcome: Outcome) -> None:
     start = time.monotonic()
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": 0,
+    }
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as r:
             outcome.status = r.status_code

@@ -164,7 +164,7 @@ def test_smollm2_shapes_and_float16_and_batched_input(ops):
     _check_product(gguf_kernels.gguf_mm(x, w, int(Q.Q4_0), 4000, 576), x, _reference(w, Q.Q4_0, 4000, 576), True)
 
 
-REPACK_TYPES = [Q.Q4_0, Q.Q4_1]
+REPACK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 
 def _repacked(w: torch.Tensor, qtype, n: int, k: int) -> tuple[torch.Tensor, int]:
@@ -200,7 +200,7 @@ def test_repacked_product_matches_the_dequantized_weights(ops, qtype, dtype, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     out = gguf_kernels.gguf_mm(x, rw, rtype, n, k)
     assert out.dtype == dtype and out.shape == (m, n)
-    tiles = m >= (24 if dtype == torch.bfloat16 and cpu_features.native_bf16() else 64)
+    tiles = m >= (512 if qtype == Q.Q8_0 else 24 if dtype == torch.bfloat16 and cpu_features.native_bf16() else 64)
     _check_product(out, x, _reference(w, qtype, n, k), dtype == torch.float32 and tiles)
 
 
@@ -219,12 +219,12 @@ def test_repacked_single_row_is_the_blocks_integer_product(ops, qtype):
 def test_what_is_not_repacked(ops):
     """Types without a repacked kernel and row counts off the 16-row groups stay as they are; the
     op itself says why it refuses them, and checks a repacked weight's shape."""
-    w8 = _weight(Q.Q8_0, 32, 64)
-    assert gguf_kernels.repack(w8, int(Q.Q8_0), 32, 64) is None
+    w8 = _weight(Q.Q6_K, 32, 256)
+    assert gguf_kernels.repack(w8, int(Q.Q6_K), 32, 256) is None
     w4 = _weight(Q.Q4_1, 40, 64)
     assert gguf_kernels.repack(w4, int(Q.Q4_1), 40, 64) is None
     with pytest.raises(RuntimeError, match="is not repacked here"):
-        ops.gguf_repack(w8, int(Q.Q8_0), 32, 64)
+        ops.gguf_repack(w8, int(Q.Q6_K), 32, 256)
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         ops.gguf_repack(w4, int(Q.Q4_1), 40, 64)
     rw, rtype = _repacked(w4[:32].contiguous(), Q.Q4_1, 32, 64)
@@ -296,3 +296,17 @@ def test_the_avx2_build_passes_these_tests_too():
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
+
+
+@pytest.mark.parametrize("qtype", REPACK_TYPES, ids=[t.name for t in REPACK_TYPES])
+def test_embedding_rows_of_a_repacked_head_are_the_blocks_rows(ops, qtype):
+    """A tied LM head repacked for its products still serves token lookups, row for row."""
+    n, k = 64, _k(qtype)
+    w = _weight(qtype, n, k, seed=4)
+    rw, rtype = _repacked(w, qtype, n, k)
+    ids = torch.tensor([0, 17, 63, 17, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = gguf_kernels.gguf_embedding(ids, w, int(qtype), k, dtype)
+        assert torch.equal(gguf_kernels.gguf_embedding(ids, rw, rtype, k, dtype), expected)
+    with pytest.raises(RuntimeError, match="token ids must lie in"):
+        ops.gguf_embedding(torch.tensor([64]), rw, rtype, k, torch.float32)
