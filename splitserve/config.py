@@ -187,6 +187,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    # Mixture-of-experts layers: each tensor-parallel rank holds whole experts (E / tp of them)
+    # instead of a slice of every expert (vLLM's --enable-expert-parallel).
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -222,10 +225,19 @@ class ParallelConfig:
         for ok, what in checks:
             if not ok:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {what}.")
+        experts = next((getattr(hf_config, k) for k in _EXPERT_COUNT_KEYS if getattr(hf_config, k, None)), None)
+        if self.enable_expert_parallel and experts and experts % tp:
+            raise ValueError(
+                f"--enable-expert-parallel puts whole experts on each rank: the model's {experts} experts do not "
+                f"divide over the {tp} tensor-parallel ranks."
+            )
         if hf_config.num_hidden_layers < pp:
             raise ValueError(
                 f"pipeline_parallel_size={pp} is more than the model's {hf_config.num_hidden_layers} layers."
             )
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "moe_num_experts")  # as MoE configs name it
 
 
 @dataclass

@@ -23,6 +23,8 @@ class ParallelRank:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # Mixture-of-experts layers hold whole experts per tensor-parallel rank (--enable-expert-parallel).
+    expert_parallel: bool = False
 
     @property
     def rank(self) -> int:

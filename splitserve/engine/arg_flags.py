@@ -69,6 +69,8 @@ _ENGINE_HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
     "lora_modules": 'adapters to serve from the start: name=path, or JSON {"name": ..., "path": ..., '
     '"base_model_name": ...}; several may follow the flag',
+    "enable_expert_parallel": "mixture-of-experts layers: whole experts per tensor-parallel rank (E / tp each) "
+    "instead of a slice of every expert (docs/moe.md)",
     "batch_invariant": "every row of a step computed as it would be alone: greedy output that does not depend on the "
     "batch, chunking, prefix hits or the deployment (CPU; also SPLITSERVE_BATCH_INVARIANT=1; docs/determinism.md)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} (also '

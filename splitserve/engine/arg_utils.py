@@ -53,6 +53,7 @@ class EngineArgs:
     kv_cache_ratio: float = 1.0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None  # None: uni for one rank, else mp (or ray, see below)
     device: str = "auto"
     quantization: str | None = None
@@ -197,7 +198,10 @@ class EngineArgs:
 
     def _parallel_config(self, device: torch.device) -> ParallelConfig:
         config = ParallelConfig(
-            self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend or "uni"
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.distributed_executor_backend or "uni",
+            self.enable_expert_parallel,
         )
         if self.distributed_executor_backend is None and config.world_size > 1:
             config.distributed_executor_backend = _default_executor_backend(config.world_size, device)

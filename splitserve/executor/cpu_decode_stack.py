@@ -123,6 +123,8 @@ def _unsupported(model, backend, rank, lora_enabled: bool) -> str | None:
     dtype = layers[0].input_layernorm.weight.dtype
     if dtype not in _DTYPES:
         return f"the model computes in {dtype} (the stack: float32 or bfloat16)"
+    if inner.embedding_multiplier != 1.0 or any(layer.residual_multiplier != 1.0 for layer in layers):
+        return "its multipliers (Granite) scale the embeddings and each layer's outputs"
     if inner.logn_length is not None:
         return "log-n attention scales the queries"
     if inner.rotary_dtype not in (None, dtype):

@@ -23,6 +23,7 @@ from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_b
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.kernels import batch_invariant
+from splitserve.layers.moe import FusedMoE
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -91,6 +92,11 @@ class ModelRunner:
     def _lora_manager(self):
         if self.config.lora_config is None:
             return None
+        if any(isinstance(m, FusedMoE) for m in self.model.modules()):
+            raise ValueError(
+                "LoRA adapters on mixture-of-experts models are not supported yet: their experts are not LoRA "
+                "targets. Serve the model without --enable-lora."
+            )
         from splitserve.executor.lora_manager import LoRAManager
 
         mc = self.config.model_config

@@ -11,6 +11,7 @@ a failed `Launch` the error is the answer to the next message.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from typing import Any
@@ -77,6 +78,7 @@ class Worker:
     ):
         """`kv_host`: the address other instances reach this rank's KV connector at, when it is not
         the instance's (a rank on another machine of a Ray cluster)."""
+        rank = dataclasses.replace(rank, expert_parallel=config.parallel_config.enable_expert_parallel)
         self.rank = rank
         if config.device.type == "cuda":
             config.device = torch.device("cuda", local_rank)

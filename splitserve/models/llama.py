@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
             quant_method=_method(quant_config, f"{prefix}.o_proj"),
             parallel="row",
         )
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
@@ -96,7 +96,7 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            getattr(config, "attention_multiplier", None) or self.head_dim**-0.5,  # Granite sets its own scale
             sliding_window=_sliding_window(config, layer_idx),
         )
 
@@ -104,7 +104,8 @@ class LlamaAttention(nn.Module):
     def biases(config) -> tuple[bool, bool]:
         """(q/k/v, o) biases: Llama's attention_bias covers all four projections, Qwen2 biases q/k/v."""
         attention_bias = bool(getattr(config, "attention_bias", False))
-        return config.model_type == "qwen2" or attention_bias, attention_bias
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))  # Qwen2-MoE names it
+        return qkv_bias or attention_bias, attention_bias
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, encoding: PositionEncoding):
         return apply_rotary(q, k, encoding)
@@ -122,19 +123,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, quant_config=None, prefix: str = ""):
+    def __init__(
+        self, config, dtype: torch.dtype, quant_config=None, prefix: str = "", intermediate_size: int | None = None
+    ):
         super().__init__()
         bias = self.has_bias(config)
+        intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(
             config.hidden_size,
-            [config.intermediate_size] * 2,
+            [intermediate_size] * 2,
             bias=bias,
             dtype=dtype,
             quant_method=_method(quant_config, f"{prefix}.gate_up_proj"),
             parallel="column",
         )
         self.down_proj = Linear(
-            config.intermediate_size,
+            intermediate_size,
             [config.hidden_size],
             bias=bias,
             dtype=dtype,
@@ -143,6 +147,11 @@ class LlamaMLP(nn.Module):
         )
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu).")
+
+    @classmethod
+    def for_layer(cls, config, layer_idx: int, dtype: torch.dtype, quant_config, prefix: str) -> nn.Module:
+        """The MLP of decoder layer `layer_idx` (mixture-of-experts models choose per layer)."""
+        return cls(config, dtype, quant_config, prefix)
 
     @staticmethod
     def has_bias(config) -> bool:
@@ -165,9 +174,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.self_attn = attention_cls(config, layer_idx, dtype, quant_config, f"{prefix}.self_attn")
-        self.mlp = mlp_cls(config, dtype, quant_config, f"{prefix}.mlp")
+        self.mlp = mlp_cls.for_layer(config, layer_idx, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        # Granite scales each sub-layer's output before it joins the residual stream.
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0) or 1.0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, encoding: PositionEncoding, meta):
         """vLLM's residual form: x is the previous layer's output, not yet added to the residual
@@ -177,8 +188,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, encoding, meta)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x * self.residual_multiplier if self.residual_multiplier != 1.0 else x), residual
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
@@ -220,6 +234,7 @@ class LlamaModel(nn.Module):
         self.rotary = rotary_embedding(config, head_dim, max_position)
         self.rotary_dtype = attention_cls.rotary_dtype
         self.logn_length = logn_training_length(config)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0) or 1.0)  # Granite
 
     def local_layers(self) -> list[LlamaDecoderLayer]:
         return [self.layers[i] for i in self.layer_range]
@@ -243,6 +258,8 @@ class LlamaModel(nn.Module):
         (hidden, residual); the last returns the final hidden states, the others (hidden, residual)."""
         if self.is_first_stage:
             x, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                x = x * self.embedding_multiplier
         else:
             x, residual = intermediate
         encoding = self.position_encoding(positions, x.dtype, meta)
@@ -283,7 +300,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens if self.head_is_embedding else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits_embedding().logits(hidden)
+        logits = self.compute_logits_embedding().logits(hidden)
+        scaling = float(getattr(self.config, "logits_scaling", 1.0) or 1.0)  # Granite divides its logits
+        return logits / scaling if scaling != 1.0 else logits
 
     @staticmethod
     def lora_target(module_name: str) -> tuple[str, int]:
@@ -309,11 +328,15 @@ class LlamaForCausalLM(nn.Module):
                     if self._on_other_rank(target):
                         continue
                     raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+                filled = None
                 if hasattr(module, "load_checkpoint_tensor"):
-                    module.load_checkpoint_tensor(suffix, shard, tensor)
+                    filled = module.load_checkpoint_tensor(suffix, shard, tensor)
                 else:
                     _copy_checked(params[target].data, tensor, name)
-                missing.discard(target if shard is None else f"{target}#{shard}")
+                if filled is not None:  # the pieces it filled (mixture-of-experts layers: per expert)
+                    missing.difference_update(f"{target}#{s}" for s in filled)
+                else:
+                    missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
             raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}.")
 
@@ -347,8 +370,12 @@ class LlamaForCausalLM(nn.Module):
         return self.get_submodule(param_name.rsplit(".", 1)[0])
 
     def _load_keys(self, param_name: str) -> list[str]:
-        """A stacked parameter (q/k/v, gate/up) is filled shard by shard: one key per shard."""
-        shards = len(getattr(self._owner(param_name), "output_sizes", [None]))
+        """A stacked parameter (q/k/v, gate/up) is filled shard by shard: one key per shard; a module
+        that says which pieces of a parameter the checkpoint fills (checkpoint_shards) names them."""
+        owner = self._owner(param_name)
+        if hasattr(owner, "checkpoint_shards"):
+            return [f"{param_name}#{s}" for s in owner.checkpoint_shards(param_name.rsplit(".", 1)[1])]
+        shards = len(getattr(owner, "output_sizes", [None]))
         return [param_name] if shards == 1 else [f"{param_name}#{s}" for s in range(shards)]
 
 

@@ -9,6 +9,13 @@ from torch import nn
 from splitserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from splitserve.models.internlm import InternLM2ForCausalLM, internlm2_config, internlm_config
 from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.moe import (
+    Ernie4_5_MoeForCausalLM,
+    GraniteMoeForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,6 +27,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "InternLMForCausalLM": LlamaForCausalLM,  # its config is read as a LlamaConfig (models/internlm.py)
     "InternLM2ForCausalLM": InternLM2ForCausalLM,
     "InternLM3ForCausalLM": LlamaForCausalLM,  # transformers' own InternLM3 is its Llama too
+    "GraniteForCausalLM": LlamaForCausalLM,  # Llama with multipliers (embedding, residual, attention, logits)
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
 }
 
 # Model types whose config class is remote code: splitserve reads their config.json itself.

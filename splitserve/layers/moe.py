@@ -1,0 +1,199 @@
+"""Mixture-of-experts MLP layers: a router picks top-k experts per token, the experts (SiLU-gated MLPs)
+compute on the tokens routed to them, and their outputs are summed with the router's weights.
+
+FusedMoE holds every expert's gate/up rows stacked in one parameter, w13 [E, 2 I, H], and its down
+projections in w2 [E, H, I], as the Hugging Face checkpoints' 3D expert tensors are (the per-expert
+checkpoints load into slices of them). A forward sorts the step's (token, expert) pairs by expert
+once, then runs each expert that has tokens as two GEMMs over exactly those tokens, so that a decode
+step with few tokens reads only the weights of the experts it selected; each expert's output is
+scaled by its routing weight and added into the tokens' rows in expert order, as transformers adds
+them.
+
+Parallelism: with tensor parallelism every rank holds a slice of every expert's intermediate
+channels (w13 rows and w2 columns, as the dense MLP's column / row split) and the ranks' partial sums
+are all-reduced; with expert parallelism (--enable-expert-parallel) each rank holds E / tp whole
+experts and computes only their share, and the same all-reduce combines the ranks' outputs (every
+rank holds every token, so dispatching is just each rank skipping the experts it does not hold).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.distributed.communication import tp_all_reduce
+from splitserve.distributed.parallel_state import get_parallel_rank
+from splitserve.layers.basic import silu_and_mul
+
+logger = logging.getLogger(__name__)
+
+GATE, UP, DOWN = 0, 1, 2  # which projection of an expert a checkpoint tensor is
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """How a model's router turns logits into each token's experts and weights.
+
+    `scoring`: "softmax" (softmax over all experts, then top-k) or "topk_softmax" (top-k of the
+    logits, then softmax over those k: Granite). `renormalize`: divide the top-k weights by their
+    sum (Mixtral always, Qwen with norm_topk_prob, ERNIE with a floor of `norm_min`). `biased`: a
+    per-expert correction added to the probabilities to choose the experts only (ERNIE 4.5's
+    e_score_correction_bias). `weights_in_float`: the weights stay float32 when they scale the
+    experts' outputs (Mixtral), instead of being cast to the model dtype first (Qwen, ERNIE, Granite).
+    `logits_in_float`: the router's product in float32 (ERNIE 4.5)."""
+
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    norm_min: float = 0.0
+    biased: bool = False
+    weights_in_float: bool = False
+    logits_in_float: bool = False
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        rule: RouterRule,
+        dtype: torch.dtype,
+        expert_parallel: bool = False,
+    ):
+        super().__init__()
+        rank = get_parallel_rank()
+        self.tp_rank, self.tp_size = rank.tp_rank, rank.tp_size
+        self.num_experts, self.rule, self.hidden_size = num_experts, rule, hidden_size
+        self.expert_parallel = expert_parallel and self.tp_size > 1
+        if self.expert_parallel:
+            if num_experts % self.tp_size:
+                raise ValueError(
+                    f"--enable-expert-parallel splits the experts over the {self.tp_size} tensor-parallel ranks: "
+                    f"{num_experts} experts do not divide into {self.tp_size}."
+                )
+            self.local_experts = num_experts // self.tp_size
+            self.first_expert, self.intermediate = self.tp_rank * self.local_experts, intermediate_size
+        else:
+            if intermediate_size % self.tp_size:
+                raise ValueError(
+                    f"The experts' {intermediate_size} intermediate channels cannot be split over {self.tp_size} "
+                    "tensor-parallel ranks (--enable-expert-parallel splits whole experts instead)."
+                )
+            self.local_experts, self.first_expert = num_experts, 0
+            self.intermediate = intermediate_size // self.tp_size
+        router_dtype = torch.float32 if rule.logits_in_float else dtype
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=router_dtype), requires_grad=False)
+        if rule.biased:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        shape13 = (self.local_experts, 2 * self.intermediate, hidden_size)
+        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(
+            torch.empty(self.local_experts, hidden_size, self.intermediate, dtype=dtype), requires_grad=False
+        )
+        self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long)  # since start, this rank's view
+
+    # --- loading -------------------------------------------------------------------------------
+    def checkpoint_shards(self, name: str) -> list[int]:
+        """The pieces of parameter `name` the checkpoint must fill on this rank (load_weights' check)."""
+        experts = range(self.first_expert, self.first_expert + self.local_experts)
+        if name == "w13":
+            return [3 * e + p for e in experts for p in (GATE, UP)]
+        if name == "w2":
+            return [3 * e + DOWN for e in experts]
+        return [0]
+
+    def load_checkpoint_tensor(self, name: str, shard: int | None, tensor: torch.Tensor) -> list[int]:
+        """`shard` = 3 * expert + GATE/UP/DOWN for one expert's projection [rows, cols], or None for
+        a whole 3D tensor (every expert) of w13 or w2, or the router's weight or its correction.
+        Returns the pieces it filled on this rank (checkpoint_shards' ids)."""
+        if name in ("gate", "e_score_correction_bias"):
+            param = getattr(self, name)
+            _copy(param.data, tensor.reshape(param.shape) if tensor.numel() == param.numel() else tensor, name)
+            return [0]
+        if shard is not None:
+            return self._load_expert(shard // 3, shard % 3, tensor)
+        filled = []
+        for expert in range(self.num_experts):
+            if name == "w13":
+                half = tensor.shape[1] // 2
+                filled += self._load_expert(expert, GATE, tensor[expert, :half])
+                filled += self._load_expert(expert, UP, tensor[expert, half:])
+            else:
+                filled += self._load_expert(expert, DOWN, tensor[expert])
+        return filled
+
+    def _load_expert(self, expert: int, projection: int, tensor: torch.Tensor) -> list[int]:
+        local = expert - self.first_expert
+        if not 0 <= local < self.local_experts:
+            return []  # another rank's expert (expert parallelism)
+        share = (
+            slice(None)
+            if self.expert_parallel
+            else slice(self.tp_rank * self.intermediate, (self.tp_rank + 1) * self.intermediate)
+        )
+        if projection == DOWN:
+            _copy(self.w2.data[local], tensor[:, share], f"expert {expert}'s down projection")
+        else:
+            rows = slice(projection * self.intermediate, (projection + 1) * self.intermediate)
+            _copy(self.w13.data[local, rows], tensor[share], f"expert {expert}'s gate/up projection")
+        return [3 * expert + projection]
+
+    # --- forward -------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) by the model's rule."""
+        rule = self.rule
+        logits = F.linear(x.float() if rule.logits_in_float else x, self.gate)
+        if rule.scoring == "topk_softmax":
+            top, ids = logits.float().topk(rule.top_k, dim=-1)
+            return top.softmax(dim=-1).to(x.dtype), ids
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        choice = probs + self.e_score_correction_bias if rule.biased else probs
+        _, ids = choice.topk(rule.top_k, dim=-1)
+        weights = probs.gather(-1, ids)
+        if rule.renormalize:
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total.clamp(min=rule.norm_min) if rule.norm_min else total)
+        return (weights if rule.weights_in_float else weights.to(x.dtype)), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.experts(x, weights, ids)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum over each token's k experts of weight * expert(x), for the experts this rank holds."""
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        self.tokens_per_expert += torch.tensor(counts)
+        pair_weights = weights.reshape(-1)
+        start = sum(counts[: self.first_expert])
+        for local in range(self.local_experts):
+            count = counts[self.first_expert + local]
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // k
+            h = silu_and_mul(F.linear(x.index_select(0, tokens), self.w13[local]))
+            h = F.linear(h, self.w2[local]) * pair_weights.index_select(0, pairs)[:, None]
+            out.index_add_(0, tokens, h.to(out.dtype))
+        return out
+
+    def log_expert_load(self, layer: int) -> None:
+        """Tokens routed to each expert since start (load balance), at debug level."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("MoE layer %d: tokens per expert %s", layer, self.tokens_per_expert.tolist())
+
+
+def _copy(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"Checkpoint tensor for {what} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}.")
+    dest.copy_(tensor)

@@ -1,0 +1,152 @@
+"""Mixture-of-experts models against transformers on tiny random-weight models: Qwen3-MoE (with and
+without norm_topk_prob, top-1 and top-4), Qwen2-MoE (a gated shared expert, a dense layer),
+Mixtral, Granite MoE (softmax over the top-k, Granite's multipliers) and ERNIE 4.5 MoE (shared
+experts, a corrected router, MoE from layer 1); then tensor parallelism with the experts' channels
+split and with whole experts per rank (--enable-expert-parallel), pipeline parallelism, and the
+errors a user can meet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.parity import SHAPE, build, generate_and_check, llm, references
+
+MOE = dict(SHAPE, num_key_value_heads=2)
+
+
+def _qwen3(norm: bool, top_k: int):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        **MOE, head_dim=16, num_experts=8, num_experts_per_tok=top_k, moe_intermediate_size=32,
+        norm_topk_prob=norm, decoder_sparse_step=1, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _qwen2():
+    import transformers
+
+    return transformers.Qwen2MoeConfig(
+        **MOE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def _mixtral():
+    import transformers
+
+    return transformers.MixtralConfig(
+        **{**MOE, "intermediate_size": 48}, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False
+    )
+
+
+def _granite():
+    import transformers
+
+    return transformers.GraniteMoeConfig(
+        **{**MOE, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def _ernie():
+    import transformers
+
+    return transformers.Ernie4_5_MoeConfig(
+        **MOE, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1,
+        moe_layer_interval=1, moe_num_shared_experts=1, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+CONFIGS = {
+    "qwen3_moe_norm_top2": lambda: _qwen3(True, 2),
+    "qwen3_moe_top1": lambda: _qwen3(False, 1),
+    "qwen3_moe_norm_top4": lambda: _qwen3(True, 4),
+    "qwen2_moe_shared": _qwen2,
+    "mixtral": _mixtral,
+    "granite_moe": _granite,
+    "ernie4_5_moe": _ernie,
+}
+
+
+def _model(name: str):
+    model = build(CONFIGS[name](), seed=len(name))
+    if name == "ernie4_5_moe":  # a correction that changes which experts are chosen
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.moe_statics.e_score_correction_bias.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, smollm_tokenizer):
+    """name -> (checkpoint directory, transformers' greedy references)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = _model(name)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            smollm_tokenizer.save_pretrained(path)
+            cache[name] = (str(path), references(model))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_moe_models_match_transformers(saved, name):
+    path, refs = saved(name)
+    generate_and_check(llm(path), refs)  # one batch of every prompt, prefix hits included
+    generate_and_check(llm(path, max_num_batched_tokens=16), refs)  # chunked prefill, decodes mixed in
+
+
+def test_a_decode_step_runs_only_the_chosen_experts(saved):
+    from splitserve.layers.moe import FusedMoE
+
+    path, _ = saved("qwen3_moe_norm_top2")
+    engine = llm(path)
+    layers = [m for m in engine.llm_engine.engine_core.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+    calls = []
+    for layer in layers:
+        original = layer.experts
+
+        def counting(x, weights, ids, original=original):
+            calls.append((x.shape[0], len(set(ids.flatten().tolist()))))
+            return original(x, weights, ids)
+
+        layer.experts = counting
+    from splitserve import SamplingParams
+
+    engine.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    decode_calls = [distinct for tokens, distinct in calls if tokens == 1]
+    assert decode_calls and all(distinct == 2 for distinct in decode_calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-channels", "expert-parallel"])
+@pytest.mark.parametrize("name", ["qwen2_moe_shared", "ernie4_5_moe", "mixtral"])
+def test_tensor_parallel_moe(saved, name, expert_parallel):
+    path, refs = saved(name)
+    generate_and_check(llm(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel), refs)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_moe(saved):
+    path, refs = saved("qwen3_moe_norm_top2")
+    generate_and_check(llm(path, pipeline_parallel_size=2), refs)
+
+
+def test_experts_that_do_not_divide_over_the_ranks_are_refused(saved):
+    path, _ = saved("qwen2_moe_shared")  # 6 experts
+    with pytest.raises(ValueError, match="6 experts do not divide over the 4 tensor-parallel ranks"):
+        llm(path, tensor_parallel_size=4, enable_expert_parallel=True)
+
+
+def test_lora_on_an_moe_model_is_refused_with_the_reason(saved):
+    path, _ = saved("mixtral")
+    with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts models"):
+        llm(path, enable_lora=True)
