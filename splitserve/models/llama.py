@@ -150,8 +150,7 @@ class LlamaMLP(nn.Module):
 
     @classmethod
     def for_layer(cls, config, layer_idx: int, dtype: torch.dtype, quant_config, prefix: str) -> nn.Module:
-        """The MLP of decoder layer `layer_idx` (mixture-of-experts models choose per layer)."""
-        return cls(config, dtype, quant_config, prefix)
+        return cls(config, dtype, quant_config, prefix)  # mixture-of-experts models choose per layer
 
     @staticmethod
     def has_bias(config) -> bool:
@@ -192,7 +191,7 @@ class LlamaDecoderLayer(nn.Module):
             x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
         x = self.mlp(x)
-        return (x * self.residual_multiplier if self.residual_multiplier != 1.0 else x), residual
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x, residual
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
