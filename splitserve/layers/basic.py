@@ -290,6 +290,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
         return 0
     dense = quantized = 0
     for module in model.modules():
+        if hasattr(module, "pack_weights"):  # mixture-of-experts layers pack their experts themselves
+            dense += module.pack_weights()
         if not isinstance(module, Linear):
             continue
         if module.quant_method is not None:

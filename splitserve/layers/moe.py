@@ -27,6 +27,7 @@ from torch import nn
 
 from splitserve.distributed.communication import tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
+from splitserve.kernels import packed_linear
 from splitserve.layers.basic import silu_and_mul
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,20 @@ class FusedMoE(nn.Module):
             torch.empty(self.local_experts, hidden_size, self.intermediate, dtype=dtype), requires_grad=False
         )
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long)  # since start, this rank's view
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN's layout (CPU)
+
+    def pack_weights(self) -> int:
+        """bfloat16 experts on CPU: each expert's two matrices prepacked for oneDNN once
+        (kernels/packed_linear.py: reordered at every call otherwise, 2x slower at a few rows); the
+        stacked copies are dropped. Returns how many matrices were packed."""
+        if not packed_linear.enabled() or not packed_linear.can_pack(self.w13[0]):
+            return 0
+        self.packed = [
+            (packed_linear.pack(self.w13[e]), packed_linear.pack(self.w2[e])) for e in range(self.local_experts)
+        ]
+        self.w13 = nn.Parameter(self.w13.data.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.data.new_empty(0), requires_grad=False)
+        return 2 * self.local_experts
 
     # --- loading -------------------------------------------------------------------------------
     def checkpoint_shards(self, name: str) -> list[int]:
@@ -182,10 +197,16 @@ class FusedMoE(nn.Module):
             pairs = order[start : start + count]
             start += count
             tokens = pairs // k
-            h = silu_and_mul(F.linear(x.index_select(0, tokens), self.w13[local]))
-            h = F.linear(h, self.w2[local]) * pair_weights.index_select(0, pairs)[:, None]
+            h = silu_and_mul(self._product(x.index_select(0, tokens), local, 0))
+            h = self._product(h, local, 1) * pair_weights.index_select(0, pairs)[:, None]
             out.index_add_(0, tokens, h.to(out.dtype))
         return out
+
+    def _product(self, x: torch.Tensor, local: int, which: int) -> torch.Tensor:
+        """x @ W.T for local expert `local`'s gate/up (0) or down (1) matrix."""
+        if self.packed is not None:
+            return packed_linear.linear(x, self.packed[local][which])
+        return F.linear(x, (self.w13, self.w2)[which][local])
 
     def log_expert_load(self, layer: int) -> None:
         """Tokens routed to each expert since start (load balance), at debug level."""
