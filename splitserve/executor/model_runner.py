@@ -48,6 +48,11 @@ class ModelRunner:
         self.rank = get_parallel_rank()
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load and self.rank.rank == 0)
         if config.batch_invariant:
+            if any(isinstance(m, FusedMoE) for m in self.model.modules()):
+                raise ValueError(
+                    "--batch-invariant does not cover mixture-of-experts layers yet: an expert's products run on "
+                    "the tokens routed to it, whose number changes with the batch (docs/determinism.md)."
+                )
             batch_invariant.enable(self.model, self.device)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
         self.uses_rope_lengths = is_dynamic_ntk(config.model_config.hf_config)  # AttentionMetadata.rope_lengths

@@ -14,6 +14,11 @@ channels (w13 rows and w2 columns, as the dense MLP's column / row split) and th
 are all-reduced; with expert parallelism (--enable-expert-parallel) each rank holds E / tp whole
 experts and computes only their share, and the same all-reduce combines the ranks' outputs (every
 rank holds every token, so dispatching is just each rank skipping the experts it does not hold).
+
+Quantized experts (a GGUF file's blocks under --quantization gguf, or weight_only_int8 / fp8
+applied while loading) are one pair of Linears per expert (gate/up stacked, down) with the model's
+linear method, loaded and split exactly as the dense stacks are; a decode step then reads only the
+selected experts' quantized blocks.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from torch import nn
 
 from splitserve.distributed.communication import tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
-from splitserve.kernels import packed_linear
-from splitserve.layers.basic import silu_and_mul
+from splitserve.kernels import packed_linear, row_buckets
+from splitserve.layers.basic import Linear, silu_and_mul
+from splitserve.layers.gguf_weight import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ class FusedMoE(nn.Module):
         rule: RouterRule,
         dtype: torch.dtype,
         expert_parallel: bool = False,
+        quant_config=None,
+        prefix: str = "",
     ):
         super().__init__()
         rank = get_parallel_rank()
@@ -91,19 +99,35 @@ class FusedMoE(nn.Module):
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=router_dtype), requires_grad=False)
         if rule.biased:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
-        shape13 = (self.local_experts, 2 * self.intermediate, hidden_size)
+        # quantized: per local expert, [gate/up Linear, down Linear] with the model's linear method
+        self.quantized: nn.ModuleList | None = None
+        if quant_config is not None:
+            self.quantized = nn.ModuleList(
+                nn.ModuleList(self._expert_linears(quant_config, f"{prefix}.{self.first_expert + e}", dtype))
+                for e in range(self.local_experts)
+            )
+            shape13 = shape2 = (0,)  # the stacks stay empty: they only name what the checkpoint fills
+        else:
+            shape13 = (self.local_experts, 2 * self.intermediate, hidden_size)
+            shape2 = (self.local_experts, hidden_size, self.intermediate)
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(
-            torch.empty(self.local_experts, hidden_size, self.intermediate, dtype=dtype), requires_grad=False
-        )
+        self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long)  # since start, this rank's view
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN's layout (CPU)
+
+    def _expert_linears(self, quant_config, prefix: str, dtype: torch.dtype) -> list[Linear]:
+        h, i = self.hidden_size, self.intermediate
+        return [
+            _ExpertLinear(h, [i, i], dtype=dtype, quant_method=quant_config.linear_method(f"{prefix}.gate_up_proj")),
+            _ExpertLinear(i, [h], dtype=dtype, quant_method=quant_config.linear_method(f"{prefix}.down_proj")),
+        ]
 
     def pack_weights(self) -> int:
         """bfloat16 experts on CPU: each expert's two matrices prepacked for oneDNN once
         (kernels/packed_linear.py: reordered at every call otherwise, 2x slower at a few rows); the
-        stacked copies are dropped. Returns how many matrices were packed."""
-        if not packed_linear.enabled() or not packed_linear.can_pack(self.w13[0]):
+        stacked copies are dropped. Returns how many matrices were packed. Quantized experts are
+        Linears, which pack_cpu_weights repacks as any other."""
+        if self.quantized is not None or not packed_linear.enabled() or not packed_linear.can_pack(self.w13[0]):
             return 0
         self.packed = [
             (packed_linear.pack(self.w13[e]), packed_linear.pack(self.w2[e])) for e in range(self.local_experts)
@@ -128,6 +152,8 @@ class FusedMoE(nn.Module):
         Returns the pieces it filled on this rank (checkpoint_shards' ids)."""
         if name in ("gate", "e_score_correction_bias"):
             param = getattr(self, name)
+            if isinstance(tensor, GGUFWeight):  # a GGUF router (llama.cpp keeps it float32)
+                tensor = tensor.dense(torch.float32)
             _copy(param.data, tensor.reshape(param.shape) if tensor.numel() == param.numel() else tensor, name)
             return [0]
         if shard is not None:
@@ -151,6 +177,12 @@ class FusedMoE(nn.Module):
             if self.expert_parallel
             else slice(self.tp_rank * self.intermediate, (self.tp_rank + 1) * self.intermediate)
         )
+        if self.quantized is not None:
+            linear = self.quantized[local][1 if projection == DOWN else 0]
+            rows, cols = (slice(None), share) if projection == DOWN else (share, slice(None))
+            part = tensor.take(rows, cols) if isinstance(tensor, GGUFWeight) else tensor[rows, cols]
+            linear.load_checkpoint_tensor("weight", None if projection == DOWN else projection, part)
+            return [3 * expert + projection]
         if projection == DOWN:
             _copy(self.w2.data[local], tensor[:, share], f"expert {expert}'s down projection")
         else:
@@ -204,14 +236,24 @@ class FusedMoE(nn.Module):
 
     def _product(self, x: torch.Tensor, local: int, which: int) -> torch.Tensor:
         """x @ W.T for local expert `local`'s gate/up (0) or down (1) matrix."""
+        if self.quantized is not None:
+            return self.quantized[local][which](x)
         if self.packed is not None:
             return packed_linear.linear(x, self.packed[local][which])
-        return F.linear(x, (self.w13, self.w2)[which][local])
+        return row_buckets.linear(x, (self.w13, self.w2)[which][local])
 
     def log_expert_load(self, layer: int) -> None:
         """Tokens routed to each expert since start (load balance), at debug level."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("MoE layer %d: tokens per expert %s", layer, self.tokens_per_expert.tolist())
+
+
+class _ExpertLinear(Linear):
+    """One expert's quantized matrix. The MoE layer loads it with this rank's share already taken
+    and accounts for what the checkpoint filled itself (FusedMoE.checkpoint_shards)."""
+
+    def checkpoint_shards(self, name: str) -> list[int]:
+        return []
 
 
 def _copy(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:

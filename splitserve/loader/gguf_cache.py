@@ -50,15 +50,40 @@ def hf_dir_for_gguf(gguf_path: str) -> str | None:
     return target
 
 
+# GGUF metadata transformers' reader leaves out for the mixture-of-experts models it reads
+# (llama.cpp's converter writes them): `<arch>.<key>` -> config attribute
+_MOE_KEYS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+
+def read_gguf_config(directory: str, name: str, **kwargs):
+    """transformers' config of a .gguf file, with the experts' sizes of an MoE file (transformers
+    keeps its config class's defaults for them, which are another model's)."""
+    from transformers import AutoConfig
+
+    from splitserve.loader.gguf_file import GGUFFile
+
+    config = AutoConfig.from_pretrained(directory, gguf_file=name, **kwargs)
+    metadata = GGUFFile(os.path.join(directory, name)).metadata
+    arch = metadata.get("general.architecture")
+    for key, attribute in _MOE_KEYS.items():
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(value))
+    return config
+
+
 def _save(gguf_path: str, target: str) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     start = time.perf_counter()
     directory, name = os.path.split(os.path.abspath(gguf_path))
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".saving-", dir=os.path.dirname(target))
     try:
-        AutoConfig.from_pretrained(directory, gguf_file=name).save_pretrained(staging)
+        read_gguf_config(directory, name).save_pretrained(staging)
         AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(staging)
         open(os.path.join(staging, _COMPLETE), "w").close()
         try:

@@ -29,7 +29,9 @@ class GGUFTensor:
     name: str
     qtype: int  # ggml type id (gguf.GGMLQuantizationType)
     shape: tuple[int, ...]  # torch order: outermost first ([out_features, in_features] for a weight)
-    data: torch.Tensor  # uint8 [rows, row bytes] (2-d tensors), or [bytes] (1-d), a view of the file
+    data: (
+        torch.Tensor
+    )  # uint8 [rows, row bytes] (rows of every outer dim: experts x rows for 3-d), or [bytes] (1-d), a view of the file
 
     @property
     def row_elements(self) -> int:
@@ -132,4 +134,4 @@ def gguf_is_quantized(path: str) -> bool:
     """Whether any matrix of the file is stored in quantized blocks (not F32/F16/BF16)."""
     from splitserve.layers.gguf_weight import DENSE_TYPES
 
-    return any(t.qtype not in DENSE_TYPES and len(t.shape) == 2 for t in GGUFFile(path).tensors)
+    return any(t.qtype not in DENSE_TYPES and len(t.shape) >= 2 for t in GGUFFile(path).tensors)

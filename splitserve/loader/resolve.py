@@ -12,7 +12,7 @@ import torch
 
 from splitserve.config import ModelConfig, resolve_dtype
 from splitserve.layers.rotary import is_dynamic_ntk, set_rope_scaling
-from splitserve.loader.gguf_cache import hf_dir_for_gguf
+from splitserve.loader.gguf_cache import hf_dir_for_gguf, read_gguf_config
 from splitserve.loader.gguf_file import gguf_is_quantized
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,11 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "internlm3": "InternLM3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 
 
@@ -182,7 +187,10 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     if config is None and gguf_file is None:
         config = config_cache.cached_config(directory)
     if config is None:
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        if gguf_file is not None:
+            config = read_gguf_config(directory, gguf_file, trust_remote_code=trust_remote_code)
+        else:
+            config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
         if gguf_file is None and not getattr(config, "auto_map", None):  # remote code may change under it
             config_cache.remember_config(directory, config)
     if not getattr(config, "architectures", None):

@@ -37,6 +37,15 @@ _LAYER_MODULES = (
     "mlp.down_proj",
     "input_layernorm",
     "post_attention_layernorm",
+    # mixture-of-experts layers: the router, the experts stacked (3-d in a GGUF), the shared expert
+    "mlp.gate",
+    "mlp.experts.gate_proj",
+    "mlp.experts.up_proj",
+    "mlp.experts.down_proj",
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
 )
 # llama.cpp's converter permutes q/k rows for its interleaved rope; HF checkpoints rotate halves.
 _GGUF_PERMUTED_ARCHS = ("llama",)
@@ -147,11 +156,29 @@ def gguf_weights(path: str, hf_config, keep_quantized: bool = False) -> WeightIt
         if base not in names:
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch_name}) has no Hugging Face counterpart.")
         hf_name = f"{names[base]}.{suffix}"
+        if len(tensor.shape) == 3:  # [experts, rows, cols]: one matrix per expert, as HF checkpoints name them
+            yield from _gguf_experts(hf_name, tensor, keep_quantized)
+            continue
+        if hf_name.endswith("shared_expert_gate.weight") and len(tensor.shape) == 1:  # llama.cpp: [hidden]
+            tensor = GGUFTensor(tensor.name, tensor.qtype, (1, *tensor.shape), tensor.data.view(1, -1))
         if keep_quantized and len(tensor.shape) == 2:
             weight = GGUFWeight(tensor.qtype, tensor.shape, tensor.data)
         else:
             weight = dequantize_gguf(tensor)
         yield hf_name, _unpermute_gguf(hf_name, weight, hf_config) if arch_name in _GGUF_PERMUTED_ARCHS else weight
+
+
+def _gguf_experts(hf_name: str, tensor: GGUFTensor, keep_quantized: bool) -> WeightIterator:
+    """llama.cpp's stacked experts (`blk.N.ffn_gate_exps`: [experts, rows, cols]) as the per-expert
+    matrices of a Hugging Face checkpoint (`model.layers.N.mlp.experts.E.gate_proj.weight`), in
+    their blocks or dequantized."""
+    prefix, _, projection = hf_name.removesuffix(".weight").rpartition(".")
+    if not prefix.endswith(".mlp.experts"):
+        raise ValueError(f"GGUF tensor {tensor.name!r} is 3-d but not a stack of experts.")
+    experts, rows, cols = tensor.shape
+    for expert in range(experts):
+        weight = GGUFWeight(tensor.qtype, (rows, cols), tensor.data[expert * rows : (expert + 1) * rows])
+        yield f"{prefix}.{expert}.{projection}.weight", weight if keep_quantized else weight.dense(torch.float32)
 
 
 def dequantize_gguf(tensor: GGUFTensor) -> torch.Tensor:

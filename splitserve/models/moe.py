@@ -29,8 +29,12 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config, dtype, quant_config, prefix: str, model: type[MoEForCausalLM]):
         super().__init__()
-        if quant_config is not None:
-            raise ValueError(f"{type(quant_config).__name__} is not supported for mixture-of-experts layers yet.")
+        if quant_config is not None and quant_config.from_checkpoint and quant_config.method != "gguf":
+            raise ValueError(
+                f"{quant_config.method} checkpoints of mixture-of-experts models are not supported yet: serve the "
+                "unquantized checkpoint with --quantization weight_only_int8 or fp8 (experts quantized while "
+                "loading), or a GGUF file."
+            )
         self.experts = FusedMoE(
             model.num_experts(config),
             config.hidden_size,
@@ -38,13 +42,18 @@ class SparseMoeBlock(nn.Module):
             model.router_rule(config),
             dtype,
             expert_parallel=get_parallel_rank().expert_parallel,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
         )
         shared = model.shared_intermediate_size(config)
         self.shared_expert = (
-            model.dense_mlp_cls(config, dtype, None, f"{prefix}.shared_expert", shared) if shared else None
+            model.dense_mlp_cls(config, dtype, quant_config, f"{prefix}.shared_expert", shared) if shared else None
         )
+        gate_method = quant_config.linear_method(f"{prefix}.shared_expert_gate") if quant_config else None
         self.shared_expert_gate = (
-            Linear(config.hidden_size, [1], dtype=dtype) if shared and model.gated_shared_expert else None
+            Linear(config.hidden_size, [1], dtype=dtype, quant_method=gate_method)
+            if shared and model.gated_shared_expert
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -150,3 +150,9 @@ def test_lora_on_an_moe_model_is_refused_with_the_reason(saved):
     path, _ = saved("mixtral")
     with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts models"):
         llm(path, enable_lora=True)
+
+
+def test_batch_invariant_numerics_on_an_moe_model_are_refused_with_the_reason(saved):
+    path, _ = saved("mixtral")
+    with pytest.raises(ValueError, match="--batch-invariant does not cover mixture-of-experts layers"):
+        llm(path, batch_invariant=True)
