@@ -40,6 +40,7 @@ SOURCES = (
     "gguf_dequantize.cpp",
     "gguf_repack.cpp",
     "gguf_products.cpp",
+    "moe_experts.cpp",
     "decode_stack.cpp",
 )
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}

@@ -9,6 +9,7 @@
 //   gguf_products.cpp     gguf_mm
 //   gguf_dequantize.cpp   gguf_dequantize, gguf_embedding
 //   gguf_repack.cpp       gguf_repack
+//   moe_experts.cpp       moe_experts_gguf
 //   decode_stack.cpp      register_decode_stack (the DecodeStack class and decode_stack_forward)
 #pragma once
 
@@ -45,6 +46,9 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t N, int64_
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t K,
                           at::ScalarType dtype);
 at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K);
+at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                            at::TensorList gate_up, int64_t qtype_gate_up, at::TensorList down, int64_t qtype_down,
+                            int64_t first_expert, int64_t intermediate, bool native_bf16);
 
 // The DecodeStack class and its decode_stack_forward operator, into the library being registered.
 void register_decode_stack(torch::Library& m);

@@ -76,6 +76,26 @@ def _invariant_mm(ops, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, k: 
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    qtype_gate_up: int,
+    down: list[torch.Tensor],
+    qtype_down: int,
+    first_expert: int,
+    intermediate: int,
+) -> torch.Tensor:
+    """A mixture-of-experts layer's experts on GGUF blocks in one C++ call (moe_experts.cpp): the sum
+    over each token's chosen experts (ids [T, k], weights [T, k]) among those held here (local expert
+    e is expert first_expert + e) of weight * down(silu_and_mul(gate_up(x)))."""
+    return cpu_ops().moe_experts_gguf(
+        x.contiguous(), ids, weights, gate_up, qtype_gate_up, down, qtype_down, first_expert, intermediate,
+        cpu_features.native_bf16(),
+    )  # fmt: skip
+
+
 def gguf_dequantize(w: torch.Tensor, qtype: int, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[N, K] in dtype (float32, bfloat16 or float16): w [N, row_bytes] uint8 dequantized."""
     ops = _kernel_ops(w, qtype)
@@ -110,6 +130,11 @@ def dequantize_reference(w: torch.Tensor, qtype: int, n: int, k: int) -> torch.T
 
     values = gguf.quants.dequantize(w.cpu().numpy(), gguf.GGMLQuantizationType(qtype))
     return torch.from_numpy(values.reshape(n, k)).to(w.device)
+
+
+def has_kernel(qtype: int) -> bool:
+    """Whether the C++ kernels multiply by blocks of this ggml type (as stored, or repacked)."""
+    return qtype >= REPACKED or qtype in KERNEL_TYPES
 
 
 def _kernel_ops(w: torch.Tensor, qtype: int):

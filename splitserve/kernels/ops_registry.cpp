@@ -23,6 +23,9 @@ TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("gguf_dequantize(Tensor w, int qtype, int N, int K, ScalarType dtype) -> Tensor",
         &splitserve::gguf_dequantize);
   m.def("gguf_repack(Tensor w, int qtype, int N, int K) -> Tensor", &splitserve::gguf_repack);
+  m.def("moe_experts_gguf(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, int qtype_gate_up, Tensor[] down, "
+        "int qtype_down, int first_expert, int intermediate, bool native_bf16) -> Tensor",
+        &splitserve::moe_experts_gguf);
   m.def("gguf_embedding(Tensor ids, Tensor w, int qtype, int K, ScalarType dtype) -> Tensor",
         &splitserve::gguf_embedding);
   splitserve::register_decode_stack(m);
