@@ -75,6 +75,14 @@ class EnvVar:
 
 
 _DECLARED = [
+    EnvVar(
+        "SPLITSERVE_LOGGING_LEVEL",
+        _choice("debug", "info", "warning", "error"),
+        "info",
+        "The level of splitserve's logs in every process (servers, engine, ranks); debug adds e.g. the tokens "
+        "routed to each expert of an MoE model, logged at shutdown.",
+        "logging",
+    ),
     # kernels
     EnvVar("SPLITSERVE_CPU_KERNELS", _flag, "1", "0 runs plain torch ops instead of the C++ CPU kernels.", "kernels"),
     EnvVar(

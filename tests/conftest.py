@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.helpers.models import TINY_ARCHS, TINY_CONFIG, make_tiny_model
+from tests.helpers.models import TINY_ARCHS, TINY_CONFIG, make_tiny_model, make_tiny_moe_chat_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,3 +48,9 @@ def tiny_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     smollm_tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny ERNIE 4.5 MoE with the whole SmolLM2 vocabulary and chat template (tests/helpers/models.py)."""
+    return make_tiny_moe_chat_model(str(tmp_path_factory.mktemp("tiny_moe_chat_model")), smollm_tokenizer)

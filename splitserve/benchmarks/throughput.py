@@ -37,6 +37,8 @@ class Result:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    # a mixture-of-experts model's tokens per expert during the run, by layer (splitserve only)
+    expert_load: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def requests_per_s(self) -> float:
@@ -117,12 +119,16 @@ def run_splitserve(args: EngineArgs, workload: Workload, temperature: float) -> 
         SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False)
         for n in workload.output_lens
     ]
+    before = llm.llm_engine.expert_load()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(workload.output_lens), "ignore_eos requests must produce exactly max_tokens"
-    return Result("splitserve", elapsed, len(outputs), workload.num_prompt_tokens, produced)
+    load = {
+        layer: [a - b for a, b in zip(counts, before[layer])] for layer, counts in llm.llm_engine.expert_load().items()
+    }
+    return Result("splitserve", elapsed, len(outputs), workload.num_prompt_tokens, produced, load)
 
 
 def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: int | None) -> Result:
@@ -235,6 +241,9 @@ def report(results: list[Result], ns: argparse.Namespace, config) -> None:
             f"{r.backend:<12}{r.elapsed:>10.2f}{r.requests_per_s:>12.2f}{r.output_tokens_per_s:>14.1f}"
             f"{r.total_tokens_per_s:>13.1f}"
         )
+    for r in results:
+        if r.expert_load:
+            print(expert_load_summary(r.expert_load))
     by_name = {r.backend: r for r in results}
     if "splitserve" in by_name and "hf" in by_name:
         ratio = by_name["splitserve"].output_tokens_per_s / by_name["hf"].output_tokens_per_s
@@ -244,3 +253,15 @@ def report(results: list[Result], ns: argparse.Namespace, config) -> None:
             json.dump(
                 [dataclasses.asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], f, indent=2
             )
+
+
+def expert_load_summary(load: dict[int, list[int]]) -> str:
+    """Load balance of a run's routing: per MoE layer, the busiest expert's tokens over the mean
+    (1.0: perfectly even), summarised over layers, and the layer's counts where it is worst."""
+    imbalance = {layer: max(c) * len(c) / max(sum(c), 1) for layer, c in load.items()}
+    worst = max(imbalance, key=imbalance.get)
+    mean = sum(imbalance.values()) / len(imbalance)
+    return (
+        f"expert load over {len(load)} MoE layers ({len(load[worst])} experts): busiest expert / mean "
+        f"{mean:.2f} on average, {imbalance[worst]:.2f} at worst (layer {worst}: {load[worst]})"
+    )

@@ -18,6 +18,7 @@ from collections import defaultdict
 import msgspec
 import zmq
 
+from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.memtrace import MemoryTrace
@@ -213,7 +214,9 @@ def run_engine_core(source, address: str, ready_pipe) -> None:
     that builds one here."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    logging.basicConfig(
+        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s engine: %(message)s"
+    )
     try:
         config = source if isinstance(source, EngineConfig) else source.build()
     except Exception as exc:  # bad arguments: the parent, building its own copy, reports them itself

@@ -337,6 +337,9 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         try:
+            if logger.isEnabledFor(logging.DEBUG):
+                for layer, counts in self.executor.expert_load().items():
+                    logger.debug("MoE layer %d: tokens routed to each expert since start: %s", layer, counts)
             if self.connector is not None:
                 self.connector.shutdown()
         except Exception as exc:  # a dead rank cannot stop its connector; stop the ranks regardless

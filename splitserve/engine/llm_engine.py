@@ -71,6 +71,10 @@ class LLMEngine(FrontEnd):
                 raise output
         return outputs
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """A mixture-of-experts model's tokens per expert since start, by layer (load balance)."""
+        return self.engine_core.executor.expert_load()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 

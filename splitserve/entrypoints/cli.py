@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 
+from splitserve import envs
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 
 
@@ -201,7 +202,9 @@ def _mode_as_subcommand(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     argv = _mode_as_subcommand(list(sys.argv[1:] if argv is None else argv))
     ns = build_parser(argv[0] if argv and argv[0] in _SUBCOMMANDS else None).parse_args(argv)
     try:

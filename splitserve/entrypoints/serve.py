@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from splitserve import envs
 from splitserve.disagg.environment import resolve_pd_environment
 from splitserve.engine.arg_flags import engine_flags
 from splitserve.engine.arg_utils import EngineArgs
@@ -137,7 +138,9 @@ def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     ns = make_arg_parser().parse_args(argv)
     try:
         serve(*split_args(ns))

@@ -60,6 +60,14 @@ class Executor(ABC):
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter on every rank."""
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, by MoE layer (empty for a dense model)."""
+        return merge_expert_load(self._rank_expert_load())
+
+    def _rank_expert_load(self) -> list[dict[int, list[int]]]:
+        """Each rank's ModelRunner.expert_load()."""
+        return []
+
     def call_kv_connector(self, method: str, *args) -> list:
         """Run a KV connector method on every rank (prefill/decode disaggregation); answers in rank order."""
         raise NotImplementedError(f"{type(self).__name__} has no KV connector")
@@ -69,3 +77,13 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+def merge_expert_load(per_rank: list[dict]) -> dict[int, list[int]]:
+    """One count per MoE layer from the ranks' answers: the ranks of a pipeline stage report the same
+    layers (each routes every token), the stages different ones."""
+    merged: dict[int, list[int]] = {}
+    for answer in per_rank:
+        for layer, counts in answer.items():
+            merged.setdefault(int(layer), list(counts))
+    return dict(sorted(merged.items()))

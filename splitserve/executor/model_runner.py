@@ -161,6 +161,15 @@ class ModelRunner:
             layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
         return caches, scales
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, by MoE layer index (this rank's layers; every
+        tensor-parallel rank routes every token, so any rank of a stage gives its layers' counts)."""
+        return {
+            int(name.split(".")[2]): module.tokens_per_expert.tolist()
+            for name, module in self.model.named_modules()
+            if isinstance(module, FusedMoE)
+        }
+
     def kv_cache_memory(self) -> tuple[int, int]:
         """(bytes allocated, bytes resident) of this rank's KV cache, values and scales."""
         return kv_memory_use(self.kv_caches + (self.kv_scales or []))

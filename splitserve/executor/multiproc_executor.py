@@ -17,6 +17,7 @@ import signal
 import weakref
 from multiprocessing.connection import Connection, wait
 
+from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank
 from splitserve.executor.abstract import Executor
@@ -40,7 +41,9 @@ def _worker_main(
     """A worker process: join, build, then answer messages until the pipe closes."""
     exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank-{rank.rank}: %(message)s")
+    logging.basicConfig(
+        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format=f"%(asctime)s %(levelname)s rank-{rank.rank}: %(message)s"
+    )
     if cores:
         bind_cpu_cores(cores)
     try:
@@ -174,6 +177,9 @@ class MultiprocExecutor(Executor):
 
     def determine_num_cpu_blocks(self) -> int:
         return min(self._call("determine_num_cpu_blocks"))
+
+    def _rank_expert_load(self) -> list[dict[int, list[int]]]:
+        return self._call("expert_load")
 
     def kv_cache_memory(self) -> tuple[int, int]:
         per_rank = self._call("kv_cache_memory")

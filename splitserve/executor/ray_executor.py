@@ -52,7 +52,10 @@ class RayWorker:
     def start(self, config: EngineConfig, rank: ParallelRank, init_method: str, kv_host: str | None) -> int:
         from splitserve.executor.worker import Worker
 
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank-{rank.rank}: %(message)s")
+        logging.basicConfig(
+            level=envs.SPLITSERVE_LOGGING_LEVEL.upper(),
+            format=f"%(asctime)s %(levelname)s rank-{rank.rank}: %(message)s",
+        )
         # Ray gives each actor its own GPU, so it is device 0 here.
         self.worker = Worker(config, rank, init_method, local_rank=0, kv_host=kv_host)
         return rank.rank
@@ -166,6 +169,9 @@ class RayDistributedExecutor(Executor):
 
     def determine_num_cpu_blocks(self) -> int:
         return min(self._call("determine_num_cpu_blocks"))
+
+    def _rank_expert_load(self) -> list[dict[int, list[int]]]:
+        return self._call("expert_load")
 
     def kv_cache_memory(self) -> tuple[int, int]:
         per_rank = self._call("kv_cache_memory")

@@ -27,6 +27,9 @@ class UniProcExecutor(Executor):
     def kv_cache_memory(self) -> tuple[int, int]:
         return self.runner.kv_cache_memory()
 
+    def _rank_expert_load(self) -> list[dict[int, list[int]]]:
+        return [self.runner.expert_load()]
+
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
 

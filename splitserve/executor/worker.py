@@ -60,6 +60,7 @@ _CALLS = (
     "initialize_kv_cache",
     "capture_cuda_graphs",
     "kv_cache_memory",
+    "expert_load",
     "ready",
     "kv_connector",
     "add_lora",
@@ -144,6 +145,9 @@ class Worker:
 
     def kv_cache_memory(self) -> tuple[int, int]:
         return self.runner.kv_cache_memory()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.runner.expert_load()
 
     def add_lora(self, lora: dict) -> None:
         self.runner.add_lora(msgspec.convert(lora, LoRARequest))

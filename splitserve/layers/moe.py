@@ -23,7 +23,6 @@ selected experts' quantized blocks.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +36,6 @@ from splitserve.kernels import gguf as gguf_kernels
 from splitserve.kernels import packed_linear, row_buckets
 from splitserve.layers.basic import Linear, silu_and_mul
 from splitserve.layers.gguf_weight import GGUFWeight
-
-logger = logging.getLogger(__name__)
 
 GATE, UP, DOWN = 0, 1, 2  # which projection of an expert a checkpoint tensor is
 _ROUTER_ELEMENTWISE_ROWS = 4  # up to this many rows, router logits without a BLAS call (_router_logits)
@@ -290,11 +287,6 @@ class FusedMoE(nn.Module):
         if self.packed is not None:
             return packed_linear.linear(x, self.packed[local][which])
         return row_buckets.linear(x, (self.w13, self.w2)[which][local])
-
-    def log_expert_load(self, layer: int) -> None:
-        """Tokens routed to each expert since start (load balance), at debug level."""
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("MoE layer %d: tokens per expert %s", layer, self.tokens_per_expert.tolist())
 
 
 class _ExpertLinear(Linear):

@@ -97,6 +97,15 @@ def test_one_command_1p1d_with_two_ranks_per_instance(tiny_chat_model, offline):
         assert "splitserve_router:fallbacks_total 0.0" in metrics
 
 
+def test_one_command_1p1d_serves_an_moe_model_with_expert_parallelism(tiny_moe_chat_model):
+    """An ERNIE 4.5 MoE, each instance's experts split over two ranks (--enable-expert-parallel):
+    through prefill, the KV transfer and decode, the tokens of a mixed single-rank instance."""
+    offline = LLM(tiny_moe_chat_model, dtype="float32", max_model_len=512, use_tqdm_on_load=False)
+    args = ("--pd", "1p1d", "--tensor-parallel-size", "2", "--enable-expert-parallel")
+    with RemoteServer(tiny_moe_chat_model, *COMMON, *args) as router:
+        _check_parity(router.url, offline)
+
+
 # --- instances started by hand, with a separate router ----------------------------------------
 @pytest.fixture
 def pd_cluster(tiny_chat_model):

@@ -145,32 +145,8 @@ def test_fastdeploy_tensor_parallel_8_is_refused_for_a_model_it_cannot_split(tmp
     assert "8" in done.stderr and "heads" in done.stderr
 
 
-def _tiny_ernie_moe(directory: str) -> str:
-    """The shape of the document's `ernie-45-turbo` (ERNIE 4.5 MoE: shared expert, MoE from layer 1,
-    8 experts, top-2) at a size two cores run, with 8 query heads so that tp 8 splits it, and the
-    default model's tokenizer and chat template."""
-    import torch
-    import transformers
-
-    from splitserve.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer(default_model_path())
-    config = transformers.Ernie4_5_MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=16, moe_num_experts=8, moe_k=2,
-        moe_intermediate_size=64, moe_layer_start_index=1, moe_layer_interval=1, moe_num_shared_experts=1,
-        tie_word_embeddings=True, max_position_embeddings=2048, initializer_range=0.5,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp8", "tp8-ep"])
-def test_fastdeploy_tensor_parallel_8_serves_an_ernie_moe(tmp_path, expert_parallel):
+def test_fastdeploy_tensor_parallel_8_serves_an_ernie_moe(tiny_moe_chat_model, expert_parallel):
     """`python -m fastdeploy.entrypoints.openai.api_server --model ernie-45-turbo --port 8188
     --tensor-parallel-size 8` with a tiny ERNIE 4.5 MoE: 8 ranks on CPU slots, each expert's
     channels split 8 ways (or, with --enable-expert-parallel, one whole expert per rank); the
@@ -178,7 +154,7 @@ def test_fastdeploy_tensor_parallel_8_serves_an_ernie_moe(tmp_path, expert_paral
     import torch
     import transformers
 
-    model_dir = _tiny_ernie_moe(str(tmp_path / "ernie-45-moe"))
+    model_dir = tiny_moe_chat_model  # tests/helpers/models.py: ERNIE 4.5 MoE, 8 experts, top-2, 8 heads
     messages = [{"role": "user", "content": "Hello!"}]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

@@ -70,3 +70,23 @@ def make_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_moe_chat_model(directory: str, tokenizer) -> str:
+    """A tiny ERNIE 4.5 MoE (shared expert, MoE from layer 1, 8 experts, top-2: the shape of the
+    FastDeploy document's `ernie-45-turbo`) with the whole SmolLM2 vocabulary and chat template, and
+    8 query heads, so that tp 8 splits it."""
+    import torch
+    import transformers
+
+    config = transformers.Ernie4_5_MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, moe_num_experts=8, moe_k=2,
+        moe_intermediate_size=64, moe_layer_start_index=1, moe_layer_interval=1, moe_num_shared_experts=1,
+        tie_word_embeddings=True, max_position_embeddings=2048, initializer_range=0.5,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

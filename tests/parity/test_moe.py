@@ -156,3 +156,21 @@ def test_batch_invariant_numerics_on_an_moe_model_are_refused_with_the_reason(sa
     path, _ = saved("mixtral")
     with pytest.raises(ValueError, match="--batch-invariant does not cover mixture-of-experts layers"):
         llm(path, batch_invariant=True)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_tokens_per_expert_are_counted_for_the_load_balance(saved, tp):
+    """Each forwarded token counts once for each of its top-k experts in every MoE layer; with
+    expert parallelism the ranks' answers merge into one count per layer. `bench` prints them."""
+    from splitserve import SamplingParams
+    from splitserve.benchmarks.throughput import expert_load_summary
+
+    path, _ = saved("qwen3_moe_norm_top2")
+    engine = llm(path, tensor_parallel_size=tp, enable_expert_parallel=tp > 1, enable_prefix_caching=False)
+    before = engine.llm_engine.expert_load()
+    engine.generate({"prompt_token_ids": list(range(5, 15))}, SamplingParams(max_tokens=5, ignore_eos=True))
+    after = engine.llm_engine.expert_load()
+    assert sorted(after) == [0, 1, 2] and all(len(c) == 8 for c in after.values())
+    for layer, counts in after.items():
+        assert sum(counts) - sum(before[layer]) == (10 + 4) * 2  # 10 prompt + 4 decoded tokens forwarded, top-2
+    assert "busiest expert / mean" in expert_load_summary(after)

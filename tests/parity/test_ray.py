@@ -72,3 +72,14 @@ def test_one_rank_on_each_node(tiny_models, two_node_cluster):
     assert len(set(executor.node_ids)) == 2
     assert _generate(llm) == expected
     llm.llm_engine.engine_core.shutdown()
+
+
+def test_expert_parallel_moe_across_two_nodes(tiny_moe_chat_model, two_node_cluster):
+    """--enable-expert-parallel with one rank on each node: each holds half of the experts."""
+    expected = _generate(_llm(tiny_moe_chat_model))
+    llm = _llm(tiny_moe_chat_model, tensor_parallel_size=2, enable_expert_parallel=True)
+    executor = llm.llm_engine.engine_core.executor
+    assert type(executor).__name__ == "RayDistributedExecutor" and len(set(executor.node_ids)) == 2
+    assert _generate(llm) == expected
+    assert sorted(llm.llm_engine.expert_load()) == [1, 2]  # MoE from layer 1, counts merged from both nodes
+    llm.llm_engine.engine_core.shutdown()

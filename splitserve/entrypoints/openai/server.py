@@ -16,6 +16,7 @@ import signal
 import socket
 import tempfile
 
+from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
@@ -151,7 +152,9 @@ def serve_worker(
     if multiprocessing.parent_process() is not None:  # a worker process of a multi-worker server
         exit_with_parent()
     _quiet_threads()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
+    logging.basicConfig(
+        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format=f"%(asctime)s %(levelname)s api-{index}: %(message)s"
+    )
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.entrypoints.openai.app import build_app, build_metrics_app
 
