@@ -23,7 +23,7 @@ from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_b
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.kernels import batch_invariant
-from splitserve.layers.moe import FusedMoE
+from splitserve.layers.moe import FusedMoE, expert_load
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -162,13 +162,7 @@ class ModelRunner:
         return caches, scales
 
     def expert_load(self) -> dict[int, list[int]]:
-        """Tokens routed to each expert since start, by MoE layer index (this rank's layers; every
-        tensor-parallel rank routes every token, so any rank of a stage gives its layers' counts)."""
-        return {
-            int(name.split(".")[2]): module.tokens_per_expert.tolist()
-            for name, module in self.model.named_modules()
-            if isinstance(module, FusedMoE)
-        }
+        return expert_load(self.model)
 
     def kv_cache_memory(self) -> tuple[int, int]:
         """(bytes allocated, bytes resident) of this rank's KV cache, values and scales."""

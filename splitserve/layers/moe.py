@@ -289,6 +289,16 @@ class FusedMoE(nn.Module):
         return row_buckets.linear(x, (self.w13, self.w2)[which][local])
 
 
+def expert_load(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert since start, by MoE layer index, for the layers `model` holds
+    (every tensor-parallel rank routes every token, so any rank of a stage gives its layers' counts)."""
+    return {
+        int(name.split(".")[2]): module.tokens_per_expert.tolist()
+        for name, module in model.named_modules()
+        if isinstance(module, FusedMoE)
+    }
+
+
 class _ExpertLinear(Linear):
     """One expert's quantized matrix. The MoE layer loads it with this rank's share already taken
     and accounts for what the checkpoint filled itself (FusedMoE.checkpoint_shards)."""
