@@ -88,6 +88,7 @@ def _check_in_blocks(engine, refs) -> None:
         assert_greedy_match(completion.token_ids, logprobs, ref, BLOCKS_LOGPROB_ATOL, BLOCKS_TIE_GAP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,qtype", [("qwen3_moe", "Q8_0"), ("qwen2_moe", "Q4_0")], ids=["qwen3-q8_0", "qwen2-q4_0"])
 def test_gguf_moe_in_its_blocks_and_dequantized(tmp_path, checkpoint, kind, qtype):
     """Dequantized (--quantization none), the file generates what transformers generates from it.
@@ -123,6 +124,7 @@ def test_gguf_moe_with_expert_parallelism(tmp_path, checkpoint):
     _check_in_blocks(llm(path, tensor_parallel_size=2, enable_expert_parallel=True), refs)
 
 
+@pytest.mark.slow
 def test_gguf_experts_split_inside_a_block_are_refused(tmp_path, checkpoint):
     """tp=4 without expert parallelism splits each expert's 64 channels into 16 per rank: the down
     projection's input then cuts a Q4_0 block (32 values) in two."""

@@ -32,6 +32,9 @@ PUBLISHED_PARAMS = {
     "Qwen/Qwen2.5-7B-Instruct": 7.61e9,
     "Qwen/Qwen2.5-0.5B-Instruct": 0.49e9,
     "HuggingFaceTB/SmolLM2-135M-Instruct": 135e6,
+    # Mixture-of-experts: every expert counted, not only the active ones
+    "ibm-granite/granite-3.0-1b-a400m-instruct": 1.33e9,
+    "Qwen/Qwen3-30B-A3B": 30.5e9,
 }
 
 
@@ -85,7 +88,13 @@ def test_builtin_config_builds_the_published_model(model_id):
     config = AutoConfig.from_pretrained(path)
     assert (
         type(config).__name__
-        == {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[raw["model_type"]]
+        == {
+            "llama": "LlamaConfig",
+            "qwen2": "Qwen2Config",
+            "qwen3": "Qwen3Config",
+            "granitemoe": "GraniteMoeConfig",
+            "qwen3_moe": "Qwen3MoeConfig",
+        }[raw["model_type"]]
     )
     assert raw["torch_dtype"] == "bfloat16" and config.dtype == torch.bfloat16
     cls = get_model_class(config)
