@@ -28,8 +28,9 @@ serve: setup
 generate: setup
 	$(VENV)/bin/splitserve generate --max-tokens 64
 
+# --durations: the slowest tests are named in every run's output (CI's too), to keep the suite short.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The edit-test loop: everything but the tests marked slow (servers, worker processes, Ray, the
 # default model); a few minutes. `make test` stays the whole suite.

@@ -46,6 +46,10 @@ class ModelConfig:
     # The tokenizer is a stand-in (a dummy-weight model without its own tokenizer): its special
     # tokens are not the model's, so end-of-sequence ids come from the model's config instead.
     substitute_tokenizer: bool = False
+    # A request's default sampling (loader/generation_config.py): auto, vllm or a directory
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    sampling_defaults: dict = field(default_factory=dict)  # what they give (set by create_engine_config)
 
     @property
     def architecture(self) -> str:

@@ -19,6 +19,10 @@ _ENGINE_HELP = {
     "(longer only with dynamic NTK rope scaling)",
     "hf_overrides": "JSON object of config.json keys to change (vLLM's --hf-overrides), e.g. "
     "rope_scaling (which keeps the rope's frequency base) or use_logn_attn",
+    "generation_config": "a request's default sampling: auto (the model's generation_config.json, a .gguf "
+    "file's general.sampling keys, or the embedded default model's recommended temperature 0.2 / top_p 0.9), "
+    "vllm (splitserve's own defaults) or a directory holding generation_config.json",
+    "override_generation_config": 'JSON of generation-config keys laid over those defaults, e.g. {"temperature": 0.5}',
     "block_size": "tokens per KV-cache block",
     "kv_cache_dtype": "KV-cache storage: auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 or int4, "
     "quantized with a scale per token and KV head",

@@ -39,6 +39,8 @@ class EngineArgs:
     max_model_len: int | None = None
     hf_overrides: dict | None = None  # config.json keys to change (rope_scaling, use_logn_attn ...)
     served_model_name: str | None = None
+    generation_config: str = "auto"  # a request's default sampling: auto (the model's), vllm or a directory
+    override_generation_config: dict | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -86,12 +88,14 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
+        from splitserve.loader.generation_config import sampling_defaults
         from splitserve.loader.resolve import load_model_config  # transformers: only when an engine is made
 
         self._verify_supported()
         device = resolve_device(self.device)
         with startup.phase("model config"):
             model_config = load_model_config(self, device)
+            model_config.sampling_defaults = sampling_defaults(model_config)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -37,6 +37,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params (vLLM's method): SamplingParams'
+        defaults with the model's generation config laid over them (generation_config="auto", the
+        default; "vllm" leaves them out; loader/generation_config.py). Its max_tokens stays 16
+        unless the model's config sets max_new_tokens."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -124,10 +131,9 @@ class LLM:
             sequences.append(BeamSearchSequence(prompt_ids + beam.tokens, beam.logprobs, beam.score, text, reason))
         return BeamSearchOutput(sequences)
 
-    @staticmethod
-    def _params_list(params, n: int) -> list[SamplingParams]:
+    def _params_list(self, params, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:

@@ -29,7 +29,14 @@ from tqdm.auto import tqdm
 
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
-from splitserve.entrypoints.lmdeploy_chat_template import ChatTemplateConfig, NamedChatTemplate
+from splitserve.entrypoints.lmdeploy_chat_template import (
+    ChatTemplateConfig as ChatTemplateConfig,  # part of the LMDeploy-style API (splitserve.ChatTemplateConfig)
+)
+from splitserve.entrypoints.lmdeploy_chat_template import (
+    NamedChatTemplate,
+    resolve_chat_template,
+    template_by_model_name,
+)
 from splitserve.entrypoints.lmdeploy_config import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -54,19 +61,6 @@ class Response:
 
 
 # --- prompts ---------------------------------------------------------------------------------
-def _chat_template(config, model_name: str | None) -> str | NamedChatTemplate | None:
-    """The template prompts are rendered with: a ChatTemplateConfig (or a dict of its fields)
-    first, else the template `model_name` names (pipeline's or the backend config's); None: the
-    tokenizer's own."""
-    if config is None:
-        return ChatTemplateConfig(model_name=model_name).named() if model_name else None
-    if isinstance(config, dict):
-        config = ChatTemplateConfig(**config)
-    if not isinstance(config, ChatTemplateConfig):
-        raise TypeError(f"chat_template_config must be a ChatTemplateConfig or a dict, got {type(config).__name__}.")
-    return config.chat_template if config.chat_template is not None else config.named()
-
-
 _LEGACY_CALL_ARGS = {  # LMDeploy's deprecated call-level arguments and the defaults its document gives
     "request_output_len": ("max_new_tokens", 512),
     "top_k": ("top_k", 40),
@@ -112,9 +106,13 @@ class Pipeline:
     takes its own.
     """
 
-    def __init__(self, engine: LLMEngine, chat_template: str | NamedChatTemplate | None = None):
+    def __init__(
+        self, engine: LLMEngine, chat_template: str | NamedChatTemplate | None = None, model_path: str | None = None
+    ):
         self.engine: LLMEngine | None = engine
         self.tokenizer = engine.get_tokenizer()
+        if chat_template is None and model_path and getattr(self.tokenizer, "chat_template", None) is None:
+            chat_template = template_by_model_name(model_path)
         self.chat_template = chat_template
         self._lock = threading.Lock()
         self._queues: dict[str, deque[RequestOutput]] = {}
@@ -359,15 +357,22 @@ def pipeline(
     model_path: str,
     backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
     chat_template_config=None,
-    log_level: str = "WARNING",
+    log_level: str = "ERROR",
     model_name: str | None = None,
+    trust_remote_code: bool = True,
     **kwargs,
 ) -> Pipeline:
     """Build a Pipeline for `model_path` (a Hugging Face directory, a hub id or a .gguf file).
 
-    backend_config None means PytorchEngineConfig(). `model_name` (here or on the backend config)
+    backend_config None means TurbomindEngineConfig(), as the document says ("runs the turbomind
+    backend by default"; both are served by splitserve's engine). log_level defaults to 'ERROR' as
+    in the document. `model_name` (here or on the backend config)
     names LMDeploy's chat template for the model (lmdeploy_chat_template.py); chat_template_config
-    overrides it. log_level sets the `splitserve` logger's level, as LMDeploy sets its own. Other
+    overrides it; without either, the tokenizer's own template, or for a tokenizer without one
+    the LMDeploy template the model's name matches (`internlm/internlm-chat-7b` -> internlm).
+    trust_remote_code (True, as LMDeploy reads checkpoints) lets a checkpoint's own tokenizer code
+    run (InternLM's); splitserve reads the configs of InternLM's remote-code models itself.
+    log_level sets the `splitserve` logger's level, as LMDeploy sets its own. Other
     keyword arguments (LMDeploy's tp, ...) are refused. Everything is checked before the model is loaded.
     """
     if kwargs:
@@ -377,7 +382,7 @@ def pipeline(
     if log_level not in _LOG_LEVELS:
         raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {log_level!r}.")
     if backend_config is None:
-        backend_config = PytorchEngineConfig()
+        backend_config = TurbomindEngineConfig()
     if not isinstance(backend_config, (PytorchEngineConfig, TurbomindEngineConfig)):
         raise TypeError(
             "backend_config must be a splitserve PytorchEngineConfig or TurbomindEngineConfig, "
@@ -388,7 +393,8 @@ def pipeline(
             f"pipeline(model_name={model_name!r}) and the backend config's model_name "
             f"{backend_config.model_name!r} differ; give one."
         )
-    chat_template = _chat_template(chat_template_config, model_name or backend_config.model_name)
+    chat_template = resolve_chat_template(chat_template_config, model_name or backend_config.model_name)
     engine_args = backend_config.to_engine_args(model_path)
+    engine_args.trust_remote_code = trust_remote_code
     logging.getLogger("splitserve").setLevel(log_level)
-    return Pipeline(LLMEngine.from_engine_args(engine_args), chat_template)
+    return Pipeline(LLMEngine.from_engine_args(engine_args), chat_template, model_path)

@@ -12,7 +12,10 @@ silent fallback, since the prompts would change.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
+
+logger = logging.getLogger("splitserve.lmdeploy")
 
 _PIECES = ("system", "meta_instruction", "eosys", "user", "eoh", "assistant", "eoa", "separator")
 
@@ -105,6 +108,19 @@ _ALIASES = {"internlm-chat": "internlm", "internlm-chat-7b": "internlm", "intern
 HF_TEMPLATE = "hf"  # the tokenizer's own chat template
 
 
+def best_match_template(model_path: str) -> str | None:
+    """The named template whose name the model's path holds, as LMDeploy picks one for a model
+    without a chat template (`internlm/internlm-chat-7b` -> internlm, `internlm2-chat-7b` ->
+    internlm2, `Qwen-7B-Chat` -> qwen, `Llama-2-7b-chat-hf` -> llama2); the longest name wins.
+    None when no name matches ('base' and 'chatml' name formats, not models, and are never guessed)."""
+    key = model_path.rstrip("/").split("/")[-1].lower()
+    if key in _ALIASES:
+        return _ALIASES[key]
+    squeezed = key.replace("-", "").replace("_", "").replace(".", "")
+    names = [name for name in NAMED_TEMPLATES if name not in ("base", "chatml") and name in squeezed]
+    return max(names, key=len) if names else None
+
+
 def template_name(model_name: str | None) -> str | None:
     """The known template `model_name` names (None or 'hf': the tokenizer's own); ValueError otherwise."""
     if model_name in (None, "", HF_TEMPLATE):
@@ -195,3 +211,28 @@ class NamedChatTemplate:
     def render_prompt(self, prompt: str) -> str:
         """A plain string prompt as one user turn (LMDeploy's do_preprocess=True)."""
         return self.render([{"role": "user", "content": prompt}])
+
+
+def template_by_model_name(model_path: str) -> NamedChatTemplate | None:
+    """For a tokenizer without a chat template: LMDeploy's named template that the model's name
+    matches (`best_match_template`), or None (prompts then need do_preprocess=False)."""
+    name = best_match_template(model_path)
+    if name is None:
+        return None
+    logger.info(
+        "The tokenizer of %s has no chat template: LMDeploy's %r template, by the model's name", model_path, name
+    )
+    return ChatTemplateConfig(model_name=name).named()
+
+
+def resolve_chat_template(config, model_name: str | None) -> str | NamedChatTemplate | None:
+    """The template prompts are rendered with: a ChatTemplateConfig (or a dict of its fields)
+    first, else the template `model_name` names (pipeline's or the backend config's); None: the
+    tokenizer's own."""
+    if config is None:
+        return ChatTemplateConfig(model_name=model_name).named() if model_name else None
+    if isinstance(config, dict):
+        config = ChatTemplateConfig(**config)
+    if not isinstance(config, ChatTemplateConfig):
+        raise TypeError(f"chat_template_config must be a ChatTemplateConfig or a dict, got {type(config).__name__}.")
+    return config.chat_template if config.chat_template is not None else config.named()

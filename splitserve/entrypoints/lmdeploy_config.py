@@ -4,21 +4,24 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from splitserve.config import resolve_device
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.sampling_params import GuidedDecodingParams, SamplingParams
+
+_DO_SAMPLE_TOP_K = 50  # LMDeploy >= 0.6's default top_k, which came with do_sample
 
 
 @dataclass
 class GenerationConfig:
     """LMDeploy's generation settings, turned into a `SamplingParams` by `to_sampling_params()`.
 
-    Greedy or sampling: `do_sample=True` samples with temperature/top_p/top_k/min_p. With
-    `do_sample=False` decoding is greedy, as in LMDeploy >= 0.6, UNLESS temperature, top_p or top_k
-    differ from their defaults (0.8, 1.0, 50): older LMDeploy sampled whenever they were given, and
-    its documented examples still pass them without do_sample, so setting them means "sample".
+    The defaults are the pipeline document's (max_new_tokens 512, top_p 1.0, top_k 1, temperature
+    0.8). Greedy or sampling: top_k=1 keeps one token, so the defaults decode greedily, and so does
+    a config that sets only temperature or top_p; a top_k other than 1 samples with
+    temperature/top_p/top_k/min_p, as the document's examples (top_k=40) expect. `do_sample=True`
+    (LMDeploy >= 0.6) samples too; left at top_k=1 it takes that release's top_k, 50.
 
     Other differences from LMDeploy: `stop_words` are matched as strings in the text (cut from it
     unless `include_stop_str_in_output`), not as single tokens; `bad_token_ids` get a logit bias of
@@ -31,7 +34,7 @@ class GenerationConfig:
     max_new_tokens: int | None = 512
     do_sample: bool = False
     top_p: float = 1.0
-    top_k: int = 50
+    top_k: int = 1
     min_p: float = 0.0
     temperature: float = 0.8
     repetition_penalty: float = 1.0
@@ -49,11 +52,11 @@ class GenerationConfig:
     response_format: dict | None = None
 
     def is_sampling(self) -> bool:
-        """Whether this config samples; see the class docstring for the do_sample rule."""
-        if self.do_sample:
-            return True
-        defaults = {f.name: f.default for f in fields(GenerationConfig)}
-        return any(getattr(self, name) != defaults[name] for name in ("temperature", "top_p", "top_k"))
+        """Whether this config samples; see the class docstring."""
+        return self.do_sample or self.top_k != 1
+
+    def _top_k(self) -> int:
+        return _DO_SAMPLE_TOP_K if self.do_sample and self.top_k == 1 else self.top_k
 
     def to_sampling_params(self) -> SamplingParams:
         if self.n != 1:
@@ -66,7 +69,7 @@ class GenerationConfig:
             max_tokens=self.max_new_tokens,
             temperature=self.temperature if self.is_sampling() else 0.0,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=self._top_k(),
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos,
@@ -217,7 +220,7 @@ class PytorchEngineConfig:
     """LMDeploy's PyTorch-backend settings; `to_engine_args()` maps them onto EngineArgs.
 
     session_len -> max_model_len (None: the model's maximum); max_batch_size -> max_num_seqs
-    (None: splitserve's default); block_size -> block_size; num_gpu_blocks > 0 ->
+    (128, the document's default; None: splitserve's 256); block_size -> block_size; num_gpu_blocks > 0 ->
     num_gpu_blocks_override; max_prefill_token_num -> max_num_batched_tokens (the step budget,
     which decodes share); cache_max_entry_count -> the KV-cache budget (see `_kv_cache_kwargs`);
     eager_mode -> enforce_eager; quant_policy 0 / 4 (or 8) -> kv_cache_dtype auto / int8;
@@ -236,8 +239,8 @@ class PytorchEngineConfig:
     model_name: str = ""
     tp: int = 1
     session_len: int | None = None
-    max_batch_size: int | None = None
-    cache_max_entry_count: float = 0.8
+    max_batch_size: int | None = 128
+    cache_max_entry_count: float = 0.8  # LMDeploy's PyTorch engine's (the document leaves it out)
     prefill_interval: int = 16
     block_size: int = 64
     num_cpu_blocks: int = 0
@@ -319,15 +322,16 @@ class TurbomindEngineConfig:
     quantization_config says). rope_scaling_factor > 0 is dynamic NTK rope scaling with that factor, as
     transformers' LlamaAttention does it (session_len may then exceed max_position_embeddings);
     use_logn_attn scales queries past the training length by log-n (Qwen-1's). Both reach the model as
-    hf_overrides. The iteration knobs are refused."""
+    hf_overrides. The iteration knobs are refused. Defaults as the pipeline document gives them
+    (max_batch_size 128, cache_max_entry_count 0.5)."""
 
     dtype: str = "auto"
     model_name: str | None = None
     model_format: str | None = None
     tp: int = 1
     session_len: int | None = None
-    max_batch_size: int | None = None
-    cache_max_entry_count: float = 0.8
+    max_batch_size: int | None = 128
+    cache_max_entry_count: float = 0.5
     cache_block_seq_len: int = 64
     enable_prefix_caching: bool = False
     quant_policy: int = 0

@@ -29,7 +29,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.serve")
 
 # Server flags that every instance of a local PD deployment gets from the launcher's own.
-_INSTANCE_SERVER_FLAGS = ("chat_template", "reasoning_parser", "max_queued_requests", "tool_call_parser")
+_INSTANCE_SERVER_FLAGS = (
+    "chat_template",
+    "reasoning_parser",
+    "max_queued_requests",
+    "tool_call_parser",
+    "default_max_tokens",
+)
 _INSTANCE_SERVER_SWITCHES = ("disable_log_requests", "enable_auto_tool_choice", "strict_request_fields")
 
 
@@ -137,11 +143,12 @@ def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, default_max_tokens: int | None = None) -> None:
+    """`default_max_tokens`: the entry point's default of --default-max-tokens (16 for FastDeploy's)."""
     logging.basicConfig(
         level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    ns = make_arg_parser().parse_args(argv)
+    ns = make_arg_parser(default_max_tokens=default_max_tokens).parse_args(argv)
     try:
         serve(*split_args(ns))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -85,16 +85,7 @@ class GGUFFile:
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         cur = _Cursor(memoryview(self._map))
-        if bytes(cur.buf[:4]) != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic number).")
-        cur.pos = 4
-        version, n_tensors, n_kv = cur.unpack("IQQ")
-        if version < 2:
-            raise ValueError(f"{path} is GGUF version {version}; versions 2 and 3 are supported.")
-        self.metadata = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            self.metadata[key] = _read_value(cur, cur.unpack("I"))
+        self.metadata, n_tensors = _read_header(cur, path)
         infos = [self._tensor_info(cur) for _ in range(n_tensors)]
         alignment = self.metadata.get("general.alignment") or _DEFAULT_ALIGNMENT
         data_start = -(-cur.pos // alignment) * alignment
@@ -128,6 +119,32 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return self.metadata["general.architecture"]
+
+
+def _read_header(cur: _Cursor, path: str) -> tuple[dict, int]:
+    """The scalar metadata (arrays skipped: None) and the tensor count; the cursor is left at the
+    tensor infos."""
+    if bytes(cur.buf[:4]) != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic number).")
+    cur.pos = 4
+    version, n_tensors, n_kv = cur.unpack("IQQ")
+    if version < 2:
+        raise ValueError(f"{path} is GGUF version {version}; versions 2 and 3 are supported.")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = _read_value(cur, cur.unpack("I"))
+    return metadata, n_tensors
+
+
+def read_gguf_metadata(path: str) -> dict:
+    """A .gguf file's scalar metadata alone (no tensor is mapped for the caller)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return _read_header(_Cursor(view), path)[0]
+        finally:
+            view.release()
 
 
 def gguf_is_quantized(path: str) -> bool:

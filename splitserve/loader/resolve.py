@@ -303,6 +303,8 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         gguf_file=split_gguf(path)[1],
         trust_remote_code=args.trust_remote_code,
         served_model_name=served,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         quant_config=quantization_config_for(
             hf_config, args.quantization, load_format, load_format == "gguf" and gguf_is_quantized(path), device.type
         ),

@@ -12,79 +12,17 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-# Written for calibration only (evaluation uses benchmarks/perplexity.py's text, which must stay
-# unseen here). Varied on purpose: prose, a dialogue, code, numbers and a list, so that the
-# activation statistics cover more than one kind of input.
-BUILTIN_CALIBRATION_TEXT = (
-    "Every spring the river that runs through the valley floods its lower meadows. Farmers there have "
-    "learned to plant late, after the water has drawn back and left a layer of dark silt behind. Their "
-    "grandparents built the barns on stone piers, and the oldest houses still have a door on the upper "
-    "floor, where a boat could be tied when the water rose higher than anyone expected. Nobody in the "
-    "valley calls the flood a disaster; it is simply the season before the sowing.\n\n"
-    '"Did you remember to bring the map?" asked Mara, pulling the tent bag out of the car.\n'
-    '"It\'s on my phone," said Joel. "We won\'t need paper."\n'
-    '"There is no signal past the second bridge. You know that."\n'
-    "He paused, looked at the mountains, and sighed. \"Fine. I'll draw one from memory, then. North is "
-    'up, the lake is somewhere on the left, and we walk until we find it."\n'
-    '"That is exactly how we got lost last year."\n\n'
-    "def moving_average(values, window):\n"
-    '    """Return the mean of each run of `window` consecutive values."""\n'
-    "    if window <= 0:\n"
-    '        raise ValueError("window must be positive")\n'
-    "    total = sum(values[:window])\n"
-    "    result = [total / window]\n"
-    "    for i in range(window, len(values)):\n"
-    "        total += values[i] - values[i - window]\n"
-    "        result.append(total / window)\n"
-    "    return result\n\n"
-    "print(moving_average([3, 1, 4, 1, 5, 9, 2, 6], 3))\n\n"
-    "Quarterly report, in thousands of euros: revenue rose from 1,284.5 in Q1 to 1,402.0 in Q2 (+9.1%), "
-    "while costs grew from 977.3 to 1,015.8. The operating margin therefore improved from 23.9% to "
-    "27.5%. Headcount stayed at 42; the average order value was 318.75, and 2,917 orders were shipped "
-    "between 1 April and 30 June 2024, of which 64 were returned.\n\n"
-    "How to replace a bicycle chain:\n"
-    "1. Shift to the smallest sprocket at the back and the smallest ring at the front.\n"
-    "2. Open the quick link with pliers, or push a pin out with a chain tool.\n"
-    "3. Lay the old chain next to the new one and cut the new chain to the same length.\n"
-    "4. Thread it through the derailleur, join the ends, and check that every link bends freely.\n\n"
-    "Photosynthesis turns light into chemical energy. In the chloroplasts of a leaf, pigments absorb "
-    "photons, and the energy splits water into oxygen, protons and electrons. The electrons travel "
-    "along a chain of proteins that pumps protons across a membrane; the flow of protons back drives "
-    "an enzyme that makes ATP. In a second set of reactions, the cell spends that ATP to fix carbon "
-    "dioxide from the air into sugars, which feed the plant and, eventually, almost everything that "
-    "eats plants.\n\n"
-    "SELECT city, COUNT(*) AS stations, AVG(temperature_c) AS mean_temp\n"
-    "FROM readings\n"
-    "WHERE recorded_at >= '2023-01-01'\n"
-    "GROUP BY city\n"
-    "ORDER BY mean_temp DESC\n"
-    "LIMIT 10;\n\n"
-    "User: What is the difference between a list and a tuple in Python?\n"
-    "Assistant: Both hold an ordered sequence of values. A list is mutable: you can append, remove or "
-    "replace its items after creating it. A tuple is immutable, so it can serve as a dictionary key and "
-    "signals to the reader that the values belong together, like the x and y of a point.\n"
-    "User: So when should I use one or the other?\n"
-    "Assistant: Use a list for a collection that grows or changes, such as the lines read from a file, "
-    "and a tuple for a fixed record, such as (latitude, longitude).\n\n"
-    "The lighthouse keeper's logbook, 14 March: wind from the south-west, force 6, rising to 8 by "
-    "evening. Visibility poor in rain squalls. Two trawlers sheltered in the lee of the island from "
-    "noon. Lamp lit at 18:42, the clockwork wound twice in the night. At dawn the sea was still heavy, "
-    "but the sky had cleared, and a seal was asleep on the landing stage as if nothing had happened.\n\n"
-    '{"id": 4711, "name": "sensor-north", "active": true, "readings": [12.5, 12.7, 13.1], '
-    '"location": {"lat": 59.3293, "lon": 18.0686}, "tags": ["outdoor", "calibrated"]}\n\n'
-    "To make a simple lentil soup, soften a chopped onion, two carrots and a stick of celery in olive "
-    "oil for ten minutes. Add two cloves of garlic, a teaspoon of cumin and 250 grams of red lentils, "
-    "then pour in 1.2 litres of stock. Simmer for twenty-five minutes, until the lentils fall apart, "
-    "season with salt, pepper and the juice of half a lemon, and blend part of it if you like it thick.\n\n"
-    "Why does the sky look blue? Sunlight contains every colour, but the molecules of the air scatter "
-    "short wavelengths much more strongly than long ones; the intensity goes with the inverse fourth "
-    "power of the wavelength. Blue light is therefore sent in all directions across the sky, while at "
-    "sunset, when the light crosses far more air, most of the blue is scattered away before it reaches "
-    "us and the remaining light looks red and orange.\n\n"
-    "Le marché du samedi ouvre à sept heures. On y trouve des fromages, du pain encore chaud et des "
-    "légumes du jardin. Die Kinder laufen zwischen den Ständen umher, und die Verkäufer rufen ihre "
-    "Preise. Al final de la mañana, todos se sientan en la plaza a tomar un café."
-)
+# The built-in calibration corpus (about 4,500 SmolLM2 tokens), written for calibration only:
+# evaluation uses benchmarks/perplexity.py's text and texts outside the project, which must stay
+# unseen here. Varied on purpose: stories, news, history, letters, contract terms, a manual page,
+# code in several languages, tables, mathematics, verse, dialogue, notes and several languages,
+# so that the activation statistics (and GPTQ's Hessians) cover more than one kind of input.
+CALIBRATION_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration_corpus.txt")
+
+
+def builtin_calibration_text() -> str:
+    with open(CALIBRATION_CORPUS, encoding="utf-8") as f:
+        return f.read()
 
 
 def read_token_ids(path: str, vocab_size: int, seq_len: int, num_samples: int) -> list[list[int]]:
@@ -117,12 +55,31 @@ def read_token_ids(path: str, vocab_size: int, seq_len: int, num_samples: int) -
 
 
 def builtin_sequences(tokenizer, vocab_size: int, seq_len: int, num_samples: int) -> list[list[int]]:
-    """The built-in calibration text, tokenized and cut into sequences of `seq_len` tokens."""
-    ids = tokenizer(BUILTIN_CALIBRATION_TEXT)["input_ids"]
+    """The built-in calibration corpus, tokenized and cut into sequences of `seq_len` tokens."""
+    return text_sequences(
+        builtin_calibration_text(), "the built-in calibration corpus", tokenizer, vocab_size, seq_len, num_samples
+    )
+
+
+def read_text_sequences(path: str, tokenizer, vocab_size: int, seq_len: int, num_samples: int) -> list[list[int]]:
+    """`--calib-data FILE`: a UTF-8 text, tokenized and cut into sequences of `seq_len` tokens."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Calibration text file {path} does not exist.")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise ValueError(f"Calibration text file {path} is empty.")
+    return text_sequences(text, path, tokenizer, vocab_size, seq_len, num_samples)
+
+
+def text_sequences(
+    text: str, source: str, tokenizer, vocab_size: int, seq_len: int, num_samples: int
+) -> list[list[int]]:
+    ids = tokenizer(text)["input_ids"]
     if max(ids) >= vocab_size:
         raise ValueError(
-            f"The tokenizer makes token id {max(ids)} from the built-in calibration text, outside "
-            f"the model's vocabulary (0..{vocab_size - 1}); pass calibration data with --tokenids-path."
+            f"The tokenizer makes token id {max(ids)} from {source}, outside the model's vocabulary "
+            f"(0..{vocab_size - 1}); pass calibration token ids with --tokenids-path."
         )
     return [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)][:num_samples]
 

@@ -8,6 +8,8 @@ moves activation outliers (hard for per-token int8) into the weights (easy for p
 The strength a trades one rounding error for the other, and no fixed value transfers between
 layers: on SmolLM2-135M, a = 0.8 everywhere cost 0.4% perplexity on prose like the calibration text
 but 3-6% on other English text, almost all of it from the smoothed weights, not the activations.
+`-sq NUMBER` (AIAK's flag) still applies that one strength to every group, as its document says;
+`-sq auto` (the default) is the search below.
 down_proj's inputs are sparse, so a few hundred calibration tokens leave many of its channels
 nearly silent; their s comes out small, their weight columns shrink against the row's int8 scale,
 and another text that wakes them meets coarsely rounded weights. So each group takes the strength
@@ -30,6 +32,7 @@ from splitserve.quantization.packing import quantize_int8_per_channel
 
 SEARCH_FOLDS = 3
 STRENGTH_STEP = 0.1
+AUTO_MAX_STRENGTH = 0.8  # `-sq auto` searches 0, 0.1, ... up to this
 # The search computes a W8A8 product per fold, group and strength, so it measures the error on a
 # sample: at most this many calibration tokens (every k-th) and output rows (every k-th row of the
 # group's stacked weight; rows are rounded independently, so a sample of them ranks the strengths
@@ -113,12 +116,16 @@ def choose_strengths(
     return search.best()
 
 
-def smooth_model(model: nn.Module, stats: dict[str, InputStats], sequences, alpha: float) -> dict[str, float]:
-    """Choose every foldable group's strength (`choose_strengths`, at most alpha) and fold its
-    scales, computed from all the calibration tokens, into the model. `stats` must hold every
-    group's input with SEARCH_FOLDS folds. Returns the strengths by group site."""
+def smooth_model(model: nn.Module, stats: dict[str, InputStats], sequences, alpha: float | None) -> dict[str, float]:
+    """Fold smoothing scales, computed from all the calibration tokens, into every foldable group:
+    with strength `alpha` everywhere, or (alpha None, `-sq auto`) with each group's strength chosen
+    by `choose_strengths` up to AUTO_MAX_STRENGTH, for which `stats` must hold every group's input
+    with SEARCH_FOLDS folds. Returns the strengths by group site."""
     groups = {g.site: g for layer in decoder_groups(model) for g in layer if g.prev is not None}
-    chosen = choose_strengths(model, groups, stats, sequences, alpha)
+    if alpha is None:
+        chosen = choose_strengths(model, groups, stats, sequences, AUTO_MAX_STRENGTH)
+    else:
+        chosen = dict.fromkeys(groups, alpha)
     for site, group in groups.items():
         act_absmax = group.tied_max(stats[site].absmax)
         w_absmax = group.tied_max(group.weight().abs().amax(dim=0))

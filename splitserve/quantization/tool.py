@@ -21,7 +21,11 @@ from splitserve.quantization.packing import pack_awq, pack_gptq, quantize_int4_g
 
 logger = logging.getLogger(__name__)
 
-GPTQ_DAMP_PERCENT = 0.01
+# GPTQ's dampening, as a share of the Hessian's mean diagonal, added to its diagonal. AutoGPTQ's 0.01
+# fits the calibration text too closely when it is a few thousand tokens: on SmolLM2 with the
+# built-in corpus, 0.01 made text it had not seen 54-67% less likely than the base (worse than plain
+# rounding), 1.0 17-24% (docs/quantization.md).
+GPTQ_DAMP_PERCENT = 1.0
 
 
 def _group_inputs(config, tp_size: int) -> dict[str, int]:
@@ -104,7 +108,7 @@ def quantize_model(
     quant_type: str,
     sequences: list[list[int]] | None,
     *,
-    alpha: float,
+    alpha: float | None,
     group_size: int,
     sym: bool,
     desc_act: bool,
@@ -132,7 +136,7 @@ def quantize_model(
             sites,
             sequences,
             gram=quant_type in ("gptq", "awq"),
-            folds=smoothquant.SEARCH_FOLDS if quant_type == "smooth_quant" else 1,
+            folds=smoothquant.SEARCH_FOLDS if quant_type == "smooth_quant" and alpha is None else 1,
         )
         widest = max(m.in_features for m in sites.values())
         if quant_type == "gptq" and tokens < widest:
@@ -159,14 +163,20 @@ def quantize_model(
     return result
 
 
-def _log_strengths(chosen: dict[str, float], alpha: float) -> None:
+def _log_strengths(chosen: dict[str, float], alpha: float | None) -> None:
     """The mean strength each kind of group took, e.g. `down_proj 0.46`."""
+    if alpha is not None:
+        logger.info("Smoothed %d linear groups with strength %.2f (-sq)", len(chosen), alpha)
+        return
     by_kind: dict[str, list[float]] = {}
     for site, strength in chosen.items():
         by_kind.setdefault(site.rsplit(".", 1)[-1], []).append(strength)
     means = ", ".join(f"{kind} {sum(v) / len(v):.2f}" for kind, v in by_kind.items())
     logger.info(
-        "Smoothed %d linear groups; mean strength (searched up to %.2f) by input: %s", len(chosen), alpha, means
+        "Smoothed %d linear groups; mean strength (-sq auto: searched up to %.2f) by input: %s",
+        len(chosen),
+        smoothquant.AUTO_MAX_STRENGTH,
+        means,
     )
 
 
@@ -202,7 +212,7 @@ def _quantize_group(
 
 
 def quantization_config(
-    quant_type: str, *, alpha: float, group_size: int, sym: bool, desc_act: bool, tp_size: int
+    quant_type: str, *, alpha: float | None, group_size: int, sym: bool, desc_act: bool, tp_size: int
 ) -> dict:
     """The config.json `quantization_config`; awq and gptq with the keys AutoAWQ / AutoGPTQ write."""
     if quant_type == "weight_only_int8":
@@ -211,8 +221,12 @@ def quantization_config(
         qc = {
             "quant_method": "smooth_quant",
             "bits": 8,
-            "smoothing_strength": alpha,
-            "smoothing_strength_choice": "per linear group, least held-out W8A8 error, at most smoothing_strength",
+            "smoothing_strength": smoothquant.AUTO_MAX_STRENGTH if alpha is None else alpha,
+            "smoothing_strength_choice": (
+                "per linear group, least held-out W8A8 error, at most smoothing_strength"
+                if alpha is None
+                else "every linear group"
+            ),
             "activation_scheme": "dynamic_per_token",
         }
     elif quant_type == "awq":

@@ -481,6 +481,7 @@ def test_fastdeploy_style_flags(tiny_chat_model):
         template,
         "--reasoning-parser",
         "deepseek_r1",
+        entry_point="api_server",
     ) as s:
         tokens = httpx.post(f"{s.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert httpx.post(f"{s.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "<<hi>>"

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from splitserve import LLM, SamplingParams
+from splitserve import LLM, BeamSearchParams, SamplingParams
 from tests.helpers.pd import COMMON, idle, wait_for
 from tests.helpers.server import RemoteServer, alive, engine_pid, free_port, metric
 
@@ -141,6 +141,35 @@ def test_prefix_cache_hits_pull_only_missing_blocks(pd_cluster, offline):
     # The decode instance now holds the prompt's full blocks: nothing (or only the partial tail) moves.
     assert metric(decode.url, "splitserve:kv_transfer_blocks_received_total") - received < received
     assert first == second == _expected(offline, prompt, 4)
+
+
+def test_beam_search_and_best_of_through_the_router(pd_cluster, offline):
+    """A beam search runs whole on a decode instance and answers as a mixed engine does; a best_of
+    > n request's prefill leases one KV pull per sample and every one is pulled: nothing is left to
+    expire on the prefill instances."""
+    prefill, decode, router = pd_cluster
+    prompt_ids = [5, 6, 7, 8]
+    beam = {"prompt": prompt_ids, "max_tokens": 6, "temperature": 0, "use_beam_search": True, "n": 2, "best_of": 3}
+    r = httpx.post(f"{router.url}/v1/completions", json={**beam, "return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    expected = offline.beam_search([{"prompt_token_ids": prompt_ids}], BeamSearchParams(beam_width=3, max_tokens=6))
+    assert [c["token_ids"] for c in r.json()["choices"]] == [s.tokens[4:] for s in expected[0].sequences[:2]]
+    sampled = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "n": 1,
+        "best_of": 3,
+        "seed": 3,
+        "ignore_eos": True,
+    }
+    r = httpx.post(f"{router.url}/v1/completions", json=sampled, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 12
+    time.sleep(4)  # past the prefill instances' 3 s leases: an unpulled one would have expired
+    for instance in prefill:
+        assert metric(instance.url, "splitserve:kv_transfer_lease_expiries_total") == 0
+        assert metric(instance.url, "splitserve:kv_transfer_leases_active") == 0
+    assert metric(decode.url, "splitserve:kv_transfer_pull_failures_total") == 0
 
 
 def test_killed_prefill_engine_is_survived(pd_cluster, offline):

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from splitserve import LLM, BeamSearchParams
 from splitserve.loader.resolve import DEFAULT_MODEL_NAME, default_model_path
 from tests.helpers.server import RemoteServer, free_port
 
@@ -130,6 +131,16 @@ def test_pd_deployment_as_documented(tmp_path, tiny_chat_model):
         r = httpx.post(f"{scheduler.url}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] and r.json()["model"] == model
+        # The request table's beam search (use_beam_search, best_of, length_penalty) through the
+        # scheduler: run whole on a decode instance, it answers as one engine does.
+        beam = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "use_beam_search": True}
+        beam.update(n=2, best_of=3, length_penalty=0.8, return_token_ids=True)
+        r = httpx.post(f"{scheduler.url}/v1/completions", json=beam, timeout=300)
+        assert r.status_code == 200, r.text
+        llm = LLM(model, max_model_len=512, use_tqdm_on_load=False)
+        params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.8)
+        expected = llm.beam_search([{"prompt_token_ids": [5, 6, 7, 8]}], params)[0].sequences[:2]
+        assert [c["token_ids"] for c in r.json()["choices"]] == [s.tokens[4:] for s in expected]
     finally:
         for server in reversed(servers):
             server.close()
@@ -164,7 +175,7 @@ def test_fastdeploy_tensor_parallel_8_serves_an_ernie_moe(tiny_moe_chat_model, e
     expected = out[0, ids["input_ids"].shape[1] :].tolist()
     del hf
     args = ["--tensor-parallel-size", "8", *(["--enable-expert-parallel"] if expert_parallel else [])]
-    with RemoteServer(model_dir, *args, env=SMALL_KV, startup_timeout=300) as server:
+    with RemoteServer(model_dir, *args, env=SMALL_KV, startup_timeout=300, entry_point="api_server") as server:
         body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True}
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
@@ -175,21 +186,21 @@ def test_fastdeploy_tensor_parallel_8_serves_an_ernie_moe(tiny_moe_chat_model, e
 @pytest.fixture(scope="module")
 def fastdeploy_server():
     # python -m fastdeploy.entrypoints.openai.api_server --model ernie-45-turbo --port 8188 (tp 1 here)
-    port = free_port()
-    args = ["--model", default_model_path(), "--port", str(port)]
-    with RemoteServer(None, "serve", *args, port=port, env=SMALL_KV) as server:
+    with RemoteServer(default_model_path(), env=SMALL_KV, entry_point="api_server") as server:
         yield server
 
 
 def test_fastdeploy_curl_chat(fastdeploy_server):
+    """The document's curl, which sets no max_tokens: at most 16 tokens, its documented default."""
     r = httpx.post(
         f"{fastdeploy_server.url}/v1/chat/completions",
         headers={"Content-Type": "application/json"},
-        json={"messages": [{"role": "user", "content": "Hello!"}]},
+        json={"messages": [{"role": "user", "content": "Hello!"}], "ignore_eos": True},
         timeout=300,
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert r.json()["model"] == DEFAULT_MODEL_NAME
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_fastdeploy_openai_client_chat_and_stream(fastdeploy_server):

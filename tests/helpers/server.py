@@ -34,8 +34,10 @@ def _session_members(sid: int) -> list[int]:
 
 
 class RemoteServer:
-    """`python -m splitserve.entrypoints.openai.api_server --model MODEL ARGS` (or, with
-    model=None, `splitserve ARGS`, e.g. the router) on a free port; waits for /health."""
+    """`splitserve serve --model MODEL ARGS` (with entry_point="api_server": `python -m
+    splitserve.entrypoints.openai.api_server --model MODEL ARGS`, FastDeploy's command, whose
+    requests default to 16 tokens; with model=None, `splitserve ARGS`, e.g. the router) on a free
+    port; waits for /health."""
 
     def __init__(
         self,
@@ -45,14 +47,17 @@ class RemoteServer:
         port: int | None = None,
         startup_timeout: float = 180.0,
         log_path: str | None = None,
+        entry_point: str = "serve",
     ):
         """`log_path`: write the server's output there (default: this process's stdout and stderr)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if model is None:
             cmd = [sys.executable, "-m", "splitserve.entrypoints.cli", *args]
-        else:
+        elif entry_point == "api_server":
             cmd = [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--model", model, *args]
+        else:
+            cmd = [sys.executable, "-m", "splitserve.entrypoints.cli", "serve", "--model", model, *args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(

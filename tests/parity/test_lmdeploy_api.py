@@ -216,10 +216,17 @@ def test_interleaved_streams_and_threads_get_their_own_outputs(pipe):
 
 # --- GenerationConfig mapping ----------------------------------------------------------------
 def test_generation_config_to_sampling_params():
-    default = GenerationConfig().to_sampling_params()
+    # The pipeline document's defaults: max_new_tokens 512, top_p 1.0, top_k 1, temperature 0.8.
+    config = GenerationConfig()
+    assert (config.max_new_tokens, config.top_p, config.top_k, config.temperature) == (512, 1.0, 1, 0.8)
+    default = config.to_sampling_params()
     assert default.temperature == 0.0 and default.max_tokens == 512
+    # top_k=1 keeps one token: setting only temperature or top_p stays greedy.
+    assert GenerationConfig(temperature=1.2).to_sampling_params().temperature == 0.0
+    assert GenerationConfig(top_p=0.5, temperature=0.7).to_sampling_params().temperature == 0.0
     sampled = GenerationConfig(do_sample=True).to_sampling_params()
-    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.8, 1.0, 50)
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.8, 1.0, 50)  # LMDeploy 0.6's top_k
+    assert GenerationConfig(do_sample=True, top_k=5).to_sampling_params().top_k == 5
     # LMDeploy's own examples set these without do_sample and expect sampling.
     implied = GenerationConfig(top_p=0.8, top_k=40, temperature=0.8).to_sampling_params()
     assert (implied.temperature, implied.top_p, implied.top_k) == (0.8, 0.8, 40)
@@ -360,7 +367,9 @@ def test_pytorch_engine_config_mapping():
     assert (args.block_size, args.num_gpu_blocks_override, args.max_num_batched_tokens) == (32, 100, 1024)
     assert args.enable_prefix_caching and args.enforce_eager and args.device == "cpu" and args.revision == "main"
     defaults = PytorchEngineConfig().to_engine_args("m")
-    assert defaults.max_model_len is None and defaults.max_num_seqs == 256 and not defaults.enable_prefix_caching
+    # The pipeline document's max_batch_size, 128; cache_max_entry_count is LMDeploy's PyTorch engine's 0.8.
+    assert defaults.max_model_len is None and defaults.max_num_seqs == 128 and not defaults.enable_prefix_caching
+    assert PytorchEngineConfig().cache_max_entry_count == 0.8
     assert defaults.device == "auto" and defaults.block_size == 64 and defaults.max_num_batched_tokens == 4096
 
 
@@ -381,6 +390,10 @@ def test_turbomind_engine_config_mapping():
     ).to_engine_args("m")
     assert (args.max_model_len, args.max_num_seqs, args.block_size) == (512, 4, 128)
     assert args.enable_prefix_caching and args.max_num_batched_tokens == 8192 and args.device == "auto"
+    # The pipeline document's defaults
+    default = TurbomindEngineConfig()
+    assert (default.max_batch_size, default.cache_max_entry_count) == (128, 0.5)
+    assert default.to_engine_args("m").max_num_seqs == 128
 
 
 def test_engine_honours_backend_config(pipe):
@@ -535,3 +548,55 @@ def test_eviction_type_copy_swaps_to_host_blocks():
     assert args.preemption_mode == "swap" and args.num_cpu_blocks == 32
     args = PytorchEngineConfig(eviction_type="copy").to_engine_args("m")
     assert args.preemption_mode == "swap" and args.swap_space == 4.0
+
+
+def test_pipeline_defaults_are_the_documents(model_dir):
+    """pipeline() without a backend_config runs TurbomindEngineConfig's defaults (max_batch_size 128)
+    and sets the splitserve logger to the documented log_level, 'ERROR'."""
+    import logging
+
+    logger = logging.getLogger("splitserve")
+    level = logger.level
+    try:
+        with pipeline(model_dir) as p:
+            assert p.engine.config.scheduler_config.max_num_seqs == 128
+            assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    "model_path, expected",
+    [
+        ("internlm/internlm-chat-7b", "internlm"),
+        ("internlm/internlm2-chat-7b", "internlm2"),
+        ("/models/internlm2_5-7b-chat/", "internlm2"),
+        ("Qwen/Qwen-7B-Chat", "qwen"),
+        ("meta-llama/Llama-2-7b-chat-hf", "llama2"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", None),
+        ("/data/chatml-model", None),  # format names are never guessed from a path
+    ],
+)
+def test_template_matched_by_model_name(model_path, expected):
+    from splitserve.entrypoints.lmdeploy_chat_template import best_match_template
+
+    assert best_match_template(model_path) == expected
+
+
+def test_tokenizer_without_template_takes_lmdeploys_by_name(model_dir, tmp_path):
+    """pipeline('internlm/internlm-chat-7b') renders with LMDeploy's internlm template, as LMDeploy
+    picks it by the model's name when the tokenizer has none (here a copy of the tiny model without one)."""
+    import json
+    import shutil
+
+    target = tmp_path / "internlm-chat-7b"
+    shutil.copytree(model_dir, target)
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config_file = target / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config.pop("chat_template", None)
+    config_file.write_text(json.dumps(tokenizer_config))
+    with pipeline(str(target), backend_config=_backend()) as p:
+        assert p.tokenizer.chat_template is None and p.chat_template.name == "internlm"
+        out = p("Hi", gen_config=_greedy())
+        assert out.input_token_len == len(p.tokenizer(p.chat_template.render_prompt("Hi")).input_ids)

@@ -127,9 +127,9 @@ _EXPECTED_CONFIG = {
         "quant_method": "gptq",
         "bits": 4,
         "group_size": GROUP,
-        "desc_act": False,
-        "sym": True,
-        "damp_percent": 0.01,
+        "desc_act": True,
+        "sym": False,
+        "damp_percent": 1.0,
         "true_sequential": False,
         "checkpoint_format": "gptq",
     },
@@ -362,7 +362,25 @@ def test_builtin_calibration_text(tiny_chat_model, tmp_path):
         "--num-samples",
         "2",
     )
-    assert read_config(out)["quantization_config"]["smoothing_strength"] == 0.5
+    qc = read_config(out)["quantization_config"]
+    assert (qc["smoothing_strength"], qc["smoothing_strength_choice"]) == (0.5, "every linear group")
+
+
+def test_smoothing_strength_flag():
+    """-sq: a number in [0, 1] as AIAK's document has it, or auto (the per-group search)."""
+    import argparse
+
+    from splitserve.entrypoints.quantize_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["-i", "m", "-o", "o", "--quant-type", "smooth_quant"]
+    assert parser.parse_args(base).smoothquant is None
+    assert parser.parse_args([*base, "-sq", "auto"]).smoothquant == "auto"
+    assert parser.parse_args([*base, "-sq", "0.75"]).smoothquant == 0.75
+    for bad in ("1.5", "-0.1", "strong"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, "-sq", bad])
 
 
 @pytest.mark.parametrize(

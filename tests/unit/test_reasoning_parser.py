@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser
+from splitserve.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser, parser_for_model
 
 DEEPSEEK = get_reasoning_parser("deepseek_r1")
 QWEN3 = get_reasoning_parser("qwen3")
+ERNIE = get_reasoning_parser("ernie45")
 
 
 @pytest.mark.parametrize(
@@ -44,8 +45,40 @@ def test_qwen3_whole_text(text, expected):
     assert QWEN3.extract(text) == expected
 
 
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("abc\n</think>\n\n<response>\ndef\n</response>\n", ("abc\n", "def")),
+        ("abc</think>def", ("abc", "def")),
+        ("abc\n</think>\ndef", ("abc\n", "def")),
+        ("<think>abc</think>\n<response>\na\nb\n</response>", ("abc", "a\nb")),
+        ("still thinking", ("still thinking", None)),
+        ("r</think>\n\n<response>\nunfinished", ("r", "unfinished")),
+        ("r</think><respons", ("r", "<respons")),
+        ("r</think>x <response> y", ("r", "x <response> y")),
+    ],
+)
+def test_ernie45_whole_text(text, expected):
+    assert ERNIE.extract(text) == expected
+
+
+@pytest.mark.parametrize(
+    "model_type, template, expected",
+    [
+        ("ernie4_5_moe", "{{ x }}<think>\n{{ y }}</think>", "ernie45"),
+        ("ernie4_5", "{{ x }}</think>", "ernie45"),
+        ("qwen3", "{% if thinking %}<think>\n\n</think>{% endif %}", "qwen3"),
+        ("qwen3", "{{ messages }}", None),  # the template does not think
+        ("llama", "{{ x }}</think>", None),  # a family without a known parser
+        ("qwen3", None, None),
+    ],
+)
+def test_parser_for_model(model_type, template, expected):
+    assert parser_for_model(model_type, template) == expected
+
+
 def test_unknown_parser_lists_the_known_names():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "ernie45"}
     with pytest.raises(ValueError, match="deepseek_r1.*qwen3"):
         get_reasoning_parser("granite")
 
@@ -62,6 +95,13 @@ CLEAN_TEXTS = {
         "r</think>\n\nc",
     ],
     "qwen3": ["<think>Hmm.</think>\n\nHello!", "<think></think>A", "plain content", "<think>open", "<think>r</think>"],
+    "ernie45": [
+        "abc\n</think>\n\n<response>\ndef\n</response>\n",
+        "abc</think>def",
+        "abc\n</think>\ndef",
+        "r</think>\n\n<response>\nopen",
+        "still thinking",
+    ],
 }
 # Texts with '<' in the bodies or tags that never complete: streaming must still add up.
 TRICKY_TEXTS = {
@@ -81,6 +121,14 @@ TRICKY_TEXTS = {
         "<",
         "Intro <think>x</think>",
         "<think>x</think></think>",
+    ],
+    "ernie45": [
+        "r</think><respons",
+        "r</think>x <response> y",
+        "r</think>\n<response>a\n</resp",
+        "r</think><response>\n\n</response>tail",
+        "r</think>\n\n",
+        "a</think><response>",
     ],
 }
 

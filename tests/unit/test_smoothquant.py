@@ -86,6 +86,20 @@ def test_smooth_model_keeps_the_float_model_and_smooths_o_proj():
     assert o_strength == 0 or not torch.equal(model.model.layers[0].self_attn.v_proj.weight, v_before)
 
 
+def test_a_given_strength_is_applied_to_every_group():
+    """-sq NUMBER: that strength in every group, no search (and the float model unchanged)."""
+    model = _llama()
+    ids = _ids()
+    reference = _logits(model, ids)
+    sequences = _ids(4, 48, seed=3).tolist()
+    groups = [g for layer in algorithms.decoder_groups(model) for g in layer]
+    sites = {g.site: next(iter(g.linears.values())) for g in groups}
+    stats = collect_input_stats(model, sites, sequences)
+    chosen = smoothquant.smooth_model(model, stats, sequences, alpha=0.75)
+    assert len(chosen) == 12 and set(chosen.values()) == {0.75}
+    torch.testing.assert_close(_logits(model, ids), reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
 def test_strengths():
     assert smoothquant.strengths(0.8) == pytest.approx([0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
     assert smoothquant.strengths(0.85)[-2:] == pytest.approx([0.8, 0.85])

@@ -32,6 +32,7 @@ class ServerArgs:
     tool_call_parser: str | None = None
     health_timeout: float = 30.0
     engine_worker_queue_port: int | None = None
+    default_max_tokens: int | None = None
     pd: str | None = None
     policy: str = "round_robin"
     uvicorn_log_level: str = "warning"
@@ -63,7 +64,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="answer 429 when this many requests are already waiting in the engine",
     )
-    g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning out: deepseek_r1 or qwen3")
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think> reasoning out into reasoning_content: deepseek_r1, qwen3 or ernie45 (default: the "
+        "family's parser for a model whose chat template thinks; none: off)",
+    )
+    g.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a request that leaves it unset (chat) or null: default, the model's max_new_tokens, "
+        "else the rest of the context; python -m splitserve.entrypoints.openai.api_server defaults to 16, as "
+        "FastDeploy's document says",
+    )
     g.add_argument("--use-warmup", action="store_true", help="run one short request before accepting traffic")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument(
@@ -109,11 +123,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning")
 
 
-def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+def make_arg_parser(
+    parser: argparse.ArgumentParser | None = None, default_max_tokens: int | None = None
+) -> argparse.ArgumentParser:
+    """The flags; `default_max_tokens` is the entry point's own default of --default-max-tokens."""
     parser = parser or argparse.ArgumentParser(prog="splitserve serve", description="OpenAI-compatible server")
     parser.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     add_engine_args(parser)
     add_server_args(parser)
+    parser.set_defaults(default_max_tokens=default_max_tokens)
     return parser
 
 
@@ -133,14 +151,16 @@ def _check_server_args(args: ServerArgs) -> None:
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}.")
-    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+    if args.reasoning_parser not in (None, "none", *REASONING_PARSERS):
         raise ValueError(
-            f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got {args.reasoning_parser!r}."
+            f"--reasoning-parser must be none or one of {sorted(REASONING_PARSERS)}, got {args.reasoning_parser!r}."
         )
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {args.tool_call_parser!r}.")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to read the calls.")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
     if args.chat_template is not None:

@@ -167,17 +167,27 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
             raise ParameterError("stream_options", "'stream_options' is only allowed when 'stream' is true.")
         return self
 
-    def _sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
-        """The SamplingParams fields both endpoints fill the same way."""
+    def _sampling_kwargs(self, default_max_tokens: int | None, defaults: dict | None) -> dict[str, Any]:
+        """The SamplingParams fields both endpoints fill the same way. `defaults` (the model's
+        generation config, loader/generation_config.py) fill the sampling fields this request left
+        unset; a beam search takes none of them (it does not sample)."""
+        defaults = {} if self.use_beam_search else defaults or {}
+        given = self.model_fields_set
+
+        def pick(name: str):
+            own = getattr(self, name)
+            return own if name in given and own is not None else defaults.get(name, own)
+
+        temperature = pick("temperature")
         return dict(
             n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            repetition_penalty=pick("repetition_penalty"),
+            temperature=1.0 if temperature is None else temperature,
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -247,10 +257,11 @@ class CompletionRequest(_GenerationRequest):
             return [prompt]
         return list(prompt)
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens. Raises
-        ValueError for combinations SamplingParams refuses (e.g. min_tokens > max_tokens)."""
-        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=self.logprobs)
+    def to_sampling_params(self, default_max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens, `defaults`
+        the sampling fields left unset. Raises ValueError for combinations SamplingParams refuses
+        (e.g. min_tokens > max_tokens)."""
+        return SamplingParams(**self._sampling_kwargs(default_max_tokens, defaults), logprobs=self.logprobs)
 
 
 class _ConversationRequest(RequestModel):
@@ -318,12 +329,12 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
             raise ParameterError("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """The engine's SamplingParams; `default_max_tokens` (the context left after the prompt)
-        replaces a null max_tokens. logprobs=true asks for top_logprobs alternatives (0: only the
-        chosen token)."""
+    def to_sampling_params(self, default_max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens (None: the
+        context left after the prompt), `defaults` the sampling fields left unset. logprobs=true
+        asks for top_logprobs alternatives (0: only the chosen token)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(default_max_tokens), logprobs=logprobs)
+        return SamplingParams(**self._sampling_kwargs(default_max_tokens, defaults), logprobs=logprobs)
 
 
 class TokenizeCompletionRequest(RequestModel):

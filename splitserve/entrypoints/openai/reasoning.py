@@ -8,6 +8,12 @@ and its answer, for the `reasoning_content` / `content` fields of chat responses
 - "qwen3": reasoning only when the text starts with <think>: what lies between it and the first
   </think> (all the rest while </think> has not come), then content. A text not starting with
   <think> is all content.
+- "ernie45" (ERNIE 4.5's thinking models): as deepseek_r1, and the answer after </think> comes as
+  "\n\n<response>\nANSWER\n</response>\n" or as plain text: the newlines before it, the
+  <response> tags and the newlines just inside them are not content.
+
+Without --reasoning-parser, `parser_for_model` picks one for a model whose chat template thinks
+(it writes </think>): qwen3 for Qwen3, ernie45 for ERNIE 4.5; `--reasoning-parser none` turns that off.
 
 Streaming is stateless: `extract_delta(previous_text, delta_text)` splits the text before and after
 the delta and returns the difference. While the text ends with what may be the start of a tag
@@ -41,6 +47,7 @@ class ReasoningParser:
     starts_in_reasoning: bool
     start_tag: str = THINK_START
     end_tag: str = THINK_END
+    response_tags: tuple[str, str] | None = None  # the answer's own wrapping (ernie45's <response>)
 
     def _sections(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of `text`. Unless `final`, a trailing possible tag start is held back,
@@ -55,9 +62,32 @@ class ReasoningParser:
             return "", text
         end = body.find(self.end_tag)
         if end >= 0:
-            return body[:end], body[end + len(self.end_tag) :]
+            return body[:end], self._answer(body[end + len(self.end_tag) :], final)
         held = 0 if final else _partial_tag_len(body, self.end_tag)
         return body[: len(body) - held], ""
+
+    def _answer(self, text: str, final: bool) -> str:
+        """The content after </think>, less the answer's wrapping where the parser has one. Unless
+        `final`, what may still turn out to be wrapping is held back (as tags are in `_sections`)."""
+        if self.response_tags is None:
+            return text
+        start, end = self.response_tags
+        text = text.lstrip("\n")
+        if not final and (not text or (start.startswith(text) and text != start)):
+            return ""  # newlines so far, or what may become <response>
+        if not text.startswith(start):
+            return text
+        inner = text[len(start) :]
+        if not final and not inner:
+            return ""  # the newline after <response> may follow
+        inner = inner.removeprefix("\n")
+        close = inner.find(end)
+        if close >= 0:
+            return inner[:close].removesuffix("\n")
+        if final:
+            return inner
+        held = max(_partial_tag_len(inner, end), _partial_tag_len(inner, "\n" + end))
+        return inner[: len(inner) - held]
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; an empty part is None."""
@@ -76,8 +106,25 @@ class ReasoningParser:
 _PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", starts_in_reasoning=True),
     "qwen3": ReasoningParser("qwen3", starts_in_reasoning=False),
+    "ernie45": ReasoningParser("ernie45", starts_in_reasoning=True, response_tags=("<response>", "</response>")),
 }
 REASONING_PARSERS: tuple[str, ...] = tuple(_PARSERS)
+# model_type -> the parser of that family's thinking models (picked when the chat template thinks)
+_FAMILY_PARSERS = {
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
+    "ernie4_5": "ernie45",
+    "ernie4_5_moe": "ernie45",
+    "deepseek_v3": "deepseek_r1",
+}
+
+
+def parser_for_model(model_type: str, chat_template: str | None) -> str | None:
+    """The reasoning parser for a model served without --reasoning-parser: its family's, when its
+    chat template writes </think> (a thinking model); None otherwise."""
+    if not chat_template or THINK_END not in chat_template:
+        return None
+    return _FAMILY_PARSERS.get(model_type)
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -21,6 +21,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs
+from splitserve.loader.generation_config import describe as describe_sampling_defaults
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -66,6 +67,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     try:
         config = engine_args.create_engine_config()
         config.health_timeout = server_args.health_timeout
+        logger.info("Default sampling: %s", describe_sampling_defaults(config.model_config.sampling_defaults))
         with startup.phase("tokenizer"):  # while the engine process starts (serve_worker's front-end finds it)
             get_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
         if server_args.workers == 1:

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -32,6 +31,7 @@ from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_F
 from splitserve.entrypoints.openai.response_models import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
 from splitserve.entrypoints.openai.serving_models import OpenAIServingModels
+from splitserve.entrypoints.openai.serving_pd import PDServingMixin
 from splitserve.lora.request import LoRARequest
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ class ChoiceState:
     held_logprobs: list = field(default_factory=list)
 
 
-class OpenAIServing:
+class OpenAIServing(PDServingMixin):
     """The base of the endpoints' handlers (OpenAIServingCompletion, OpenAIServingChat,
     OpenAIServingTokenization), as vLLM names them."""
 
@@ -74,6 +74,10 @@ class OpenAIServing:
         self.fingerprint = f"splitserve-{__version__}"
         self.pd_role = config.kv_transfer_config.pd_role
         self.models = OpenAIServingModels(engine, config)
+        # What a request's unset fields become: the model's sampling defaults (--generation-config),
+        # and max_tokens from --default-max-tokens, else the model's max_new_tokens, else the context.
+        self.sampling_defaults = config.model_config.sampling_defaults
+        self.default_max_tokens = server_args.default_max_tokens or self.sampling_defaults.get("max_tokens")
 
     # --- shared checks ------------------------------------------------------------------------
     def _parse(self, parse: Callable[..., Any], body: dict):
@@ -116,7 +120,7 @@ class OpenAIServing:
         lora = await self._check_model(req.model)
         self._check_capacity()
         try:
-            return req, req.to_sampling_params(default_max_tokens=None), lora
+            return req, req.to_sampling_params(self.default_max_tokens, self.sampling_defaults), lora
         except ValueError as exc:
             raise APIError(str(exc), param=getattr(req, "guide_param", None)) from None
 
@@ -166,55 +170,8 @@ class OpenAIServing:
         except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
             raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
 
-    # --- prefill/decode disaggregation ----------------------------------------------------------
-    def _kv_transfer(self, req, params: SamplingParams, num_prompts: int) -> KVTransferParams | None:
-        """The router's kv_transfer_params. A prefill answer must be one whole JSON with where its KV
-        waits, so it cannot stream; its n samples become one prefill whose KV is pulled n times."""
-        raw = req.kv_transfer_params
-        if raw is None:
-            return None
-        if self.pd_role == "mixed":
-            raise APIError(
-                "kv_transfer_params need a prefill or decode instance; this one runs with --pd-role mixed.",
-                param="kv_transfer_params",
-            )
-        if num_prompts != 1:
-            raise APIError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
-        try:
-            kv = msgspec.convert(raw, KVTransferParams)
-        except msgspec.ValidationError as exc:
-            raise APIError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
-        if kv.do_remote_decode:
-            if req.stream:
-                raise APIError("A prefill request (do_remote_decode) cannot stream.", param="stream")
-            kv.remote_num_pulls, params.n = params.n, 1
-        if kv.do_remote_prefill and None in (kv.remote_host, kv.remote_port, kv.remote_request_id):
-            raise APIError(
-                "do_remote_prefill needs remote_host, remote_port and remote_request_id.", param="kv_transfer_params"
-            )
-        return kv
-
     def _prompt_text(self, request: ProcessedRequest) -> str:
         return request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)
-
-    @staticmethod
-    def _remote_prompt(req, kv: KVTransferParams | None) -> PromptType | None:
-        """A decode request carries the token ids the prefill instance computed: using them (rather
-        than tokenizing again) guarantees the pulled KV belongs to exactly this prompt."""
-        ids = (req.kv_transfer_params or {}).get("prompt_token_ids") if kv and kv.do_remote_prefill else None
-        if ids is None:
-            return None
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise APIError(
-                "kv_transfer_params.prompt_token_ids must be a list of token ids.", param="kv_transfer_params"
-            )
-        return {"prompt_token_ids": ids}
-
-    @staticmethod
-    def _kv_answer(kv: KVTransferParams | None, request: ProcessedRequest, output: RequestOutput) -> dict | None:
-        if kv is None or not kv.do_remote_decode or output.kv_transfer_params is None:
-            return None
-        return {**output.kv_transfer_params, "prompt_token_ids": request.prompt_token_ids}
 
     # --- running requests ---------------------------------------------------------------------
     def _log(

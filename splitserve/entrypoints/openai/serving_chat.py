@@ -3,6 +3,7 @@ tool calls read from it (tool_calling.py)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +12,7 @@ from fastapi import Request
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest
-from splitserve.entrypoints.openai.reasoning import get_reasoning_parser
+from splitserve.entrypoints.openai.reasoning import get_reasoning_parser, parser_for_model
 from splitserve.entrypoints.openai.response_models import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -37,11 +38,21 @@ from splitserve.entrypoints.openai.serving_base import (
 from splitserve.entrypoints.openai.tool_calling import ToolPlan, plan_tools, tool_guide
 from splitserve.outputs import Logprob, RequestOutput
 
+logger = logging.getLogger("splitserve.api_server")
+
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine, config, server_args, metrics):
         super().__init__(engine, config, server_args, metrics)
-        self.reasoning = get_reasoning_parser(server_args.reasoning_parser) if server_args.reasoning_parser else None
+        name = server_args.reasoning_parser
+        if name is None:  # a thinking model's family parser (reasoning.parser_for_model)
+            template = server_args.chat_template or getattr(self.tokenizer, "chat_template", None)
+            name = parser_for_model(getattr(config.model_config.hf_config, "model_type", ""), template)
+            if name is not None:
+                logger.info(
+                    "Reasoning parser %s: the model's chat template thinks (--reasoning-parser none: off)", name
+                )
+        self.reasoning = get_reasoning_parser(name) if name not in (None, "none") else None
         self._think_end_id = self._single_token_id(self.reasoning.end_tag) if self.reasoning else None
 
     def _single_token_id(self, text: str) -> int | None:

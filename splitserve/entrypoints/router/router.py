@@ -12,6 +12,10 @@ A completion or chat request goes through two instances:
    `do_remote_prefill: true`; it pulls the KV and generates. Its answer (JSON or SSE stream) goes
    back to the client byte for byte.
 
+Two kinds of request run whole on one decode instance instead (prompt and output, no transfer): a
+completion with several prompts, and a beam search (`use_beam_search`), whose beams grow from the
+prompt's KV step by step; the answer is then what a mixed instance gives.
+
 Failures: a prefill instance that cannot be reached, times out, answers 5xx, or forgets the
 `kv_transfer_params` is marked down and the next one is tried (--max-retries); when none succeeds
 the request is decoded without remote prefill (a "fallback": the decode instance computes the
@@ -118,6 +122,11 @@ class Router(UpstreamPool):
             if is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
                 trace.fallback = "a batch of prompts is decoded without remote prefill"
                 prefilled = None
+            elif body.get("use_beam_search") is True:
+                # A beam search grows its beams' KV step by step from the prompt's: it runs whole
+                # (prompt and steps) on one decode instance, which answers as a mixed instance would.
+                trace.notes.append("beam search runs whole on a decode instance")
+                return await self._decode(request, path, fallback_request_body(body), trace)
             else:
                 prefilled = await self._prefill(request, path, body, trace)
             if isinstance(prefilled, Response):

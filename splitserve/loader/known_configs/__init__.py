@@ -3,6 +3,8 @@ them (random weights, for benchmarks) with no hub access and no download.
 
 Each `<org>--<name>.json` here is the model's published `config.json`, unchanged (the hub id with
 `/` replaced by `--`). Only the config is carried: no tokenizer, no weights.
+`generation/<org>--<name>.json` is a model's generation config where splitserve carries one (the
+embedded default model's, with its authors' recommended sampling; loader/generation_config.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,67 @@
+"""The OpenAI endpoints' side of prefill/decode disaggregation: the router's kv_transfer_params read
+and checked, the prompt a decode request carries, and where a prefill instance's answer says its KV
+waits. The transfer itself is distributed/kv_transfer/; the engine's side is engine/pd.py."""
+
+from __future__ import annotations
+
+import msgspec
+
+from splitserve.engine.messages import KVTransferParams
+from splitserve.engine.processor import ProcessedRequest, PromptType
+from splitserve.entrypoints.http import APIError
+from splitserve.outputs import RequestOutput
+from splitserve.sampling_params import SamplingParams
+
+
+class PDServingMixin:
+    """Mixed into OpenAIServing, whose `pd_role` it reads."""
+
+    pd_role: str
+
+    def _kv_transfer(self, req, params: SamplingParams, num_prompts: int) -> KVTransferParams | None:
+        """The router's kv_transfer_params. A prefill answer must be one whole JSON with where its KV
+        waits, so it cannot stream; its n samples (best_of of them when more) become one prefill
+        whose KV is pulled once per sample: no lease is left for samples nobody decodes."""
+        raw = req.kv_transfer_params
+        if raw is None:
+            return None
+        if self.pd_role == "mixed":
+            raise APIError(
+                "kv_transfer_params need a prefill or decode instance; this one runs with --pd-role mixed.",
+                param="kv_transfer_params",
+            )
+        if num_prompts != 1:
+            raise APIError("With kv_transfer_params a request must hold exactly one prompt.", param="prompt")
+        try:
+            kv = msgspec.convert(raw, KVTransferParams)
+        except msgspec.ValidationError as exc:
+            raise APIError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        if kv.do_remote_decode:
+            if req.stream:
+                raise APIError("A prefill request (do_remote_decode) cannot stream.", param="stream")
+            kv.remote_num_pulls = max(params.n, params.best_of or 1)
+            params.n, params.best_of = 1, None
+        if kv.do_remote_prefill and None in (kv.remote_host, kv.remote_port, kv.remote_request_id):
+            raise APIError(
+                "do_remote_prefill needs remote_host, remote_port and remote_request_id.", param="kv_transfer_params"
+            )
+        return kv
+
+    @staticmethod
+    def _remote_prompt(req, kv: KVTransferParams | None) -> PromptType | None:
+        """A decode request carries the token ids the prefill instance computed: using them (rather
+        than tokenizing again) guarantees the pulled KV belongs to exactly this prompt."""
+        ids = (req.kv_transfer_params or {}).get("prompt_token_ids") if kv and kv.do_remote_prefill else None
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise APIError(
+                "kv_transfer_params.prompt_token_ids must be a list of token ids.", param="kv_transfer_params"
+            )
+        return {"prompt_token_ids": ids}
+
+    @staticmethod
+    def _kv_answer(kv: KVTransferParams | None, request: ProcessedRequest, output: RequestOutput) -> dict | None:
+        if kv is None or not kv.do_remote_decode or output.kv_transfer_params is None:
+            return None
+        return {**output.kv_transfer_params, "prompt_token_ids": request.prompt_token_ids}
