@@ -14,6 +14,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPLITSERVE_CPU_KVCACHE_SPACE", "0.25")
 
 
+@pytest.fixture(autouse=True)
+def _splitserve_log_level():
+    """pipeline() sets the `splitserve` logger's level for the process (log_level, 'ERROR' by
+    default, as LMDeploy does): put it back after every test, so later tests see their logs."""
+    import logging
+
+    logger = logging.getLogger("splitserve")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
     from splitserve.loader.resolve import default_model_path
