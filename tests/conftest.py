@@ -17,13 +17,14 @@ os.environ.setdefault("SPLITSERVE_CPU_KVCACHE_SPACE", "0.25")
 @pytest.fixture(autouse=True)
 def _splitserve_log_level():
     """pipeline() sets the `splitserve` logger's level for the process (log_level, 'ERROR' by
-    default, as LMDeploy does): put it back after every test, so later tests see their logs."""
+    default, as LMDeploy does), also from module-scoped fixtures: every test starts and ends with
+    the level unset, so that each sees its own logs."""
     import logging
 
     logger = logging.getLogger("splitserve")
-    level = logger.level
+    logger.setLevel(logging.NOTSET)
     yield
-    logger.setLevel(level)
+    logger.setLevel(logging.NOTSET)
 
 
 @pytest.fixture(scope="session")
