@@ -148,13 +148,8 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
         return getattr(config, "shared_expert_intermediate_size", 0) or 0
 
 
-class MixtralForCausalLM(MoEForCausalLM):
-    _EXPERT_NAMES = MoEForCausalLM._EXPERT_NAMES + [
-        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), "w13", GATE),
-        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), "w13", UP),
-        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), "w2", DOWN),
-        (re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$"), "gate", None),
-    ]
+class _LocalExperts:
+    """Mixtral's and Granite-MoE's config names: num_local_experts experts of intermediate_size."""
 
     @staticmethod
     def num_experts(config) -> int:
@@ -163,6 +158,15 @@ class MixtralForCausalLM(MoEForCausalLM):
     @staticmethod
     def expert_intermediate_size(config) -> int:
         return config.intermediate_size
+
+
+class MixtralForCausalLM(_LocalExperts, MoEForCausalLM):
+    _EXPERT_NAMES = MoEForCausalLM._EXPERT_NAMES + [
+        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), "w13", GATE),
+        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), "w13", UP),
+        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), "w2", DOWN),
+        (re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$"), "gate", None),
+    ]
 
     @staticmethod
     def router_rule(config) -> RouterRule:
@@ -200,7 +204,7 @@ class Ernie4_5_MoeForCausalLM(MoEForCausalLM):
         return (layer_idx + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= layer_idx <= end
 
 
-class GraniteMoeForCausalLM(MoEForCausalLM):
+class GraniteMoeForCausalLM(_LocalExperts, MoEForCausalLM):
     """Granite's multipliers (embedding, residual, attention scale, logits) are the Llama family's
     config switches (models/llama.py); its router takes the top-k logits, then their softmax."""
 
@@ -209,14 +213,6 @@ class GraniteMoeForCausalLM(MoEForCausalLM):
         (re.compile(r"(.*)\.block_sparse_moe\.output_linear\.weight$"), "w2", None),
         (re.compile(r"(.*)\.block_sparse_moe\.router\.layer\.weight$"), "gate", None),
     ]
-
-    @staticmethod
-    def num_experts(config) -> int:
-        return config.num_local_experts
-
-    @staticmethod
-    def expert_intermediate_size(config) -> int:
-        return config.intermediate_size
 
     @staticmethod
     def router_rule(config) -> RouterRule:

@@ -69,14 +69,19 @@ def test_gqa_o_proj_fold_keeps_the_float_model():
     assert not torch.allclose(model.model.layers[0].self_attn.v_proj.weight, v_before)
 
 
-def test_smooth_model_keeps_the_float_model_and_smooths_o_proj():
+def _calibrated(folds: int = 1):
+    """A tiny Llama, a prompt's float logits, calibration sequences and their input statistics."""
     model = _llama()
     ids = _ids()
     reference = _logits(model, ids)
     sequences = _ids(4, 48, seed=3).tolist()
     groups = [g for layer in algorithms.decoder_groups(model) for g in layer]
     sites = {g.site: next(iter(g.linears.values())) for g in groups}
-    stats = collect_input_stats(model, sites, sequences, folds=smoothquant.SEARCH_FOLDS)
+    return model, ids, reference, sequences, collect_input_stats(model, sites, sequences, folds=folds)
+
+
+def test_smooth_model_keeps_the_float_model_and_smooths_o_proj():
+    model, ids, reference, sequences, stats = _calibrated(folds=smoothquant.SEARCH_FOLDS)
     v_before = model.model.layers[0].self_attn.v_proj.weight.clone()
     chosen = smoothquant.smooth_model(model, stats, sequences, alpha=0.8)
     assert len(chosen) == 12  # qkv, o, gate/up and down of 3 layers: o_proj too, despite GQA
@@ -88,13 +93,7 @@ def test_smooth_model_keeps_the_float_model_and_smooths_o_proj():
 
 def test_a_given_strength_is_applied_to_every_group():
     """-sq NUMBER: that strength in every group, no search (and the float model unchanged)."""
-    model = _llama()
-    ids = _ids()
-    reference = _logits(model, ids)
-    sequences = _ids(4, 48, seed=3).tolist()
-    groups = [g for layer in algorithms.decoder_groups(model) for g in layer]
-    sites = {g.site: next(iter(g.linears.values())) for g in groups}
-    stats = collect_input_stats(model, sites, sequences)
+    model, ids, reference, sequences, stats = _calibrated()
     chosen = smoothquant.smooth_model(model, stats, sequences, alpha=0.75)
     assert len(chosen) == 12 and set(chosen.values()) == {0.75}
     torch.testing.assert_close(_logits(model, ids), reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
