@@ -4,6 +4,7 @@
 with a --pd-role) on free loopback ports, each pinned to its share of the CPU cores (or to one
 CUDA device each). Across machines, each process reads its role and devices from the rank-table
 environment (ranktable.py); `device_env` turns those device ids into this process's environment.
+An InstanceKeeper starts an instance again, on the same port, when its process exits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -82,11 +84,14 @@ def device_env(device_ids: list[int]) -> dict[str, str]:
 
 @dataclasses.dataclass
 class LocalInstance:
-    """A server process this launcher started on loopback."""
+    """A server process this launcher started on loopback (`cmd` and `env` start it again)."""
 
     role: str
     url: str
     process: subprocess.Popen
+    cmd: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    stopped: bool = False  # it exited because it was told to: not started again
 
     def stop(self, timeout: float = 15.0) -> None:
         self.process.terminate()
@@ -96,6 +101,9 @@ class LocalInstance:
             self.process.kill()
             self.process.wait()
 
+    def restart(self) -> None:
+        self.process = _popen(self.cmd, self.env)
+
 
 def start_instance(role: str, flags: list[str], env: dict[str, str] | None = None) -> LocalInstance:
     """A server process (`python -m SERVER_MODULE FLAGS`) on a free loopback port."""
@@ -103,10 +111,73 @@ def start_instance(role: str, flags: list[str], env: dict[str, str] | None = Non
     cmd = [sys.executable, "-m", SERVER_MODULE, *flags, "--host", "127.0.0.1", "--port", str(port)]
     env = env or {}
     logger.info("Starting %s instance on port %d%s", role, port, "".join(f", {k}={v}" for k, v in env.items()))
+    return LocalInstance(role, f"http://127.0.0.1:{port}", _popen(cmd, env), cmd, env)
+
+
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     # The instance gets SIGTERM from the kernel if this launcher dies, however it dies (kill -9 too).
     arm = functools.partial(exit_with_parent, os.getpid())
-    process = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=arm)  # noqa: PLW1509
-    return LocalInstance(role, f"http://127.0.0.1:{port}", process)
+    return subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=arm)  # noqa: PLW1509
+
+
+# How an instance ends when told to stop: exit code 0, or a stop signal (SIGHUP, SIGINT, SIGTERM), as
+# the signal itself or as the server's exit code for it (128 + signal).
+_STOPPED_CODES = {0, *(s for n in (1, 2, 15) for s in (-n, 128 + n))}
+
+
+class InstanceKeeper:
+    """Starts an instance again when its process exits (its server gave up on its engine, or the
+    process was killed or crashed; not when a stop signal ended it), on the same port, so that the
+    router, which checks its /health, admits it again by itself. Restarts in a row back off (1 s,
+    2 s, 4 s ... at most MAX_BACKOFF_S); an instance that ran for STABLE_S seconds starts over at once."""
+
+    MAX_BACKOFF_S = 30.0
+    STABLE_S = 60.0
+
+    def __init__(self, instances: list[LocalInstance]):
+        self.instances = instances
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pd-instance-keeper", daemon=True)
+        self.restarts = 0
+
+    def start(self) -> InstanceKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No restart after this returns (call it before stopping the instances)."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        started = {id(i): time.monotonic() for i in self.instances}
+        streak = {id(i): 0 for i in self.instances}
+        while not self._stop.wait(0.2):
+            for inst in self.instances:
+                code = inst.process.poll()
+                if code is None or inst.stopped:
+                    continue
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                if code in _STOPPED_CODES:  # told to stop (the launcher's own process group was)
+                    logger.info("The %s instance at %s stopped (%s); not starting it again", inst.role, inst.url, how)
+                    inst.stopped = True
+                    continue
+                lived = time.monotonic() - started[id(inst)]
+                streak[id(inst)] = 1 if lived >= self.STABLE_S else streak[id(inst)] + 1
+                delay = 0.0 if streak[id(inst)] <= 1 else min(2.0 ** (streak[id(inst)] - 2), self.MAX_BACKOFF_S)
+                logger.error(
+                    "The %s instance at %s exited (%s) after %.0f s; starting it again%s",
+                    inst.role,
+                    inst.url,
+                    how,
+                    lived,
+                    f" in {delay:.0f} s" if delay else "",
+                )
+                if self._stop.wait(delay):
+                    return
+                inst.restart()
+                started[id(inst)] = time.monotonic()
+                self.restarts += 1
 
 
 def stop_all(instances: list[LocalInstance]) -> None:

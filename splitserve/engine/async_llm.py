@@ -3,7 +3,9 @@
 Requests come processed (the API server runs the Processor in a worker thread, so that a long
 prompt does not stall the event loop) and go out over a ZMQ DEALER socket; one asyncio task reads
 the core's outputs, detokenizes them and hands each RequestOutput to the queue of the request it
-belongs to. If the engine process dies, every pending request fails at once with EngineDeadError.
+belongs to. If the engine process dies, every pending request fails at once with EngineDeadError;
+when the server restarts its engine (engine/supervisor.py: the EngineWatch says so), this front-end
+connects to the new one and serves again.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from splitserve.engine.messages import (
 )
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
+from splitserve.engine.supervisor import EngineWatch
 from splitserve.lora.request import LoRARequest
 from splitserve.outputs import RequestOutput
 from splitserve.process_utils import process_alive
 
 logger = logging.getLogger(__name__)
 
-_LIVENESS_CHECK_S = 1.0
+_LIVENESS_CHECK_S = 0.25  # how long the engine may be silent before its process is looked at
 
 
 _PING_WAIT_S = 1.0  # how long a health check waits for an engine that has been silent
@@ -50,14 +53,21 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM(FrontEnd):
-    def __init__(self, model_config: ModelConfig, engine_address: str, engine_pid: int, client_index: int = 0):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_address: str,
+        engine_pid: int,
+        client_index: int = 0,
+        engine_watch: EngineWatch | None = None,
+    ):
         super().__init__(model_config)
-        self.engine_pid = engine_pid
+        self._engine_pid = engine_pid
+        self.engine_address = engine_address
+        self.engine_watch = engine_watch  # None: no one restarts the engine
+        self.generation = engine_watch.generation if engine_watch is not None else 0
         self.client_index = client_index
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, f"api-{client_index}-{os.getpid()}".encode())
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(engine_address)
+        self.socket = self._connect()
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -74,6 +84,17 @@ class AsyncLLM(FrontEnd):
         self.loras: dict[str, LoRARequest] = {}  # the engine's adapters by name, as last heard
         self.loras_version = -1  # the registry version they are from (-1: never asked)
         self.engine_loras_version = 0  # the version the engine last reported
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, f"api-{self.client_index}-{os.getpid()}".encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.engine_address)
+        return socket
+
+    @property
+    def engine_pid(self) -> int:
+        return self.engine_watch.pid if self.engine_watch is not None else self._engine_pid
 
     # --- requests ---------------------------------------------------------------------------
     async def generate(
@@ -150,6 +171,13 @@ class AsyncLLM(FrontEnd):
         if core_ids and self.dead_reason is None:
             await self._send(AbortRequests(core_ids))
 
+    async def release_kv_leases(self, core_request_ids: list[str]) -> None:
+        """PD prefill side: end the KV leases of these finished requests (engine ids, as the
+        kv_transfer_params' remote_request_id names them) so that their blocks are freed now."""
+        self._start()
+        self._check_alive()
+        await self._send(AbortRequests(core_request_ids))
+
     def try_reserve_queue_slot(self, limit: int) -> bool:
         """Admission control: True (and count the request as queued) while fewer than `limit`
         requests wait in the engine, as last reported, plus those this worker admitted since that
@@ -187,6 +215,10 @@ class AsyncLLM(FrontEnd):
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
+            if self.engine_watch is not None:
+                raise EngineDeadError(
+                    f"The engine is restarting after it failed ({self.dead_reason}); retry in a few seconds."
+                )
             raise EngineDeadError(f"The engine is not running: {self.dead_reason}")
 
     # --- outputs ----------------------------------------------------------------------------
@@ -198,21 +230,66 @@ class AsyncLLM(FrontEnd):
         try:
             while True:
                 if not await self.socket.poll(timeout=int(_LIVENESS_CHECK_S * 1000)):
-                    if not process_alive(self.engine_pid):
+                    if self._replaced():
+                        self._fail_all("the engine process was restarted")
+                    elif not process_alive(self.engine_pid):
                         self._fail_all("the engine process exited")
+                    else:
+                        continue
+                    if not await self._await_new_engine():
                         return
                     continue
                 message = self.decoder.decode(await self.socket.recv())
                 self.last_heard = time.monotonic()
                 if message.engine_dead is not None:
                     self._fail_all(message.engine_dead)
-                    return
+                    if not await self._await_new_engine():
+                        return
+                    continue
                 await self._handle(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave requests hanging forever
             logger.exception("Output handling failed")
             self._fail_all(f"output handling failed: {exc}")
+
+    def _replaced(self) -> bool:
+        return self.engine_watch is not None and self.engine_watch.generation != self.generation
+
+    async def _await_new_engine(self) -> bool:
+        """After the engine died: wait until the server's supervisor has a new one ready, then talk to
+        it on a new socket (nothing meant for the dead one reaches it). False when no one restarts it."""
+        if self.engine_watch is None:
+            return False
+        while not self._replaced():
+            await asyncio.sleep(0.05)
+        self.socket.close()
+        self.socket = self._connect()
+        self.generation = self.engine_watch.generation
+        previous_loras = list(self.loras.values())
+        self.stats, self.sent_since_stats, self.last_heard = None, 0, 0.0
+        self._vocabulary_task = None  # the new engine needs the grammar vocabulary again
+        self.loras, self.loras_version, self.engine_loras_version = {}, -1, 0
+        self.dead_reason = None
+        logger.info("Connected to the restarted engine (pid %d)", self.engine_pid)
+        if previous_loras:
+            asyncio.get_running_loop().create_task(self._restore_loras(previous_loras))
+        return True
+
+    async def _restore_loras(self, adapters: list[LoRARequest]) -> None:
+        """The adapters this front-end knew before the restart and the new engine lacks (loaded at run
+        time) are loaded again; with several API workers the first one to ask loads each."""
+        try:
+            await self.lora_call("list")
+            for adapter in adapters:
+                if adapter.lora_name not in self.loras:
+                    reply = await self.lora_call("add", adapter.lora_name, adapter.lora_path, adapter.base_model_name)
+                    if reply.error and adapter.lora_name not in self.loras:
+                        logger.error("LoRA adapter %s could not be loaded again: %s", adapter.lora_name, reply.error)
+                    else:
+                        logger.info("LoRA adapter %s loaded again after the engine restart", adapter.lora_name)
+        except EngineDeadError:
+            pass
 
     async def _handle(self, message: EngineCoreOutputs) -> None:
         if message.lora_reply is not None and message.lora_reply.call_id in self._lora_calls:

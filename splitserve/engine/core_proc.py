@@ -34,7 +34,7 @@ from splitserve.engine.messages import (
     SchedulerStats,
 )
 from splitserve.engine.watchdog import StepWatchdog
-from splitserve.process_utils import exit_with_parent
+from splitserve.process_utils import exit_with_parent, set_process_name
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +214,7 @@ def run_engine_core(source, address: str, ready_pipe) -> None:
     that builds one here."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent()
+    set_process_name("splitserve-eng")
     logging.basicConfig(
         level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s engine: %(message)s"
     )

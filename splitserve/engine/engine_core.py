@@ -152,7 +152,12 @@ class EngineCore:
         return LoRAReply(call.call_id, self.loras.version, self.loras.list())
 
     def abort_requests(self, request_ids) -> None:
+        """Abort requests by id. A prefill instance's leased request (finished, its KV kept for a
+        decode instance) gives up its lease: its blocks are freed at the next poll_connector()."""
         request_ids = [rid for rid in request_ids if self._compiling.pop(rid, None) is None]
+        for rid in request_ids:
+            if rid in self.scheduler.leased and self.connector is not None:
+                self.connector.release_lease(rid)
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.step_inputs.forget(r.request_id for r in finished)
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -36,17 +38,21 @@ class DeferredEngineConfig:
 
 
 class EngineProcess:
-    """Starts the engine core process and waits until it is ready (or says why it is not)."""
+    """Starts the engine core process and waits until it is ready (or says why it is not). The
+    process's standard error (its log, and its ranks') also goes to a file, so that once it has died
+    its last lines can say why (`last_log_lines`)."""
 
     def __init__(self, source: EngineConfig | DeferredEngineConfig, address: str | None = None):
         self.address = address or new_ipc_address()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
+        fd, self.log_path = tempfile.mkstemp(prefix="splitserve-engine-", suffix=".log")
+        os.close(fd)
         # Not a daemon: daemonic processes may not start children, and the engine starts one worker
         # process per rank with tensor/pipeline parallelism. It still never outlives this process
         # (a parent-death signal, and shutdown() below).
         self.process = ctx.Process(
-            target=_run_engine_core, args=(source, self.address, child), name="splitserve-engine"
+            target=_run_engine_core, args=(source, self.address, child, self.log_path), name="splitserve-engine"
         )
         self.process.start()
         child.close()
@@ -68,17 +74,80 @@ class EngineProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def describe_exit(self) -> str:
+        """How the process ended, in words: "killed by signal 9 (SIGKILL)", "exit code 1"."""
+        code = self.process.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = "unknown signal"
+            return f"killed by signal {-code} ({name})"
+        return f"exit code {code}"
+
+    def last_log_lines(self, count: int = 10) -> list[str]:
+        """The last lines the engine process (or one of its ranks) wrote to standard error."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(os.path.getsize(self.log_path) - 16384, 0))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return []
+        return [line for line in lines if line.strip()][-count:]
+
     def shutdown(self) -> None:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
+        self.process.join(timeout=5)
         if self.address.startswith("ipc://") and os.path.exists(self.address[len("ipc://") :]):
             os.unlink(self.address[len("ipc://") :])
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
 
-def _run_engine_core(source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe) -> None:
+_LOG_FILE_MAX_BYTES = 1 << 20  # the copy of the engine's standard error is cut back to its tail past this
+_LOG_FILE_KEEP_BYTES = 64 << 10
+
+
+def _tee_stderr(path: str) -> None:
+    """In the engine process: what is written to file descriptor 2 (Python's log and tracebacks, C++
+    messages, the ranks' output, which inherit it) still reaches the terminal, and also the file at
+    `path`, written as it comes, so that it holds the last lines even after a SIGKILL. The file is cut
+    back to its last 64 KiB when it passes 1 MiB."""
+    read_end, write_end = os.pipe()
+    terminal = os.dup(2)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def copy() -> None:
+        tail = bytearray()
+        with open(path, "wb", buffering=0) as log:
+            while chunk := os.read(read_end, 65536):
+                try:
+                    os.write(terminal, chunk)
+                except OSError:
+                    pass
+                log.write(chunk)
+                tail += chunk
+                del tail[: max(len(tail) - _LOG_FILE_KEEP_BYTES, 0)]
+                if log.tell() > _LOG_FILE_MAX_BYTES:
+                    log.seek(0)
+                    log.truncate()
+                    log.write(bytes(tail))
+
+    threading.Thread(target=copy, name="stderr-copy", daemon=True).start()
+
+
+def _run_engine_core(source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe, log_path: str) -> None:
     from splitserve.engine.core_proc import run_engine_core
 
+    _tee_stderr(log_path)
     run_engine_core(source, address, ready_pipe)

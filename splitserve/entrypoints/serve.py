@@ -69,12 +69,14 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
 
 def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) -> None:
     """`serve --pd XpYd`: start the instances, wait until they are healthy, then run the router;
-    the instances are stopped however the router ends."""
+    an instance whose process exits is started again (launch.InstanceKeeper); the instances are
+    stopped however the router ends."""
     from splitserve.disagg import launch
 
     num_prefill, num_decode = launch.parse_pd_spec(spec)
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     instances: list[launch.LocalInstance] = []
+    keeper = None
     # SIGTERM (also re-raised by uvicorn once the router has shut down) unwinds through `finally`,
     # so the instances are stopped; SIGHUP becomes a SIGTERM (the router then shuts down as for one);
     # SIGINT unwinds as KeyboardInterrupt; after SIGKILL the instances' parent-death signal stops them.
@@ -85,6 +87,7 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
         for role, env in zip(roles, launch.split_devices(len(roles), world)):
             instances.append(launch.start_instance(role, instance_flags(engine_args, server_args, role), env))
         launch.wait_healthy(instances)
+        keeper = launch.InstanceKeeper(instances).start()
         config = _router_config(
             server_args,
             [i.url for i in instances if i.role == "prefill"],
@@ -93,6 +96,8 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
         logger.info("PD deployment %s ready: router on port %d", spec, server_args.port)
         run_router(config, server_args.host, server_args.port)
     finally:
+        if keeper is not None:
+            keeper.stop()
         launch.stop_all(instances)
 
 

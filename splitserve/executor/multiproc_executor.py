@@ -24,7 +24,7 @@ from splitserve.executor.abstract import Executor
 from splitserve.executor.cpu_binding import available_cores, bind_cpu_cores, split_cores
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 from splitserve.executor.worker import ENCODER, REPLY_DECODER, Call, Collect, Launch, Worker, WorkerReply
-from splitserve.process_utils import exit_with_parent, free_port
+from splitserve.process_utils import exit_with_parent, free_port, set_process_name
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ def _worker_main(
 ) -> None:
     """A worker process: join, build, then answer messages until the pipe closes."""
     exit_with_parent()
+    set_process_name(f"splitserve-r{rank.rank}")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(
         level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format=f"%(asctime)s %(levelname)s rank-{rank.rank}: %(message)s"

@@ -397,13 +397,20 @@ def test_max_queued_requests_gives_429(tiny_chat_model):
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
 
 
-def test_engine_death_gives_503_not_a_hang(tiny_chat_model):
-    with RemoteServer(tiny_chat_model, *COMMON) as s:
-        os.kill(engine_pid(s), signal.SIGKILL)
-        time.sleep(2)
-        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+def test_engine_death_with_no_restarts_left_ends_the_server(tiny_chat_model):
+    """--max-engine-restarts 0: the engine's death fails its requests (503, never a hang) and the
+    server exits non-zero, leaving the restart to an outer supervisor (systemd, Kubernetes)."""
+    with RemoteServer(tiny_chat_model, *COMMON, "--max-engine-restarts", "0") as s:
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        os.kill(engine_pid(s), signal.SIGKILL)
+        assert events[-1] == "[DONE]" and '"code":503' in events[-2].replace(" ", ""), events[-2:]
+        assert s.proc.wait(timeout=30) == 1
 
 
 def test_stuck_step_turns_health_to_503_and_is_logged(tiny_chat_model, tmp_path):

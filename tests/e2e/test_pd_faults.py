@@ -11,7 +11,8 @@ error event closing the stream, or, with the router dead, its connection closed)
 the surviving instances hold no KV block, by their /metrics (the usage gauge and the count of the
 engine's own invariant check), within the time the cell states. How long each side waits:
 
-- the prefill instance frees unclaimed blocks when the lease expires: LEASE_S after the prefill;
+- the prefill instance frees unclaimed blocks when the router hands the lease back (the decode
+  instance failed), or, with the router dead, when the lease expires: LEASE_S after the prefill;
 - a pull from a KV server that dies fails as soon as its connection drops (30 s without an answer
   from a live but silent one); the decode instance then computes the prompt itself;
 - the router sees a dead instance at once (connection refused or closed) and gives up on the request
@@ -205,7 +206,9 @@ def _check_client(victim: str, stage: str, outcome: Outcome) -> str:
 # The longest each cell's survivors may take to free their blocks after the kill, in seconds.
 _LEASE_BOUND = LEASE_S + 10  # the prefill's unclaimed lease expires, then one stats round
 _FREE_BOUND = 15  # everything else: an abort, or the rest of a short completion on a loaded machine
-FREE_WITHIN = {("decode", "before_prefill_answer"): _LEASE_BOUND, ("router", "before_prefill_answer"): _LEASE_BOUND}
+# With the decode instance dead, the router hands the prefill's kv_transfer_params back (POST
+# /kv_transfer/release) and the lease ends at once; with the router dead, no one can: it expires.
+FREE_WITHIN = {("router", "before_prefill_answer"): _LEASE_BOUND}
 
 
 @pytest.mark.parametrize("stage", ["before_prefill_answer", "during_kv_pull", "during_decode"])

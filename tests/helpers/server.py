@@ -117,16 +117,23 @@ def metric(server, name: str) -> float:
 
 
 def engine_pid(server: RemoteServer) -> int:
-    """The engine core process: of the server's spawned children (it and multiprocessing's resource
-    tracker) the one holding the model, i.e. the largest resident memory."""
+    """The engine core process: the server's child named splitserve-eng (process_utils.set_process_name)."""
+    return named_child(server, "splitserve-eng")
 
-    def rss(pid: int) -> int:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1])
 
-    spawned = [p for p in server.child_pids() if "spawn_main" in cmdline(p)]
-    assert spawned, "no engine process found"
-    return max(spawned, key=rss)
+def named_child(server: RemoteServer, name: str) -> int:
+    """The one process under the server whose /proc/PID/comm is `name`."""
+    found = [p for p in server.child_pids() if comm(p) == name]
+    assert len(found) == 1, f"{len(found)} processes named {name} under the server"
+    return found[0]
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def cmdline(pid: int) -> str:

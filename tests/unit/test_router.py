@@ -40,6 +40,13 @@ CHUNKS = [
     b'data: {"id":"cmpl-s","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\n',
     b"data: [DONE]\n\n",
 ]
+RESTARTING_EVENTS = [
+    b'data: {"id":"chatcmpl-r","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"finish_reason":null}]}\n\n',
+    b'data: {"error":{"message":"The engine is restarting after it failed (the engine process exited); '
+    b'retry in a few seconds.","type":"service_unavailable","param":null,"code":503}}\n\n',
+    b"data: [DONE]\n\n",
+]
 BAD_REQUEST = {
     "error": {"message": "The prompt is empty.", "type": "invalid_request_error", "param": "prompt", "code": 400}
 }
@@ -67,8 +74,9 @@ class FakeLoop:
 class FakeInstance:
     """A splitserve OpenAI server as the router sees it. `mode` sets how it answers completions:
     ok, 500, 400, no_kv (prefill answers without kv_transfer_params), break (decode stream dies after
-    two chunks). A decode request whose prompt contains HOLD streams (or waits) until `release` is set
-    or its client goes away (then `disconnected` is set)."""
+    two chunks), restarting (a chat stream's opening event, then the 503 error event of an engine
+    that died before the first token). A decode request whose prompt contains HOLD streams (or
+    waits) until `release` is set or its client goes away (then `disconnected` is set)."""
 
     def __init__(self, fakes: FakeLoop, role: str, name: str, log: list) -> None:
         self.fakes, self.role, self.name, self.log = fakes, role, name, log
@@ -83,6 +91,7 @@ class FakeInstance:
         self.disconnected = threading.Event()
         self.count = 0
         self.pd_role: str | None = None  # what GET /pd_role answers (None: 404, as an older server)
+        self.released: list[dict] = []  # the kv_transfer_params handed back to /kv_transfer/release
         app = web.Application()
         app.add_routes(
             [
@@ -94,6 +103,7 @@ class FakeInstance:
                 web.get("/metrics", self.metrics),
                 web.get("/v1/models", self.models),
                 web.post("/tokenize", self.tokenize),
+                web.post("/kv_transfer/release", self.release_kv),
             ]
         )
         self.sock = socket.socket()
@@ -136,6 +146,10 @@ class FakeInstance:
             ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+    async def release_kv(self, request: web.Request) -> web.Response:
+        self.released.append((await request.json())["kv_transfer_params"])
+        return web.json_response({"released": self.released[-1]["remote_request_id"]})
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "served_by": self.name}]})
 
@@ -175,6 +189,14 @@ class FakeInstance:
                 }
             return self._json(answer)
         held = HOLD in json.dumps(body.get("prompt", body.get("messages")))
+        if self.mode == "restarting":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for event in RESTARTING_EVENTS:
+                await resp.write(event)
+                await asyncio.sleep(0.01)
+            await resp.write_eof()
+            return resp
         if body.get("stream"):
             return await self._stream(request, held)
         if held:
@@ -481,6 +503,29 @@ def test_decode_retry_on_another_instance(cluster):
     assert d0.bodies[0][1]["kv_transfer_params"] == d1.bodies[0][1]["kv_transfer_params"]
     assert server.metric("splitserve_router:retries_total", role=DECODE) == 1
     assert server.metric("splitserve_router:instance_healthy", instance=d0.url, role=DECODE) == 0
+
+
+def test_a_stream_that_opens_with_an_engine_failure_is_retried_on_another_decode_instance(cluster):
+    """Nothing was generated (the chat opening and a 503 event): the client never sees that stream."""
+    server, [p], [d0, d1], _ = cluster(1, 2)
+    d0.mode = "restarting"
+    with server.client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+        assert r.status_code == 200
+        assert b"".join(r.iter_raw()) == b"".join(CHUNKS)
+    assert d0.count == 1 and d1.count == 1
+    assert server.metric("splitserve_router:retries_total", role=DECODE) == 1
+    assert p.released == []  # d1 pulled the KV: nothing to hand back
+
+
+def test_a_failed_decode_hands_the_prefill_lease_back(cluster):
+    """No decode instance could decode: the prefill instance gets its kv_transfer_params back, so that
+    it frees the blocks now rather than when the lease expires."""
+    server, [p], [d], _ = cluster(1, 1)
+    d.mode = "restarting"
+    with server.client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+        assert r.status_code == 503
+        assert "restarting" in json.loads(r.read())["error"]["message"]
+    assert [kv["remote_request_id"] for kv in p.released] == [f"{p.name}-1"]
 
 
 def test_decode_503_when_every_decode_fails(cluster):

@@ -57,6 +57,11 @@ class KVConnectorGroup:
             )
             time.sleep(self._lease_delay_s)
 
+    def release_lease(self, request_id: str) -> None:
+        """End a lease before its pulls or its time are done (the decode side will not pull it)."""
+        if request_id in self._leases:
+            self._call("release_lease", request_id)
+
     # --- decode side ------------------------------------------------------------------------
     def submit_pull(self, request_id: str, params, first_block: int, dest_block_ids: list[int]) -> None:
         """Pull blocks first_block.. of the remote request named in `params` (KVTransferParams)."""

@@ -32,6 +32,8 @@ class KVTransferHandler:
             raise RuntimeError("the KV connector has not been started")
         if method == "add_lease":
             return self.connector.add_lease(*args)
+        if method == "release_lease":
+            return self.connector.end_lease(*args)
         if method == "submit_pull":
             return self.submit_pull(*args)
         if method == "poll":

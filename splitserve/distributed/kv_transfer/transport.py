@@ -153,7 +153,7 @@ class KVConnector:
                     logger.warning("Refused a malformed KV connector message: %s", exc)
                     continue
                 if isinstance(msg, Release):
-                    self._end_lease(msg.request_id)
+                    self.end_lease(msg.request_id)
                 else:
                     header, payloads = self._read_blocks(msg)
                     self._inject_delay(header)
@@ -210,7 +210,8 @@ class KVConnector:
         )
         return header, raws
 
-    def _end_lease(self, request_id: str) -> None:
+    def end_lease(self, request_id: str) -> None:
+        """The lease is over (released, or its pulls done): its blocks can be freed."""
         with self._lock:
             self._end_lease_locked(request_id)
 

@@ -32,6 +32,7 @@ from splitserve.entrypoints.openai.response_models import (
 )
 from splitserve.entrypoints.openai.serving_generate import GenerateRequest
 from splitserve.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from splitserve.entrypoints.openai.serving_pd import KVReleaseRequest, KVReleaseResponse
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -67,6 +68,7 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/metrics": RouteDoc((), None, text=True, errors=(401,)),
     "/v1/load_lora_adapter": RouteDoc((LoadLoRAAdapterRequest,), None, text=True),
     "/v1/unload_lora_adapter": RouteDoc((UnloadLoRAAdapterRequest,), None, text=True),
+    "/kv_transfer/release": RouteDoc((KVReleaseRequest,), KVReleaseResponse, errors=(400, 401, 413, 503)),
 }
 
 

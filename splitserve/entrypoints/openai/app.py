@@ -85,6 +85,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         """Which PD role this instance has: the router checks that it lists it under that role."""
         return {"pd_role": config.kv_transfer_config.pd_role}
 
+    @app.post("/kv_transfer/release")
+    async def release_kv(request: Request):
+        """PD prefill instances: free a lease no decode instance will pull (the router calls it)."""
+        return await completion.release_kv_lease(await read_json_body(request))
+
     @app.get("/health")
     async def health():
         if await engine.check_health(server_args.health_timeout):

@@ -31,6 +31,8 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     health_timeout: float = 30.0
+    max_engine_restarts: int = 5
+    engine_restart_window: float = 600.0
     engine_worker_queue_port: int | None = None
     default_max_tokens: int | None = None
     pd: str | None = None
@@ -103,6 +105,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="/health answers 503 when the engine does not answer within this many seconds",
     )
     g.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=5,
+        help="restart the engine when it dies, at most this many times within --engine-restart-window; past "
+        "that (and at once with 0) the server exits non-zero, for an outer supervisor to restart",
+    )
+    g.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="the window over which --max-engine-restarts counts restarts",
+    )
+    g.add_argument(
         "--engine-worker-queue-port",
         type=int,
         default=None,
@@ -161,6 +177,10 @@ def _check_server_args(args: ServerArgs) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to read the calls.")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}.")
+    if args.max_engine_restarts < 0:
+        raise ValueError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}.")
+    if args.engine_restart_window <= 0:
+        raise ValueError(f"--engine-restart-window must be > 0, got {args.engine_restart_window}.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
     if args.chat_template is not None:

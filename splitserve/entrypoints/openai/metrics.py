@@ -199,6 +199,22 @@ class Metrics:
         self.itl.observe(seconds)
 
 
+_ENGINE_RESTARTS = None
+
+
+def engine_restarts_counter(model_name: str):
+    """splitserve:engine_restarts_total: the engine processes this server started again after one died.
+    Counted by the process that restarts them (with several workers, their parent)."""
+    global _ENGINE_RESTARTS
+    from prometheus_client import Counter
+
+    if _ENGINE_RESTARTS is None:
+        _ENGINE_RESTARTS = Counter(
+            "splitserve:engine_restarts", "Engine processes restarted after one died.", ["model_name"]
+        )
+    return _ENGINE_RESTARTS.labels(model_name=model_name)
+
+
 def render_metrics() -> tuple[bytes, str]:
     """The exposition text of this process, or of all workers in multiprocess mode."""
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest

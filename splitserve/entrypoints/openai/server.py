@@ -3,6 +3,8 @@
 The parent process starts the engine core process, binds the listening socket, and then serves
 HTTP itself (one worker) or starts `--workers` API processes that share the socket and each talk
 to the engine over ZMQ. `--metrics-port`, when it differs from `--port`, serves /metrics alone.
+The process that started the engine also restarts it when it dies (engine/supervisor.py), and
+exits non-zero once it has given up (`--max-engine-restarts`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     from splitserve.tokenizer import get_tokenizer  # torch and transformers: after the engine has started
 
     workers: list[multiprocessing.Process] = []
+    supervisor = None
     try:
         config = engine_args.create_engine_config()
         config.health_timeout = server_args.health_timeout
@@ -78,31 +81,51 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
                 import splitserve.entrypoints.openai.app  # noqa: F401
         with startup.phase("engine process"):
             engine.wait_ready(config)
+        supervisor = _engine_supervisor(engine, engine_args, server_args, config)
         if server_args.workers == 1:
-            serve_worker(config, server_args, engine.address, engine.pid, 0, sock, metrics_sock)
+            serve_worker(config, server_args, engine.address, engine.pid, 0, sock, metrics_sock, supervisor)
         else:
-            workers = _start_workers(config, server_args, engine.address, engine.pid, sock)
-            _supervise(workers, engine, server_args, metrics_sock)
+            workers = _start_workers(config, server_args, engine.address, supervisor.watch, sock)
+            _supervise(workers, supervisor, server_args, metrics_sock)
+        if supervisor.gave_up is not None:
+            raise SystemExit(1)
     finally:
         for w in workers:
             if w.is_alive():
                 w.terminate()
-        engine.shutdown()
+        (supervisor.engine if supervisor is not None else engine).shutdown()
         if multiproc_dir:
             shutil.rmtree(multiproc_dir, ignore_errors=True)
+
+
+def _engine_supervisor(engine, engine_args: EngineArgs, server_args: ServerArgs, config: EngineConfig):
+    """What restarts the engine with the arguments it was started with, counted in /metrics."""
+    from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
+    from splitserve.engine.supervisor import EngineSupervisor
+    from splitserve.entrypoints.openai.metrics import engine_restarts_counter
+
+    restarts = engine_restarts_counter(config.model_config.served_model_name)
+    return EngineSupervisor(
+        engine,
+        lambda: EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), engine.address),
+        config,
+        server_args.max_engine_restarts,
+        server_args.engine_restart_window,
+        on_restart=restarts.inc,
+    )
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _start_workers(config, server_args, address, pid, sock) -> list[multiprocessing.Process]:
+def _start_workers(config, server_args, address, watch, sock) -> list[multiprocessing.Process]:
     ctx = multiprocessing.get_context("spawn")
     workers = []
     for index in range(server_args.workers):
         p = ctx.Process(
             target=serve_worker,
-            args=(config, server_args, address, pid, index, sock, None),
+            args=(config, server_args, address, watch.pid, index, sock, None, None, watch),
             name=f"splitserve-api-{index}",
         )
         p.start()
@@ -111,30 +134,40 @@ def _start_workers(config, server_args, address, pid, sock) -> list[multiprocess
     return workers
 
 
-def _supervise(workers, engine, server_args: ServerArgs, metrics_sock) -> None:
-    """The parent of several workers: serve the separate metrics port if any, and wait."""
-    if metrics_sock is not None:
-        import uvicorn
-
-        from splitserve.entrypoints.openai.app import build_metrics_app
-
-        uvicorn.Server(uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level)).run(
-            sockets=[metrics_sock]
-        )
-        return
+def _supervise(workers, supervisor, server_args: ServerArgs, metrics_sock) -> None:
+    """The parent of several workers: restart the engine when it dies, serve the separate metrics
+    port if any, and wait until a signal, a worker's exit, or the supervisor giving up ends it."""
     stop = asyncio.Event()
 
-    async def wait() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    async def watch_workers() -> None:
         while not stop.is_set() and all(w.is_alive() for w in workers):
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
 
-    asyncio.run(wait())
+    async def main() -> None:
+        supervisor.stopping = stop.is_set
+        tasks = [asyncio.ensure_future(watch_workers()), asyncio.ensure_future(supervisor.run())]
+        if metrics_sock is not None:  # uvicorn takes the signals, and ends with them
+            import uvicorn
+
+            from splitserve.entrypoints.openai.app import build_metrics_app
+
+            config = uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level)
+            metrics_server = uvicorn.Server(config)
+            supervisor.stopping = lambda: metrics_server.should_exit
+            tasks.append(asyncio.ensure_future(metrics_server.serve(sockets=[metrics_sock])))
+        else:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def serve_worker(
@@ -145,14 +178,19 @@ def serve_worker(
     index: int,
     sock: socket.socket,
     metrics_sock: socket.socket | None,
+    supervisor=None,
+    watch=None,
 ) -> None:
-    """One API server process: an AsyncLLM client and uvicorn on the shared socket."""
+    """One API server process: an AsyncLLM client and uvicorn on the shared socket. With one worker,
+    this process also runs the engine's `supervisor`; a worker of several follows the parent's
+    restarts through `watch` (its EngineWatch)."""
     import uvicorn
 
-    from splitserve.process_utils import exit_with_parent
+    from splitserve.process_utils import exit_with_parent, set_process_name
 
     if multiprocessing.parent_process() is not None:  # a worker process of a multi-worker server
         exit_with_parent()
+        set_process_name(f"splitserve-api{index}")
     _quiet_threads()
     logging.basicConfig(
         level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format=f"%(asctime)s %(levelname)s api-{index}: %(message)s"
@@ -160,7 +198,9 @@ def serve_worker(
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.entrypoints.openai.app import build_app, build_metrics_app
 
-    engine = AsyncLLM(config.model_config, address, engine_pid, client_index=index)
+    if supervisor is not None:
+        watch = supervisor.watch
+    engine = AsyncLLM(config.model_config, address, engine_pid, client_index=index, engine_watch=watch)
     app = build_app(engine, config, server_args, index)
     servers = [uvicorn.Server(uvicorn.Config(app, log_level=server_args.uvicorn_log_level, timeout_keep_alive=30))]
     sockets = [[sock]]
@@ -173,7 +213,17 @@ def serve_worker(
     logger.info("Serving %s on http://%s:%d", config.model_config.served_model_name, server_args.host, server_args.port)
 
     async def serve_all() -> None:
-        await asyncio.gather(*(s.serve(sockets=socks) for s, socks in zip(servers, sockets)))
+        restarts = None
+        if supervisor is not None:  # once it gives up, the server shuts down (and exits non-zero)
+            supervisor.stopping = lambda: any(s.should_exit for s in servers)
+            restarts = asyncio.ensure_future(supervisor.run())
+            restarts.add_done_callback(lambda _: [setattr(s, "should_exit", True) for s in servers])
+        try:
+            await asyncio.gather(*(s.serve(sockets=socks) for s, socks in zip(servers, sockets)))
+        finally:
+            if restarts is not None and not restarts.done():
+                restarts.cancel()
+                await asyncio.gather(restarts, return_exceptions=True)
 
     asyncio.run(serve_all())
 

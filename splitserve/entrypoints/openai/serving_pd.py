@@ -5,7 +5,9 @@ waits. The transfer itself is distributed/kv_transfer/; the engine's side is eng
 from __future__ import annotations
 
 import msgspec
+from pydantic import BaseModel, ValidationError
 
+from splitserve.engine.async_llm import EngineDeadError
 from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError
@@ -13,10 +15,45 @@ from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 
 
+class LeasedKV(BaseModel):
+    remote_request_id: str
+
+
+class KVReleaseRequest(BaseModel):
+    """POST /kv_transfer/release: the kv_transfer_params a prefill answer gave, handed back."""
+
+    kv_transfer_params: LeasedKV
+
+
+class KVReleaseResponse(BaseModel):
+    released: str
+
+
 class PDServingMixin:
-    """Mixed into OpenAIServing, whose `pd_role` it reads."""
+    """Mixed into OpenAIServing, whose `pd_role` and `engine` it reads."""
 
     pd_role: str
+
+    async def release_kv_lease(self, body: dict) -> KVReleaseResponse:
+        """POST /kv_transfer/release (prefill instances): the router hands back a prefill answer's
+        kv_transfer_params when no decode instance will pull them (the decode side failed, or the
+        client left), and the leased blocks are freed now rather than when the lease expires. An
+        unknown or already ended lease is no error: the call may race the last pull."""
+        if self.pd_role != "prefill":
+            raise APIError(f"Only a prefill instance holds KV leases; this one is a {self.pd_role} instance.")
+        try:
+            req = KVReleaseRequest.model_validate(body)
+        except ValidationError:
+            raise APIError(
+                'The body must be {"kv_transfer_params": {"remote_request_id": ...}}, as a prefill answer gave it.',
+                param="kv_transfer_params",
+            ) from None
+        rid = req.kv_transfer_params.remote_request_id
+        try:
+            await self.engine.release_kv_leases([rid])
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable") from None
+        return KVReleaseResponse(released=rid)
 
     def _kv_transfer(self, req, params: SamplingParams, num_prompts: int) -> KVTransferParams | None:
         """The router's kv_transfer_params. A prefill answer must be one whole JSON with where its KV

@@ -181,7 +181,7 @@ class UpstreamPool:
     # --- one upstream exchange ---------------------------------------------------------------
     async def _open(
         self,
-        request: Request,
+        request: Request | None,
         open_request: OpenRequest,
         method: str,
         path: str,
@@ -204,7 +204,7 @@ class UpstreamPool:
         return open_request.resp
 
     async def _exchange(
-        self, request: Request, inst: Upstream, method: str, path: str, **kwargs
+        self, request: Request | None, inst: Upstream, method: str, path: str, **kwargs
     ) -> tuple[int, bytes, str | None]:
         """A whole non-streamed request: (status, body, content type)."""
         open_request = OpenRequest(inst)

@@ -102,7 +102,7 @@ def status_reason(status: int, data: bytes) -> str:
 
 
 # --- one open request --------------------------------------------------------------------------
-async def until_disconnected(request: Request, awaitable: Awaitable):
+async def until_disconnected(request: Request | None, awaitable: Awaitable):
     """Await `awaitable` while checking every half second whether the client went away (as
     serving_base.py's _collect does); if it did, cancel the wait (closing the upstream request) and raise
     ClientGone. Without this, a non-streamed request whose client gave up would keep an instance
@@ -113,7 +113,7 @@ async def until_disconnected(request: Request, awaitable: Awaitable):
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if done:
                 return task.result()
-            if await request.is_disconnected():
+            if request is not None and await request.is_disconnected():
                 raise ClientGone()
     except BaseException:
         if not task.done():
@@ -165,9 +165,50 @@ class RelayResponse(StreamingResponse):
 
 
 async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:
-    """The first bytes of a stream (b"" if it ends at once). Read before the response starts, so that
-    a decode instance failing that early can still be replaced by another."""
+    """The first bytes of a stream, up to its first event that carries output or an error (b"" if it
+    ends at once). Read before the response starts, so that a decode instance failing that early can
+    still be replaced by another; a chat stream's opening event (the role alone) is read past."""
+    buffered = b""
     async for chunk in resp.content.iter_any():
-        if chunk:
-            return chunk
-    return b""
+        buffered += chunk
+        if resp.content_type != "text/event-stream" or not _only_openings(buffered):
+            return buffered
+    return buffered
+
+
+def _events(data: bytes) -> list[dict | None]:
+    """The complete server-sent events of `data`, as JSON (None: [DONE] or not JSON)."""
+    events = []
+    for raw in data.split(b"\n\n")[:-1]:
+        payload = raw.strip().removeprefix(b"data:").strip()
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            event = None
+        events.append(event if isinstance(event, dict) else None)
+    return events
+
+
+def _only_openings(data: bytes) -> bool:
+    """True while `data` holds nothing but chat openings (choices whose delta has the role and no
+    content yet) and perhaps the start of the next event: read on."""
+    for event in _events(data):
+        if event is None or "error" in event or not event.get("choices"):
+            return False
+        for choice in event["choices"]:
+            delta = choice.get("delta")
+            if not isinstance(delta, dict) or choice.get("finish_reason"):
+                return False  # a completion's text, or a finished choice
+            if {k for k, v in delta.items() if v not in (None, "", [])} - {"role"}:
+                return False
+    return True
+
+
+def unavailable_before_output(data: bytes) -> str | None:
+    """The message of a 503 error event that a stream opened with, before any output (the instance's
+    engine died or is restarting); None otherwise."""
+    for event in _events(data):
+        error = (event or {}).get("error")
+        if isinstance(error, dict) and error.get("code") == 503:
+            return str(error.get("message"))
+    return None

@@ -55,6 +55,7 @@ from splitserve.entrypoints.router.relay import (
     prefill_request_body,
     sse_error_event,
     status_reason,
+    unavailable_before_output,
     until_disconnected,
 )
 
@@ -110,6 +111,10 @@ def _decode_refused(data: bytes, decode_url: str, trace: _Trace) -> bytes:
     return json.dumps(body).encode()
 
 
+class _Unavailable(Exception):
+    """A decode instance's stream began with a 503 error event: nothing was generated, try another."""
+
+
 # --- the router --------------------------------------------------------------------------------
 class Router(UpstreamPool):
     """The request flow (independent of the routes), on the pool of instances it inherits."""
@@ -118,6 +123,7 @@ class Router(UpstreamPool):
     async def handle_generation(self, request: Request, path: str) -> Response:
         body = await read_json_body(request)
         trace = _Trace(request.headers.get("x-request-id") or uuid.uuid4().hex, path)
+        prefilled = None
         try:
             if is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
                 trace.fallback = "a batch of prompts is decoded without remote prefill"
@@ -136,10 +142,33 @@ class Router(UpstreamPool):
                 decode_body = fallback_request_body(body)
             else:
                 decode_body = decode_request_body(body, prefilled)
-            return await self._decode(request, path, decode_body, trace)
+            response = await self._decode(request, path, decode_body, trace)
+            if response.status_code != 200 and prefilled is not None:
+                await self._release_lease(trace, prefilled)
+            return response
         except ClientGone:
             trace.notes.append("the client disconnected (upstream request closed)")
+            if isinstance(prefilled, dict):
+                await self._release_lease(trace, prefilled)
             return self._finish(trace, Response(status_code=499))
+
+    async def _release_lease(self, trace: _Trace, kv: dict) -> None:
+        """No decode instance will pull this prefill's KV: the prefill instance frees it now (POST
+        /kv_transfer/release with its own kv_transfer_params) instead of when the lease expires."""
+        inst = next((i for i in self.instances[PREFILL] if i.url == trace.prefill), None)
+        if inst is None:
+            return
+        try:
+            status, data, _ = await self._exchange(
+                None, inst, "POST", "/kv_transfer/release", json_body={"kv_transfer_params": kv}
+            )
+        except UPSTREAM_ERRORS as exc:
+            trace.notes.append(f"the prefill KV lease could not be released ({describe_error(exc, 0)})")
+            return
+        if status == 200:
+            trace.notes.append("the prefill KV lease released")
+        else:
+            trace.notes.append(f"the prefill KV lease could not be released ({status_reason(status, data)})")
 
     def _finish(self, trace: _Trace, response: Response) -> Response:
         self._log_request(trace, response.status_code)
@@ -214,6 +243,10 @@ class Router(UpstreamPool):
                     reason = status_reason(resp.status, await until_disconnected(request, resp.read()))
                 elif resp.status == 200 and resp.content_type in _STREAMS:
                     first = await until_disconnected(request, first_chunk(resp))
+                    unavailable = unavailable_before_output(first)
+                    if unavailable is not None:  # the engine failed before this request's first token
+                        reason = f"503 before the first token: {unavailable}"
+                        raise _Unavailable(reason)
                     open_request.on_release = lambda: self._log_request(trace, 200)
                     handed_over = True
                     return RelayResponse(
@@ -228,6 +261,8 @@ class Router(UpstreamPool):
                     )
             except UPSTREAM_ERRORS as exc:
                 reason = describe_error(exc, self.config.request_timeout)
+            except _Unavailable as exc:
+                reason = str(exc)
             finally:
                 if not handed_over:
                     open_request.release()
