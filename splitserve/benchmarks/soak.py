@@ -9,6 +9,13 @@ soak waits for every instance to go idle and reports: the memory growth from the
 `--warmup` to the last, against the goal max(2%, 50 MB); the KV cache still in use once idle (must
 be 0); and the count of 5xx answers and other failures (must be 0).
 
+With --kill-engine-every SECONDS the soak also kills (SIGKILL) one engine process of the deployment,
+chosen at random, that often, to check that the deployment heals (docs/serving.md "What happens
+when a process dies"): a request may then fail only with a 5xx (or a stream's error event) that
+names the cause; the report gives, per kill, the seconds until a request begun after the kill
+completed; memory is reported but not judged (the killed processes' memory goes with them); and
+once the deployment the soak started is stopped, no process of it may be left.
+
 Without --base-url the soak starts the deployment itself (`splitserve serve [--pd XpYd]`), so it
 knows every process; with --base-url it needs --pid, the deployment's root process.
 """
@@ -18,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shlex
+import signal
 import time
 from collections import Counter
 
@@ -40,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--abort-fraction", type=float, default=0.1, help="requests the client abandons mid-stream")
     parser.add_argument("--error-fraction", type=float, default=0.1, help="invalid requests (each must get a 4xx)")
     parser.add_argument("--idle-timeout", type=float, default=120.0, help="seconds allowed to go idle at the end")
+    parser.add_argument(
+        "--kill-engine-every",
+        type=float,
+        metavar="SECONDS",
+        help="kill -9 one engine process of the deployment this often, to check that it heals",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-result", metavar="FILE.json", help="write the result JSON there")
     own = parser.add_argument_group("deployment started by the soak (without --base-url)")
@@ -62,6 +77,8 @@ def check_arguments(ns: argparse.Namespace) -> None:
         raise ValueError("--concurrency, --duration and --sample-interval must be positive.")
     if not 0 <= ns.abort_fraction + ns.error_fraction <= 1 or min(ns.abort_fraction, ns.error_fraction) < 0:
         raise ValueError("--abort-fraction and --error-fraction must be >= 0 and add up to at most 1.")
+    if ns.kill_engine_every is not None and ns.kill_engine_every <= 0:
+        raise ValueError("--kill-engine-every must be positive.")
     if ns.warmup >= ns.duration:
         raise ValueError(f"--warmup ({ns.warmup:g} s) must be shorter than --duration ({ns.duration:g} s).")
 
@@ -115,22 +132,68 @@ async def _sampler(
             pass
 
 
+async def _killer(
+    root: int, started: float, every: float, rng: random.Random, kills: list, stop: asyncio.Event
+) -> None:
+    """kill -9 of a random engine process under `root` every `every` seconds, each one noted."""
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every)
+            return
+        except asyncio.TimeoutError:
+            pass
+        engines = probe.engine_processes(root)
+        if not engines:
+            print("[soak] no engine process to kill (all restarting)", flush=True)
+            continue
+        pid = rng.choice(engines)
+        owner = probe.describe(probe.parent_of(pid) or pid)
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"t_s": round(time.monotonic() - started, 1), "at": time.monotonic(), "pid": pid, "of": owner})
+        print(f"[soak] t={kills[-1]['t_s']:7.0f} s  kill -9 of engine {pid} ({owner})", flush=True)
+
+
 async def _drive(
     ns: argparse.Namespace, base_url: str, root: int, started: float, instances: list[str]
-) -> tuple[Counter, list[dict]]:
-    """The client streams until the deadline, with the RSS sampler beside them."""
+) -> tuple[Counter, list[dict], list[tuple], list[dict]]:
+    """The client streams until the deadline, with the RSS sampler (and the engine killer) beside them."""
     import aiohttp
 
-    counts, samples, stop = Counter(), [], asyncio.Event()
+    counts, samples, timeline, kills, stop = Counter(), [], [], [], asyncio.Event()
     deadline = started + ns.duration
     sampler = asyncio.create_task(_sampler(root, started, instances, ns.sample_interval, samples, stop))
+    killer = None
+    if ns.kill_engine_every:
+        killer = asyncio.create_task(_killer(root, started, ns.kill_engine_every, random.Random(ns.seed), kills, stop))
     connector = aiohttp.TCPConnector(limit=ns.concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         rngs = [random.Random(ns.seed * 1000 + i) for i in range(ns.concurrency)]
-        await asyncio.gather(*(run_stream(session, base_url, ns, rng, deadline, counts) for rng in rngs))
+        await asyncio.gather(*(run_stream(session, base_url, ns, rng, deadline, counts, timeline) for rng in rngs))
     stop.set()
     await sampler
-    return counts, samples
+    if killer is not None:
+        await killer
+    return counts, samples, timeline, kills
+
+
+def recoveries(kills: list[dict], timeline: list[tuple]) -> list[dict]:
+    """Per kill: seconds from the kill until the first request begun after it completed (None: none did)."""
+    out = []
+    for kill in kills:
+        ends = [end for start, end, outcome in timeline if outcome == "completed" and start >= kill["at"]]
+        served = round(min(ends) - kill["at"], 2) if ends else None
+        out.append({k: v for k, v in kill.items() if k != "at"} | {"served_again_after_s": served})
+    return out
+
+
+def leftovers(pids: set[int], timeout: float = 30.0) -> list[int]:
+    """The processes of `pids` still alive `timeout` seconds after the deployment was stopped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid in pids if probe.rss_bytes(pid) is not None]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
 
 
 def wait_idle(urls: list[str], timeout: float) -> dict[str, dict]:
@@ -192,27 +255,48 @@ def print_report(result: dict) -> None:
     print(f"deployment RSS once idle (t={result['idle_sample']['t_s']:.0f} s): {idle_mb:.1f} MB")
     for url, load in result["idle"].items():
         print(f"idle at the end, {url}: " + ", ".join(f"{k}={v:g}" for k, v in load.items() if v is not None))
+    for kill in result.get("kills", []):
+        after = kill["served_again_after_s"]
+        print(
+            f"kill -9 at t={kill['t_s']:.0f} s of engine {kill['pid']} ({kill['of']}): "
+            + (f"a request begun after it completed {after:.2f} s later" if after is not None else "NOTHING completed")
+        )
     print(f"verdict: {'PASS' if result['passed'] else 'FAIL'} ({'; '.join(result['problems']) or 'no problem found'})")
 
 
-def _problems(counts: Counter, memory: dict, idle: dict[str, dict]) -> list[str]:
-    problems = [f"{counts[kind]} {kind}" for kind in ("5xx", "failed", "unexpected 4xx") if counts[kind]]
-    problems += [] if memory["within_goal"] else ["memory grew past the goal"]
+def _problems(counts: Counter, memory: dict, idle: dict[str, dict], result: dict) -> list[str]:
+    killing = bool(result.get("kills"))
+    kinds = ("5xx", "failed", "unexpected 4xx") + (() if killing else ("5xx naming the cause",))
+    problems = [f"{counts[kind]} {kind}" for kind in kinds if counts[kind]]
+    problems += [] if memory["within_goal"] or killing else ["memory grew past the goal"]
     problems += [f"{url} not idle at the end: {load}" for url, load in idle.items() if not probe.is_idle(load)]
+    problems += [
+        f"no request completed after the kill at t={k['t_s']} s"
+        for k in result.get("kills", [])
+        if k["served_again_after_s"] is None
+    ]
+    problems += (
+        [f"processes left after the deployment stopped: {result['leftovers']}"] if result.get("leftovers") else []
+    )
     return problems
 
 
 def main(ns: argparse.Namespace) -> dict:
     check_arguments(ns)
     deployment = None if ns.base_url else _start(ns)
+    seen: set[int] = set()
     try:
         base_url = (ns.base_url or deployment.url).rstrip("/")
         root, started, instances = ns.pid or deployment.process.pid, time.monotonic(), _instances(base_url)
-        counts, samples = asyncio.run(_drive(ns, base_url, root, started, instances))
+        counts, samples, timeline, kills = asyncio.run(_drive(ns, base_url, root, started, instances))
+        if kills:  # the last restart settles before the deployment is judged idle
+            probe.wait_health(base_url, ns.idle_timeout)
         idle = wait_idle(instances, ns.idle_timeout)
         idle_sample = sample_memory(root, started, instances)
+        seen = {int(pid) for sample in [*samples, idle_sample] for pid in sample["processes"]}
     finally:
         if deployment is not None:
+            seen |= set(probe.process_tree(deployment.process.pid))
             deployment.stop(timeout=60)
     memory = memory_growth(samples, ns.warmup)
     result = {
@@ -225,7 +309,11 @@ def main(ns: argparse.Namespace) -> dict:
         "samples": samples,
         "idle_sample": idle_sample,
     }
-    result["problems"] = _problems(counts, memory, idle)
+    if kills:
+        result["kills"] = recoveries(kills, timeline)
+    if deployment is not None:
+        result["leftovers"] = leftovers(seen)
+    result["problems"] = _problems(counts, memory, idle, result)
     result["passed"] = not result["problems"]
     print_report(result)
     if ns.save_result:

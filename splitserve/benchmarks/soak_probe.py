@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import httpx
 
@@ -41,6 +42,24 @@ def process_tree(root: int) -> list[int]:
             tree.append(pid)
             pending.extend(sorted(children.get(pid, [])))
     return tree
+
+
+def engine_processes(root: int) -> list[int]:
+    """The engine processes under `root` (named splitserve-eng: process_utils.set_process_name)."""
+    found = []
+    for pid in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "splitserve-eng":
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -92,6 +111,19 @@ def instance_load(url: str) -> dict[str, float | None]:
     """The idle gauges of one instance (None where it does not export one)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {name.split(":", 1)[1]: metric_value(text, name) for name in IDLE_GAUGES}
+
+
+def wait_health(url: str, timeout: float) -> bool:
+    """Until `url`/health answers 200 (True), or `timeout` seconds (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 def kv_resident_bytes(url: str) -> int:

@@ -2,8 +2,11 @@
 
 Outcomes counted: `completed` (a 200 that ended with a finish reason), `aborted` (the client
 closed the stream on purpose), `refused as expected` (an invalid request answered with a 4xx),
-`unexpected 4xx` (a valid request refused), `5xx`, and `failed` (connection errors, broken
-streams, an invalid request that was accepted).
+`unexpected 4xx` (a valid request refused), `5xx naming the cause` (a 5xx, or a stream's error
+event, whose error body says what failed: what a dying engine gives), `5xx` (without such a body),
+and `failed` (connection errors, broken streams, an invalid request that was accepted). Each valid
+request's start and end are kept (`Timeline`), so that a soak that kills engines can tell how long
+the deployment took to serve again.
 """
 
 from __future__ import annotations
@@ -47,6 +50,18 @@ def _valid_request(rng: random.Random, ns: argparse.Namespace, stream: bool) -> 
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": _prompt(rng, ns.max_input_len)}]}
 
 
+_CAUSED = "5xx naming the cause"
+
+
+def _names_cause(body: bytes | str | dict) -> bool:
+    """An OpenAI error body with a message."""
+    try:
+        error = (json.loads(body) if not isinstance(body, dict) else body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and bool(error.get("message"))
+
+
 def _status_outcome(status: int, valid: bool) -> str | None:
     """The outcome a status decides on its own, or None for a 200 to a valid request."""
     if status >= 500:
@@ -56,27 +71,28 @@ def _status_outcome(status: int, valid: bool) -> str | None:
     return None if valid else "failed"
 
 
-async def _finished_stream(response) -> bool:
-    """Whether a streamed answer carried a finish reason and ended with [DONE]."""
+async def _stream_outcome(response) -> str:
+    """completed: a streamed answer carried a finish reason and ended with [DONE]; an error event that
+    names its cause counts as such a 5xx; anything else failed."""
     buffer, finished = SSEBuffer(), False
     async for chunk in response.content.iter_any():
         for payload in buffer.feed(chunk):
             if payload == "[DONE]":
-                return finished
+                return "completed" if finished else "failed"
             event = json.loads(payload)
             if "error" in event or event.get("object") == "error":
-                return False
+                return _CAUSED if _names_cause(event) else "failed"
             finished = finished or any(c.get("finish_reason") for c in event.get("choices") or [])
-    return False
+    return "failed"
 
 
 async def _complete(session, base_url: str, route: str, body: dict) -> str:
     async with session.post(base_url + route, json=body) as response:
         if (outcome := _status_outcome(response.status, valid=True)) is not None:
-            await response.read()
-            return outcome
+            data = await response.read()
+            return _CAUSED if outcome == "5xx" and _names_cause(data) else outcome
         if body["stream"]:
-            return "completed" if await _finished_stream(response) else "failed"
+            return await _stream_outcome(response)
         answer = await response.json()
         return "completed" if all(c.get("finish_reason") for c in answer.get("choices") or [None]) else "failed"
 
@@ -119,12 +135,23 @@ async def _one(session, base_url: str, ns: argparse.Namespace, rng: random.Rando
 
 
 async def run_stream(
-    session, base_url: str, ns: argparse.Namespace, rng: random.Random, deadline: float, counts: Counter
+    session,
+    base_url: str,
+    ns: argparse.Namespace,
+    rng: random.Random,
+    deadline: float,
+    counts: Counter,
+    timeline: list | None = None,
 ) -> None:
-    """Requests one after another until `deadline` (time.monotonic()), each outcome counted."""
+    """Requests one after another until `deadline` (time.monotonic()), each outcome counted (and,
+    with a `timeline`, appended to it as (start, end, outcome))."""
     while time.monotonic() < deadline:
+        start = time.monotonic()
         try:
-            counts[await _one(session, base_url, ns, rng)] += 1
+            outcome = await _one(session, base_url, ns, rng)
         except Exception as exc:  # noqa: BLE001 - a broken connection is an outcome to count, not a crash
-            counts["failed"] += 1
+            outcome = "failed"
             print(f"[soak] request failed: {type(exc).__name__}: {exc}", flush=True)
+        counts[outcome] += 1
+        if timeline is not None:
+            timeline.append((start, time.monotonic(), outcome))
