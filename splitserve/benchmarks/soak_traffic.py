@@ -101,10 +101,13 @@ async def _abort(session, base_url: str, route: str, body: dict, chunks: int) ->
     """Read `chunks` pieces of a long streamed answer, then drop the connection."""
     async with session.post(base_url + route, json=body) as response:
         if (outcome := _status_outcome(response.status, valid=True)) is not None:
-            await response.read()
-            return outcome
-        seen = 0
-        async for _ in response.content.iter_any():
+            data = await response.read()
+            return _CAUSED if outcome == "5xx" and _names_cause(data) else outcome
+        seen, buffer = 0, SSEBuffer()
+        async for chunk in response.content.iter_any():
+            for payload in buffer.feed(chunk):
+                if payload != "[DONE]" and "error" in (event := json.loads(payload)):
+                    return _CAUSED if _names_cause(event) else "failed"
             seen += 1
             if seen >= chunks:
                 response.close()  # the server sees the client go away: an abort
@@ -118,8 +121,9 @@ async def _invalid(session, base_url: str, rng: random.Random) -> str:
         {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     )
     async with session.post(base_url + route, **payload) as response:
-        await response.read()
-        return _status_outcome(response.status, valid=False) or "failed"
+        data = await response.read()
+        outcome = _status_outcome(response.status, valid=False) or "failed"
+        return _CAUSED if outcome == "5xx" and _names_cause(data) else outcome
 
 
 async def _one(session, base_url: str, ns: argparse.Namespace, rng: random.Random) -> str:
