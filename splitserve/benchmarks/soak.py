@@ -133,15 +133,19 @@ async def _sampler(
 
 
 async def _killer(
-    root: int, started: float, every: float, rng: random.Random, kills: list, stop: asyncio.Event
+    root: int, deadline: float, every: float, rng: random.Random, kills: list, stop: asyncio.Event
 ) -> None:
-    """kill -9 of a random engine process under `root` every `every` seconds, each one noted."""
+    """kill -9 of a random engine process under `root` every `every` seconds, each one noted, while
+    the traffic has min(every, 30) seconds left to show the recovery."""
+    started = time.monotonic()
     while True:
         try:
             await asyncio.wait_for(stop.wait(), timeout=every)
             return
         except asyncio.TimeoutError:
             pass
+        if deadline - time.monotonic() < min(every, 30.0):
+            return
         engines = probe.engine_processes(root)
         if not engines:
             print("[soak] no engine process to kill (all restarting)", flush=True)
@@ -164,7 +168,8 @@ async def _drive(
     sampler = asyncio.create_task(_sampler(root, started, instances, ns.sample_interval, samples, stop))
     killer = None
     if ns.kill_engine_every:
-        killer = asyncio.create_task(_killer(root, started, ns.kill_engine_every, random.Random(ns.seed), kills, stop))
+        rng = random.Random(ns.seed)
+        killer = asyncio.create_task(_killer(root, deadline, ns.kill_engine_every, rng, kills, stop))
     connector = aiohttp.TCPConnector(limit=ns.concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         rngs = [random.Random(ns.seed * 1000 + i) for i in range(ns.concurrency)]
@@ -180,9 +185,15 @@ def recoveries(kills: list[dict], timeline: list[tuple]) -> list[dict]:
     """Per kill: seconds from the kill until the first request begun after it completed (None: none did)."""
     out = []
     for kill in kills:
-        ends = [end for start, end, outcome in timeline if outcome == "completed" and start >= kill["at"]]
-        served = round(min(ends) - kill["at"], 2) if ends else None
-        out.append({k: v for k, v in kill.items() if k != "at"} | {"served_again_after_s": served})
+        done = [(end, start) for start, end, outcome in timeline if outcome == "completed" and start >= kill["at"]]
+        first = min(done) if done else None
+        out.append(
+            {k: v for k, v in kill.items() if k != "at"}
+            | {
+                "served_again_after_s": round(first[0] - kill["at"], 2) if first else None,
+                "that_request_began_after_s": round(first[1] - kill["at"], 2) if first else None,
+            }
+        )
     return out
 
 
@@ -256,11 +267,19 @@ def print_report(result: dict) -> None:
     for url, load in result["idle"].items():
         print(f"idle at the end, {url}: " + ", ".join(f"{k}={v:g}" for k, v in load.items() if v is not None))
     for kill in result.get("kills", []):
-        after = kill["served_again_after_s"]
+        after, began = kill["served_again_after_s"], kill["that_request_began_after_s"]
         print(
             f"kill -9 at t={kill['t_s']:.0f} s of engine {kill['pid']} ({kill['of']}): "
-            + (f"a request begun after it completed {after:.2f} s later" if after is not None else "NOTHING completed")
+            + (
+                f"the first request begun after it to complete ended {after:.2f} s later (it began {began:.2f} s later)"
+                if after is not None
+                else "NOTHING completed"
+            )
         )
+    if "leftovers" in result:
+        print(f"processes left once the deployment was stopped: {result['leftovers'] or 'none'}")
+    if result.get("kills"):
+        print("memory: not judged (engines were killed and started again)")
     print(f"verdict: {'PASS' if result['passed'] else 'FAIL'} ({'; '.join(result['problems']) or 'no problem found'})")
 
 

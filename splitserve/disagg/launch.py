@@ -132,7 +132,7 @@ class InstanceKeeper:
     2 s, 4 s ... at most MAX_BACKOFF_S); an instance that ran for STABLE_S seconds starts over at once."""
 
     MAX_BACKOFF_S = 30.0
-    STABLE_S = 60.0
+    STABLE_S = 30.0
 
     def __init__(self, instances: list[LocalInstance]):
         self.instances = instances

@@ -24,7 +24,7 @@ from splitserve.engine.engine_process import EngineProcess
 logger = logging.getLogger("splitserve.api_server")
 
 MAX_BACKOFF_S = 30.0
-STABLE_S = 60.0  # an engine that served this long resets the backoff
+STABLE_S = 30.0  # an engine that served this long resets the backoff
 _POLL_S = 0.1  # how often the supervisor looks at the engine process
 _SHUTDOWN_GRACE_S = 0.2
 
