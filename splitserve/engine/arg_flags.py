@@ -77,12 +77,13 @@ _ENGINE_HELP = {
     "instead of a slice of every expert (docs/moe.md)",
     "batch_invariant": "every row of a step computed as it would be alone: greedy output that does not depend on the "
     "batch, chunking, prefix hits or the deployment (CPU; also SPLITSERVE_BATCH_INVARIANT=1; docs/determinism.md)",
+    "served_model_name": 'the name requests give as `model` (default: the model\'s name; "default" is always accepted)',
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} (also '
     '"suffix", or "model": a draft model; see docs/speculative.md)',
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
-_HIDDEN_ENGINE_ARGS = {"revision", "served_model_name", "num_cpu_blocks", "device", "use_tqdm_on_load"}
+_HIDDEN_ENGINE_ARGS = {"revision", "num_cpu_blocks", "device", "use_tqdm_on_load"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

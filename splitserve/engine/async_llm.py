@@ -211,6 +211,8 @@ class AsyncLLM(FrontEnd):
             self._pings.pop(nonce, None)
 
     async def _send(self, message) -> None:
+        if self.socket.closed:  # between an engine's death and its successor
+            raise EngineDeadError(f"The engine is restarting after it failed ({self.dead_reason}).")
         await self.socket.send(self.encoder.encode(message))
 
     def _check_alive(self) -> None:
@@ -229,24 +231,22 @@ class AsyncLLM(FrontEnd):
     async def _output_loop(self) -> None:
         try:
             while True:
-                if not await self.socket.poll(timeout=int(_LIVENESS_CHECK_S * 1000)):
-                    if self._replaced():
-                        self._fail_all("the engine process was restarted")
-                    elif not process_alive(self.engine_pid):
-                        self._fail_all("the engine process exited")
-                    else:
+                ready = await self.socket.poll(timeout=int(_LIVENESS_CHECK_S * 1000))
+                if self._replaced():  # restarted before this front-end noticed the death
+                    self._fail_all("the engine process was restarted")
+                elif not ready and not process_alive(self.engine_pid):
+                    self._fail_all("the engine process exited")
+                elif not ready:
+                    continue
+                else:
+                    message = self.decoder.decode(await self.socket.recv())
+                    self.last_heard = time.monotonic()
+                    if message.engine_dead is None:
+                        await self._handle(message)
                         continue
-                    if not await self._await_new_engine():
-                        return
-                    continue
-                message = self.decoder.decode(await self.socket.recv())
-                self.last_heard = time.monotonic()
-                if message.engine_dead is not None:
                     self._fail_all(message.engine_dead)
-                    if not await self._await_new_engine():
-                        return
-                    continue
-                await self._handle(message)
+                if not await self._await_new_engine():
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave requests hanging forever
@@ -258,12 +258,15 @@ class AsyncLLM(FrontEnd):
 
     async def _await_new_engine(self) -> bool:
         """After the engine died: wait until the server's supervisor has a new one ready, then talk to
-        it on a new socket (nothing meant for the dead one reaches it). False when no one restarts it."""
+        it on a new socket. False when no one restarts it."""
         if self.engine_watch is None:
             return False
+        # Closed at once, dropping what was sent to the dead engine: a socket that connects reconnects
+        # by itself and would deliver those messages (a request its client already got a 503 for) to
+        # the new engine, which binds the same address.
+        self.socket.close()
         while not self._replaced():
             await asyncio.sleep(0.05)
-        self.socket.close()
         self.socket = self._connect()
         self.generation = self.engine_watch.generation
         previous_loras = list(self.loras.values())

@@ -96,9 +96,12 @@ class ApiKeyMiddleware:
 
 
 def _bearer_matches(scope, key: bytes) -> bool:
-    header = dict(scope.get("headers") or []).get(b"authorization", b"")
-    scheme, _, token = header.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+    """`Authorization: Bearer KEY` (OpenAI's clients), or `x-api-key: KEY` (Anthropic's)."""
+    headers = dict(scope.get("headers") or [])
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
+        return True
+    return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), key)
 
 
 async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> dict:

@@ -15,6 +15,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from splitserve.entrypoints.http import ErrorResponse
+from splitserve.entrypoints.openai.anthropic_protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicErrorResponse,
+    AnthropicMessageResponse,
+    AnthropicMessagesRequest,
+    AnthropicTokenCount,
+)
 from splitserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +60,9 @@ class RouteDoc:
     text: bool = False  # a plain-text answer
     empty: bool = False  # an answer without a body (/health)
     errors: tuple[int, ...] = field(default=(400, 401, 404, 413, 429, 503))
+    # Anthropic's routes answer their own errors in Anthropic's shape (the API-key check and the
+    # body limits, before them, in OpenAI's).
+    anthropic_errors: bool = False
 
 
 ROUTE_DOCS: dict[str, RouteDoc] = {
@@ -68,6 +78,10 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/metrics": RouteDoc((), None, text=True, errors=(401,)),
     "/v1/load_lora_adapter": RouteDoc((LoadLoRAAdapterRequest,), None, text=True),
     "/v1/unload_lora_adapter": RouteDoc((UnloadLoRAAdapterRequest,), None, text=True),
+    "/v1/messages": RouteDoc(
+        (AnthropicMessagesRequest,), AnthropicMessageResponse, "text/event-stream", anthropic_errors=True
+    ),
+    "/v1/messages/count_tokens": RouteDoc((AnthropicCountTokensRequest,), AnthropicTokenCount, anthropic_errors=True),
     "/kv_transfer/release": RouteDoc((KVReleaseRequest,), KVReleaseResponse, errors=(400, 401, 413, 503)),
 }
 
@@ -87,11 +101,11 @@ def _responses(doc: RouteDoc) -> dict:
     if doc.text:
         content["text/plain"] = {"schema": {"type": "string"}}
     answers = {"200": {"description": "The answer.", **({"content": content} if content else {})}}
+    schema = (
+        {"anyOf": [_ref(AnthropicErrorResponse), _ref(ErrorResponse)]} if doc.anthropic_errors else _ref(ErrorResponse)
+    )
     for status in doc.errors:
-        answers[str(status)] = {
-            "description": _ERRORS[status],
-            "content": {"application/json": {"schema": _ref(ErrorResponse)}},
-        }
+        answers[str(status)] = {"description": _ERRORS[status], "content": {"application/json": {"schema": schema}}}
     return answers
 
 
@@ -111,7 +125,7 @@ def document_routes(app: FastAPI, vocab_size: int | None = None) -> None:
     """Give every route of ROUTE_DOCS that `app` has its request body and answers in the OpenAPI
     document, and add the models' schemas to its components; token ids are bounded by `vocab_size`
     when the app serves one model."""
-    models: set[type[BaseModel]] = {ErrorResponse}
+    models: set[type[BaseModel]] = {ErrorResponse, AnthropicErrorResponse}
     documented: dict[tuple[str, str], RouteDoc] = {}
     for route in app.routes:
         doc = ROUTE_DOCS.get(getattr(route, "path", ""))

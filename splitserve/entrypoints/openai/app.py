@@ -13,6 +13,7 @@ from splitserve.engine.async_llm import AsyncLLM
 from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, install_error_handlers, read_json_body
 from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
+from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from splitserve.entrypoints.openai.serving_generate import NativeServing
@@ -32,6 +33,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     chat = OpenAIServingChat(engine, config, server_args, metrics)
     tokenization = OpenAIServingTokenization(engine, config, server_args, metrics)
     native = NativeServing(engine, config, server_args, metrics)
+    anthropic = AnthropicServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -51,6 +53,14 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await chat.create_chat_completion(await read_json_body(request), request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await anthropic.create_message(await read_json_body(request), request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(await read_json_body(request))
 
     @app.post("/generate")
     async def generate(request: Request):

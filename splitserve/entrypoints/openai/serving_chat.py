@@ -3,6 +3,7 @@ tool calls read from it (tool_calling.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -96,6 +97,14 @@ class OpenAIServingChat(OpenAIServing):
         response = self._chat_response(req, plan, request_id, request, params, final, echo)
         response.kv_transfer_params = self._kv_answer(kv, request, final)
         return json_response(response)
+
+    async def count_prompt_tokens(self, body: dict) -> int:
+        """The prompt tokens a chat request's messages (and tools) render to, as generation would
+        count them (Anthropic's /v1/messages/count_tokens)."""
+        req = self._parse(ChatCompletionRequest.model_validate, body)
+        await self._check_model(req.model)
+        text = await self._render_chat(req)
+        return len(await asyncio.to_thread(self.processor.tokenize, text, False))
 
     def _plan_tools(self, req, params) -> ToolPlan:
         """The request's tool choice; a required or named one becomes the request's guide."""

@@ -9,9 +9,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from splitserve.entrypoints.http import APIError, ApiKeyMiddleware, install_error_handlers
+from splitserve.entrypoints.http import APIError, ApiKeyMiddleware, install_error_handlers, read_json_body
+from splitserve.entrypoints.openai.anthropic_protocol import (
+    AnthropicMessagesRequest,
+    anthropic_error,
+    parse_request,
+    to_chat_body,
+)
 from splitserve.entrypoints.openai.api_docs import document_routes
+from splitserve.entrypoints.openai.serving_anthropic import (
+    anthropic_answer,
+)
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
+from splitserve.entrypoints.router.relay import RelayResponse
 from splitserve.entrypoints.router.router import Router
 from splitserve.version import __version__
 
@@ -73,6 +83,26 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await router.handle_generation(request, "/v1/chat/completions")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API: translated into a chat completion, which goes through prefill
+        and decode as any other, and its answer back."""
+        try:
+            req = parse_request(AnthropicMessagesRequest, await read_json_body(request))
+            chat_body = to_chat_body(req)
+        except APIError as exc:
+            return anthropic_error(exc.message, exc.status)
+        answer = await router.handle_generation(request, "/v1/chat/completions", chat_body)
+        if isinstance(answer, RelayResponse):
+            return anthropic_answer(
+                req, answer, lambda events: RelayResponse(events, answer.open_request, media_type="text/event-stream")
+            )
+        return anthropic_answer(req, answer)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await router.forward(request, "POST", "/v1/messages/count_tokens")
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -153,15 +153,15 @@ class RelayResponse(StreamingResponse):
     """A StreamingResponse that releases its open request even when its body is never iterated (the
     client left between the headers and the first chunk), where a generator's `finally` never runs."""
 
-    def __init__(self, content: AsyncIterator[bytes], open_request: OpenRequest, **kwargs):
+    def __init__(self, content: AsyncIterator, open_request: OpenRequest, **kwargs):
         super().__init__(content, **kwargs)
-        self._open_request = open_request
+        self.open_request = open_request
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._open_request.release()
+            self.open_request.release()
 
 
 async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:

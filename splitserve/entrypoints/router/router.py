@@ -120,8 +120,10 @@ class Router(UpstreamPool):
     """The request flow (independent of the routes), on the pool of instances it inherits."""
 
     # --- completions and chat ----------------------------------------------------------------
-    async def handle_generation(self, request: Request, path: str) -> Response:
-        body = await read_json_body(request)
+    async def handle_generation(self, request: Request, path: str, body: dict | None = None) -> Response:
+        """A completion, chat or /generate request (its `body` read from `request` unless given)."""
+        if body is None:
+            body = await read_json_body(request)
         trace = _Trace(request.headers.get("x-request-id") or uuid.uuid4().hex, path)
         prefilled = None
         try:
