@@ -96,8 +96,10 @@ def describe(pid: int) -> str:
 
 
 def metric_value(text: str, name: str) -> float | None:
-    """The first sample of metric `name` in a Prometheus text page."""
-    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    """The first sample of metric `name` in a Prometheus text page (`splitserve:x` also matches the
+    same metric under another prefix, e.g. `vllm:x` from a server run with --metrics-prefix vllm)."""
+    base = re.escape(name.split(":", 1)[-1])
+    match = re.search(rf"^(?:[a-zA-Z_][a-zA-Z0-9_]*:)?{base}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     return float(match[1]) if match else None
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
 PREFIX_CHARS = 512  # how much of the prompt prefix_aware hashes
-_LOAD_METRICS = {
-    "splitserve:num_requests_running": "running",
-    "splitserve:num_requests_waiting": "waiting",
-    "splitserve:kv_cache_usage_perc": "kv",
+_LOAD_METRICS = {  # by name after the prefix (splitserve:, or vllm: with --metrics-prefix vllm)
+    "num_requests_running": "running",
+    "num_requests_waiting": "waiting",
+    "kv_cache_usage_perc": "kv",
 }
 
 
@@ -56,7 +56,7 @@ def parse_instance_load(text: str) -> InstanceLoad | None:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                key = _LOAD_METRICS.get(sample.name)
+                key = _LOAD_METRICS.get(sample.name.split(":", 1)[-1])
                 if key is not None:
                     sums[key] = sums.get(key, 0.0) + sample.value
     except ValueError:

@@ -35,6 +35,7 @@ _INSTANCE_SERVER_FLAGS = (
     "max_queued_requests",
     "tool_call_parser",
     "default_max_tokens",
+    "metrics_prefix",
 )
 _INSTANCE_SERVER_SWITCHES = ("disable_log_requests", "enable_auto_tool_choice", "strict_request_fields")
 

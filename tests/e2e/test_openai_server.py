@@ -377,11 +377,15 @@ def test_disconnect_of_non_streamed_request_frees_blocks(server):
 
 # --- several workers, queue limits, a dying engine ----------------------------------------------
 def test_two_workers_share_the_engine_and_metrics(tiny_chat_model):
-    with RemoteServer(tiny_chat_model, *COMMON, "--workers", "2") as s:
+    """Two API workers, their metrics summed, under vLLM's names (--metrics-prefix vllm)."""
+    with RemoteServer(tiny_chat_model, *COMMON, "--workers", "2", "--metrics-prefix", "vllm") as s:
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
         outs = [c.completions.create(model="default", prompt=PROMPT, max_tokens=4, temperature=0) for _ in range(8)]
         assert len({o.choices[0].text for o in outs}) == 1
-        assert metric(s, "splitserve:request_success_total") == 8
+        assert metric(s, "vllm:request_success_total") == 8 and metric(s, "vllm:generation_tokens_total") == 32
+        text = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert "vllm:num_requests_running{" in text and "vllm:time_to_first_token_seconds_bucket{" in text
+        assert "splitserve:" not in text
         assert len(s.child_pids()) >= 3  # the engine and two API workers (and spawn's tracker)
 
 

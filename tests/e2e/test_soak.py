@@ -90,8 +90,8 @@ def test_short_soak_that_kills_the_engine_heals(tiny_chat_model, tmp_path):
     result_path = tmp_path / "soak.json"
     server_args = "--dtype float32 --max-model-len 512 --num-gpu-blocks-override 128"
     cmd = [sys.executable, "-m", "splitserve.entrypoints.cli", "bench", "soak", "--model", tiny_chat_model]
-    cmd += ["--server-args", server_args, "--duration", "30", "--concurrency", "3", "--sample-interval", "5"]
-    cmd += ["--warmup", "4", "--max-input-len", "48", "--max-output-len", "16", "--kill-engine-every", "8"]
+    cmd += ["--server-args", server_args, "--duration", "20", "--concurrency", "3", "--sample-interval", "5"]
+    cmd += ["--warmup", "4", "--max-input-len", "48", "--max-output-len", "16", "--kill-engine-every", "6"]
     cmd += ["--idle-timeout", "60", "--save-result", str(result_path)]
     subprocess.run(cmd, check=False, timeout=300)
     result = json.loads(result_path.read_text())

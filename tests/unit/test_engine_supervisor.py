@@ -135,3 +135,24 @@ def test_zero_restarts_gives_up_at_the_first_death(fast):
         assert s.gave_up.startswith("the engine died 1 times") and restarts == []
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-engine-restarts", "-1"], "--max-engine-restarts must be >= 0"),
+        (["--engine-restart-window", "0"], "--engine-restart-window must be > 0"),
+        (["--metrics-prefix", "vllm:x"], "--metrics-prefix must be a Prometheus name"),
+    ],
+)
+def test_server_flags_of_restarts_and_metrics_are_checked(flags, message):
+    from splitserve.entrypoints.openai.args import make_arg_parser, split_args
+
+    defaults = split_args(make_arg_parser().parse_args([]))[1]
+    assert (defaults.max_engine_restarts, defaults.engine_restart_window, defaults.metrics_prefix) == (
+        5,
+        600.0,
+        "splitserve",
+    )
+    with pytest.raises(ValueError, match=message):
+        split_args(make_arg_parser().parse_args(flags))

@@ -828,6 +828,7 @@ def test_parse_instance_load():
         'splitserve:kv_cache_usage_perc{model_name="n"} 0.25\n'
     )
     assert parse_instance_load(text) == InstanceLoad(7.0, 0.75)
+    assert parse_instance_load(text.replace("splitserve:", "vllm:")) == InstanceLoad(7.0, 0.75)  # --metrics-prefix
     assert parse_instance_load("other_metric 1.0\n") is None
     assert parse_instance_load("not { prometheus") is None
 

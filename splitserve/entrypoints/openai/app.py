@@ -26,7 +26,7 @@ _OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/r
 
 
 def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 0) -> FastAPI:
-    metrics = Metrics(config.model_config.served_model_name, index)
+    metrics = Metrics(config.model_config.served_model_name, index, server_args.metrics_prefix)
     engine.on_stats = metrics.record_engine_stats
     engine.output_processor.on_inter_token = metrics.record_inter_token
     completion = OpenAIServingCompletion(engine, config, server_args, metrics)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 
 from splitserve import envs
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
@@ -38,6 +39,7 @@ class ServerArgs:
     pd: str | None = None
     policy: str = "round_robin"
     uvicorn_log_level: str = "warning"
+    metrics_prefix: str = "splitserve"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +61,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on every route except /health and /metrics",
     )
     g.add_argument("--metrics-api-key", default=None, help="require this key on /metrics too")
+    g.add_argument(
+        "--metrics-prefix",
+        default="splitserve",
+        help="the metrics' name prefix: vllm gives vLLM's own names (vllm:num_requests_running ...), for vLLM's "
+        "Grafana dashboards and the routers that read them",
+    )
     g.add_argument("--chat-template", default=None, help="a jinja chat template: a file path or the template itself")
     g.add_argument(
         "--max-queued-requests",
@@ -177,6 +185,10 @@ def _check_server_args(args: ServerArgs) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to read the calls.")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}.")
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", args.metrics_prefix):
+        raise ValueError(
+            f"--metrics-prefix must be a Prometheus name (letters, digits, _), got {args.metrics_prefix!r}."
+        )
     if args.max_engine_restarts < 0:
         raise ValueError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}.")
     if args.engine_restart_window <= 0:

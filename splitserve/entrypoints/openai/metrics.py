@@ -1,4 +1,5 @@
-"""Prometheus metrics, named as vLLM's with the `splitserve:` prefix and a model_name label.
+"""Prometheus metrics, named as vLLM's with the `splitserve:` prefix (`--metrics-prefix vllm`: vLLM's
+own names, for its Grafana dashboards and routers) and a model_name label.
 
 With several API workers, prometheus_client's multiprocess mode aggregates them: request-level
 counters and histograms are recorded by the worker that served the request (and summed), the
@@ -82,8 +83,11 @@ _SPEC_COUNTERS = {
 }
 
 
+DEFAULT_PREFIX = "splitserve"
+
+
 class Metrics:
-    def __init__(self, model_name: str, client_index: int = 0):
+    def __init__(self, model_name: str, client_index: int = 0, prefix: str = DEFAULT_PREFIX):
         from prometheus_client import Counter, Gauge, Histogram
 
         self.records_engine_counters = client_index == 0
@@ -92,13 +96,13 @@ class Metrics:
         gauge_mode = {"multiprocess_mode": "mostrecent"} if multiproc else {}
 
         def gauge(name, doc):
-            return Gauge(f"splitserve:{name}", doc, ["model_name"], **gauge_mode).labels(**label)
+            return Gauge(f"{prefix}:{name}", doc, ["model_name"], **gauge_mode).labels(**label)
 
         def counter(name, doc):
-            return Counter(f"splitserve:{name}", doc, ["model_name"]).labels(**label)
+            return Counter(f"{prefix}:{name}", doc, ["model_name"]).labels(**label)
 
         def histogram(name, doc, buckets=_LATENCY_BUCKETS):
-            return Histogram(f"splitserve:{name}", doc, ["model_name"], buckets=buckets).labels(**label)
+            return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets).labels(**label)
 
         self.num_requests_running = gauge("num_requests_running", "Requests being computed in the engine.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -120,7 +124,7 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = Counter(
-            "splitserve:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"]
+            f"{prefix}:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"]
         )
         self.model_name = model_name
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
@@ -136,7 +140,7 @@ class Metrics:
         self.kv_leases_active = gauge("kv_transfer_leases_active", "KV leases waiting for a decode instance's pull.")
         self.spec_decode = {name: counter(f"spec_decode_{name}", doc) for name, doc in _SPEC_COUNTERS.items()}
         self.spec_decode_per_pos = Counter(
-            "splitserve:spec_decode_num_accepted_tokens_per_pos",
+            f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by their position in the draft.",
             ["model_name", "position"],
         )
@@ -202,7 +206,7 @@ class Metrics:
 _ENGINE_RESTARTS = None
 
 
-def engine_restarts_counter(model_name: str):
+def engine_restarts_counter(model_name: str, prefix: str = DEFAULT_PREFIX):
     """splitserve:engine_restarts_total: the engine processes this server started again after one died.
     Counted by the process that restarts them (with several workers, their parent)."""
     global _ENGINE_RESTARTS
@@ -210,7 +214,7 @@ def engine_restarts_counter(model_name: str):
 
     if _ENGINE_RESTARTS is None:
         _ENGINE_RESTARTS = Counter(
-            "splitserve:engine_restarts", "Engine processes restarted after one died.", ["model_name"]
+            f"{prefix}:engine_restarts", "Engine processes restarted after one died.", ["model_name"]
         )
     return _ENGINE_RESTARTS.labels(model_name=model_name)
 

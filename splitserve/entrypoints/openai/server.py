@@ -104,7 +104,7 @@ def _engine_supervisor(engine, engine_args: EngineArgs, server_args: ServerArgs,
     from splitserve.engine.supervisor import EngineSupervisor
     from splitserve.entrypoints.openai.metrics import engine_restarts_counter
 
-    restarts = engine_restarts_counter(config.model_config.served_model_name)
+    restarts = engine_restarts_counter(config.model_config.served_model_name, server_args.metrics_prefix)
     return EngineSupervisor(
         engine,
         lambda: EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), engine.address),
