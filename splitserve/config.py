@@ -128,8 +128,13 @@ class SchedulerConfig:
     # KV slots reserved past a step's tokens (speculative decoding's draft model writes its next
     # drafts' KV there; vLLM's num_lookahead_slots).
     num_lookahead_tokens: int = 0
+    # "fcfs": requests in arrival order; "priority": by each request's priority (lower first, then
+    # arrival), and under memory pressure the lowest-priority running request is preempted (vLLM's).
+    policy: str = "fcfs"
 
     def verify(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}.")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
         if self.delay_factor < 0:

@@ -77,6 +77,8 @@ _ENGINE_HELP = {
     "instead of a slice of every expert (docs/moe.md)",
     "batch_invariant": "every row of a step computed as it would be alone: greedy output that does not depend on the "
     "batch, chunking, prefix hits or the deployment (CPU; also SPLITSERVE_BATCH_INVARIANT=1; docs/determinism.md)",
+    "scheduling_policy": "fcfs (arrival order) or priority (a request's `priority` field, lower first; the "
+    "lowest priority is preempted first)",
     "served_model_name": 'the name requests give as `model` (default: the model\'s name; "default" is always accepted)',
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} (also '
     '"suffix", or "model": a draft model; see docs/speculative.md)',

@@ -70,6 +70,7 @@ class EngineArgs:
     enable_mm: bool = False
     swap_space: float = 0.0  # GiB of host memory per rank for swapped-out KV (preemption_mode "swap")
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
     num_cpu_blocks: int | None = None  # exact host blocks, instead of swap_space (LMDeploy's num_cpu_blocks)
     pd_role: str = "mixed"
     kv_host: str = "127.0.0.1"
@@ -119,6 +120,7 @@ class EngineArgs:
             kv_cache_ratio=self.kv_cache_ratio,
             delay_factor=self.scheduler_delay_factor,
             preemption_mode=self.preemption_mode,
+            policy=self.scheduling_policy,
         )
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and speculative.method == "draft_model":

@@ -105,12 +105,15 @@ class AsyncLLM(FrontEnd):
         kind: RequestOutputKind = RequestOutputKind.DELTA,
         kv_transfer: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """A processed request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one
         output). Closing the iterator early, or cancelling the task iterating it, aborts the request."""
         self._start()
         self._check_alive()
-        core_requests = self.prepare_request(request_id, request, kind, arrival_time, kv_transfer, lora_request)
+        core_requests = self.prepare_request(
+            request_id, request, kind, arrival_time, kv_transfer, lora_request, priority
+        )
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False

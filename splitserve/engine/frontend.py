@@ -28,6 +28,7 @@ class FrontEnd:
         self.tokenizer = tokenizer
         self.processor = Processor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.scheduling_policy = "fcfs"  # the engine's (SchedulerConfig.policy): whoever makes this sets it
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -40,8 +41,14 @@ class FrontEnd:
         arrival_time: float | None = None,
         kv_transfer: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[EngineCoreRequest]:
         """Register a request the Processor has processed; returns the core requests to send (one per sample)."""
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy (--scheduling-policy priority); "
+                "this engine schedules first come, first served."
+            )
         params = request.params
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples, core_requests = {}, []
@@ -59,7 +66,7 @@ class FrontEnd:
             samples[core_id] = SampleState(i, child, detokenizer)
             core_requests.append(
                 self.processor.make_request(
-                    core_id, request.prompt_token_ids, child, arrival, kv_transfer, lora_request
+                    core_id, request.prompt_token_ids, child, arrival, kv_transfer, lora_request, priority
                 )
             )
         state = RequestState(

@@ -18,6 +18,7 @@ class LLMEngine(FrontEnd):
     def __init__(self, config: EngineConfig):
         super().__init__(config.model_config)
         self.config = config
+        self.scheduling_policy = config.scheduler_config.policy
         self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
         startup.report("offline engine")
 
@@ -33,11 +34,15 @@ class LLMEngine(FrontEnd):
         kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         request = self.processor.process(prompt, params)
         if lora_request is not None:
             self.add_lora(lora_request)
-        for core_request in self.prepare_request(request_id, request, kind, arrival_time, lora_request=lora_request):
+        core_requests = self.prepare_request(
+            request_id, request, kind, arrival_time, lora_request=lora_request, priority=priority
+        )
+        for core_request in core_requests:
             self.engine_core.add_request(core_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -48,6 +48,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     arrival_time: float
     kv_transfer: KVTransferParams | None = None
     lora_request: LoRARequest | None = None
+    priority: int = 0  # with the priority scheduling policy: lower runs first
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -116,6 +116,7 @@ class Processor:
         arrival_time: float,
         kv_transfer=None,
         lora_request=None,
+        priority: int = 0,
     ) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -128,6 +129,7 @@ class Processor:
             arrival_time,
             kv_transfer,
             lora_request,
+            priority,
         )
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:

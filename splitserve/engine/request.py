@@ -56,6 +56,7 @@ class Request:
     stop_token_set: set[int] = field(default_factory=set)  # what min_tokens holds back: eos + stop ids
     kv_transfer: object = None  # KVTransferParams, for PD disaggregation
     lora_request: object = None  # LoRARequest: the adapter it runs with (None: the base model)
+    priority: int = 0  # the priority scheduling policy's key (lower first), then arrival_time
     grammar: object = None  # structured output: the xgrammar GrammarMatcher of the tokens so far
     # Overlap scheduling: tokens sampled by launched steps whose values the host has not read yet
     # (at most 1 between engine steps, 2 while one is launched and the one before it is being
@@ -85,6 +86,7 @@ class Request:
             arrival_time=req.arrival_time,
             kv_transfer=req.kv_transfer,
             lora_request=req.lora_request,
+            priority=req.priority,
         )
 
     @property

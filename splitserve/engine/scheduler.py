@@ -8,6 +8,10 @@ out, the most recently admitted running request is preempted: its blocks are fre
 recomputed later (its full blocks usually come back as prefix-cache hits); or, with
 preemption_mode "swap" and room in host memory, its blocks are copied there (SchedulePlan's
 swap_out) and back into fresh blocks when it resumes (swap_in), ahead of any waiting request.
+
+With the "priority" policy (vLLM's), requests are ordered by (priority, arrival) instead of
+arrival alone: the waiting queue is kept in that order, and the running list is sorted by it at
+each step, so that the lowest-priority (then latest) running request is the one preempted.
 """
 
 from __future__ import annotations
@@ -45,7 +49,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """Into the waiting queue: at its end (a new request) or its front (one that ran before), or,
+        under the priority policy, after every request that goes first by (priority, arrival)."""
+        if self.config.policy != "priority":
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        key = (request.priority, request.arrival_time)
+        index = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key), len(self.waiting))
+        self.waiting.insert(index, request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests by id; unknown or finished ids are ignored."""
@@ -87,6 +101,8 @@ class Scheduler:
     def schedule(self) -> SchedulePlan:
         out = SchedulePlan()
         self._tail_left = self.config.prompt_tail_tokens if self.config.enable_chunked_prefill else 0
+        if self.config.policy == "priority":  # the back of the list is preempted first (stable: ties keep their order)
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted and self.swapped:
             budget = self._schedule_swapped(out, budget)
@@ -171,7 +187,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _schedule_swapped(self, out: SchedulePlan, budget: int) -> int:
         """Bring swapped-out requests back, oldest first, while budget, seats and blocks last."""
@@ -280,7 +296,7 @@ class Scheduler:
         request.kv_transfer = None
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         return None
 
     def release_lease(self, request_id: str) -> None:

@@ -50,17 +50,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order. `lora_request`: the
-        LoRA adapter of every prompt, or one per prompt (None: the base model); needs enable_lora."""
+        LoRA adapter of every prompt, or one per prompt (None: the base model); needs enable_lora.
+        `priority`: one per prompt, lower first (needs scheduling_policy="priority"), as vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts.")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids: list[str] = []
         try:
-            for prompt, sp, lora in zip(prompts, params, loras):
-                ids.append(self._add(prompt, sp, lora))
+            for prompt, sp, lora, prio in zip(prompts, params, loras, priorities):
+                ids.append(self._add(prompt, sp, lora, prio))
         except Exception:  # one bad prompt refuses the whole call; the ones before it must not linger
             self.llm_engine.abort_request(ids)
             raise
@@ -148,9 +153,13 @@ class LLM:
             raise ValueError(f"Got {len(lora_request)} LoRA requests for {n} prompts.")
         return list(lora_request)
 
-    def _add(self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None) -> str:
+    def _add(
+        self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None, priority: int = 0
+    ) -> str:
         request_id = str(next(self._counter))
-        self.llm_engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY, lora_request=lora_request)
+        self.llm_engine.add_request(
+            request_id, prompt, params, RequestOutputKind.FINAL_ONLY, lora_request=lora_request, priority=priority
+        )
         return request_id
 
     # --- LoRA adapters (vLLM's LLM methods) ---------------------------------------------------

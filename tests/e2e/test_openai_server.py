@@ -507,3 +507,43 @@ def test_fastdeploy_style_flags(tiny_chat_model):
         assert chat["usage"]["completion_tokens_details"]["reasoning_tokens"] == chat["usage"]["completion_tokens"]
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         assert "splitserve:request_success_total" in metrics
+
+
+# --- priority scheduling ---------------------------------------------------------------------------
+def test_priority_needs_the_priority_policy(server):
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "priority": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    ok = _post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "priority": 0})
+    assert ok.status_code == 200
+
+
+def test_a_high_priority_request_passes_the_waiting_ones(tiny_chat_model):
+    """One seat (--max-num-seqs 1), four low-priority requests sent first, then a high-priority one:
+    it runs as soon as the seat frees, before the three that were still waiting. Offline, the same
+    policy orders LLM.generate's prompts by their priorities."""
+    args = ("--max-num-seqs", "1", "--scheduling-policy", "priority")
+    with RemoteServer(tiny_chat_model, *COMMON, *args) as s:
+
+        async def fire():
+            done = []
+            async with httpx.AsyncClient(timeout=120) as http:
+
+                async def one(name: str, priority: int, delay: float):
+                    await asyncio.sleep(delay)
+                    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "priority": priority}
+                    r = await http.post(f"{s.url}/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    done.append(name)
+
+                lows = [one(f"low{i}", 10, 0.05 * i) for i in range(4)]
+                await asyncio.gather(*lows, one("high", -10, 0.3))
+            return done
+
+        order = asyncio.run(fire())
+        assert order.index("high") <= 1, order  # after the low request that held the seat, if any
+    llm = LLM(tiny_chat_model, dtype="float32", max_model_len=512, max_num_seqs=1, scheduling_policy="priority")
+    prompts = [{"prompt_token_ids": [5, 6, 7 + i]} for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False, priority=[2, 0, 1])
+    firsts = [o.metrics.first_token_time for o in outs]
+    assert firsts[1] < firsts[2] < firsts[0]

@@ -111,6 +111,8 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     return_token_ids: bool = False
     echo: bool = False
     user: str | None = None
+    # vLLM's: with --scheduling-policy priority, lower runs first (and is preempted last).
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (set by the router)
     # Known but unsupported: accepted only as "off" (see unsupported_params.py).
     suffix: Unsupported = None

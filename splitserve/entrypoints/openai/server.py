@@ -201,6 +201,7 @@ def serve_worker(
     if supervisor is not None:
         watch = supervisor.watch
     engine = AsyncLLM(config.model_config, address, engine_pid, client_index=index, engine_watch=watch)
+    engine.scheduling_policy = config.scheduler_config.policy
     app = build_app(engine, config, server_args, index)
     servers = [uvicorn.Server(uvicorn.Config(app, log_level=server_args.uvicorn_log_level, timeout_keep_alive=30))]
     sockets = [[sock]]

@@ -118,6 +118,12 @@ class OpenAIServing(PDServingMixin):
         Returns (request, params, the LoRA adapter its model names or None)."""
         req = self._parse(model.model_validate, body)
         lora = await self._check_model(req.model)
+        if getattr(req, "priority", 0) and self.engine.scheduling_policy != "priority":
+            raise APIError(
+                f"priority {req.priority} needs the priority scheduling policy (start the server with "
+                "--scheduling-policy priority); this one schedules first come, first served.",
+                param="priority",
+            )
         self._check_capacity()
         try:
             return req, req.to_sampling_params(self.default_max_tokens, self.sampling_defaults), lora
@@ -197,16 +203,17 @@ class OpenAIServing(PDServingMixin):
         kind: RequestOutputKind,
         kv: KVTransferParams | None = None,
         lora: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[AsyncIterator[RequestOutput]]:
         return [
-            self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv, lora)
+            self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv, lora, priority)
             for i, request in enumerate(requests)
         ]
 
     def _generation_streams(self, req, request_id: str, requests, arrival: float, kind, kv=None, lora=None) -> list:
         """Each prompt's outputs: sampled, or (use_beam_search) a beam search's one output."""
         if not req.use_beam_search:
-            return self._streams(request_id, requests, arrival, kind, kv, lora)
+            return self._streams(request_id, requests, arrival, kind, kv, lora, req.priority)
         if kv is not None:
             raise APIError("Beam search does not run on prefill/decode instances.", param="use_beam_search")
         streams = []

@@ -1,0 +1,65 @@
+"""The priority scheduling policy (vLLM's --scheduling-policy priority) on a tiny pool: waiting
+requests are admitted by (priority, arrival), the lowest-priority running request is the one
+preempted, and a preempted request does not pass a waiting request that goes first."""
+
+from __future__ import annotations
+
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.sampling_params import SamplingParams
+from tests.helpers.scheduling import add, make_sched, plan, step
+
+
+def req(rid: str, prompt, priority: int = 0, max_tokens: int = 4) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), 2, max_tokens, priority=priority)
+
+
+def _sched(policy: str, **kwargs):
+    sched = make_sched(**kwargs)
+    sched.config.policy = policy
+    sched.config.verify()
+    return sched
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    sched = _sched("priority", max_num_seqs=1)
+    low, high, high_later = req("low", [5, 6], priority=3), req("high", [7, 8], priority=-1), req("high2", [9], -1)
+    add(sched, low, high, high_later)
+    assert [r.request_id for r in sched.waiting] == ["high", "high2", "low"]
+    order = []
+    while sched.has_unfinished_requests():
+        order += [rid for rid, _ in plan(step(sched)) if rid not in order]
+    assert order == ["high", "high2", "low"]
+    fcfs = _sched("fcfs", max_num_seqs=1)
+    add(fcfs, req("low", [5, 6], priority=3), req("high", [7, 8], priority=-1))
+    assert [r.request_id for r in fcfs.waiting] == ["low", "high"]
+
+
+def test_the_lowest_priority_running_request_is_preempted():
+    """b arrived first but has the lower priority (a larger number): when a needs a block, b goes,
+    where first come, first served would preempt a, the last admitted."""
+    for policy, victim in (("priority", "b"), ("fcfs", "a")):
+        sched = _sched(policy, num_blocks=4)
+        b, a = req("b", range(20, 27), priority=5, max_tokens=3), req("a", range(10, 17), priority=0, max_tokens=3)
+        add(sched, b, a)
+        step(sched)
+        step(sched)  # 8 tokens each: both fill 2 blocks, the pool is full
+        out = step(sched)
+        assert [r.request_id for r in out.preempted] == [victim], policy
+        preempted = b if victim == "b" else a
+        assert preempted.status == RequestStatus.PREEMPTED and preempted.num_computed_tokens == 0
+
+
+def test_a_preempted_request_does_not_pass_a_waiting_one_that_goes_first():
+    sched = _sched("priority", num_blocks=4)
+    b, a = req("b", range(20, 27), priority=5, max_tokens=3), req("a", range(10, 17), priority=0, max_tokens=3)
+    add(sched, b, a)
+    step(sched)
+    step(sched)
+    c = req("c", [40], priority=1, max_tokens=1)
+    add(sched, c)
+    out = step(sched)
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert [r.request_id for r in sched.waiting] == ["c", "b"]  # c (priority 1) before b (5)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(r.is_finished() for r in (a, b, c))
