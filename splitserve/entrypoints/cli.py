@@ -127,6 +127,13 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
     sk.set_defaults(func=lambda ns: soak.main(ns))
 
 
+def _add_run_batch(rb: argparse.ArgumentParser) -> None:
+    from splitserve.entrypoints import run_batch
+
+    run_batch.add_arguments(rb)
+    rb.set_defaults(func=run_batch.main)
+
+
 def _add_env(env: argparse.ArgumentParser) -> None:
     env.add_argument(
         "--markdown", action="store_true", help="the table of docs/envs.md instead of this environment's values"
@@ -159,6 +166,10 @@ _SUBCOMMANDS = {
     "router": (
         "the prefill/decode disaggregation router (an OpenAI-compatible front for prefill and decode instances)",
         _add_router,
+    ),
+    "run-batch": (
+        "run a file of OpenAI batch requests (/v1/completions, /v1/chat/completions) offline, as vLLM's run-batch",
+        _add_run_batch,
     ),
     "perplexity": ("the model's perplexity on a text (sliding windows)", _add_perplexity),
     "quantize": (

@@ -14,7 +14,8 @@ from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow  # starts a server
 
-COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "128", "--disable-log-requests"]
+# Batch-invariant numerics: the embedded model's greedy tokens then do not depend on what shares a step.
+COMMON = ["--batch-invariant", "--max-model-len", "1024", "--num-gpu-blocks-override", "256", "--disable-log-requests"]
 KEY = "anthropic-test-key"
 # The SDK (2.x) no longer has sampling arguments; the API still takes them, as older SDKs send them.
 GREEDY = {"temperature": 0}
@@ -30,8 +31,9 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model):
-    with RemoteServer(tiny_chat_model, *COMMON, "--api-key", KEY) as s:
+def server(default_gguf):
+    """The embedded model: a random one wanders inside a tool call's JSON whitespace."""
+    with RemoteServer(default_gguf, *COMMON, "--api-key", KEY) as s:
         yield s
 
 
@@ -114,37 +116,31 @@ def test_stop_sequences_end_the_message(client):
     assert stop not in message.content[0].text
 
 
-def test_a_tool_round_trip(default_gguf):
-    """On the embedded model (a random one wanders inside the JSON's whitespace): a forced tool call
-    comes back as a tool_use block with its input, whole and streamed; its tool_result goes in the
-    next turn and the model answers in text."""
-    with RemoteServer(default_gguf, "--max-model-len", "1024", "--disable-log-requests") as real:
-        client = anthropic.Anthropic(base_url=real.url, api_key="none", max_retries=0)
-        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-        forced = {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
-        call = client.messages.create(model="default", max_tokens=64, extra_body=GREEDY, messages=ask, **forced)
-        uses = [b for b in call.content if b.type == "tool_use"]
-        assert call.stop_reason == "tool_use" and len(uses) == 1, call
-        assert uses[0].name == "get_weather" and uses[0].input["city"] in ("Paris", "Rome")
-        with client.messages.stream(model="default", max_tokens=64, extra_body=GREEDY, messages=ask, **forced) as s:
-            streamed = s.get_final_message()
-        assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(uses[0].name, uses[0].input)]
-        assert streamed.stop_reason == "tool_use"
-        answer = client.messages.create(
-            model="default",
-            max_tokens=16,
-            extra_body=GREEDY,
-            tools=[WEATHER],
-            messages=[
-                *ask,
-                {"role": "assistant", "content": [b.model_dump() for b in call.content]},
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 21 C"}],
-                },
-            ],
-        )
-        assert answer.content and answer.content[0].type == "text" and answer.content[0].text
+def test_a_tool_round_trip(client):
+    """A forced tool call comes back as a tool_use block with its input, whole and streamed; its
+    tool_result goes in the next turn and the model answers in text."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    call = client.messages.create(model="default", max_tokens=64, extra_body=GREEDY, messages=ask, **forced)
+    uses = [b for b in call.content if b.type == "tool_use"]
+    assert call.stop_reason == "tool_use" and len(uses) == 1, call
+    assert uses[0].name == "get_weather" and uses[0].input["city"] in ("Paris", "Rome")
+    with client.messages.stream(model="default", max_tokens=64, extra_body=GREEDY, messages=ask, **forced) as s:
+        streamed = s.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(uses[0].name, uses[0].input)]
+    assert streamed.stop_reason == "tool_use"
+    answer = client.messages.create(
+        model="default",
+        max_tokens=16,
+        extra_body=GREEDY,
+        tools=[WEATHER],
+        messages=[
+            *ask,
+            {"role": "assistant", "content": [b.model_dump() for b in call.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 21 C"}]},
+        ],
+    )
+    assert answer.content and answer.content[0].type == "text" and answer.content[0].text
 
 
 def test_a_bad_request_gets_anthropics_error_body(server, client):
@@ -161,7 +157,7 @@ def test_a_bad_request_gets_anthropics_error_body(server, client):
     assert httpx.post(f"{server.url}/v1/messages", json={}, timeout=30).status_code == 401
 
 
-def test_through_a_pd_router(tiny_chat_model, server, client):
+def test_through_a_pd_router(default_gguf, server, client):
     """`serve --pd 1p1d`: the router translates, prefill and decode run as for a chat completion,
     and the message (whole and streamed) is a single server's."""
     kwargs = {
@@ -171,7 +167,7 @@ def test_through_a_pd_router(tiny_chat_model, server, client):
         "messages": [{"role": "user", "content": "Hi"}],
     }
     expected = client.messages.create(**kwargs)
-    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d", "--api-key", KEY) as router:
+    with RemoteServer(default_gguf, *COMMON, "--pd", "1p1d", "--api-key", KEY) as router:
         through = anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0)
         message = through.messages.create(**kwargs)
         with through.messages.stream(**kwargs) as stream:

@@ -39,7 +39,7 @@ def _fuzz(server, mode: str, tmp_path) -> dict:
     events = tmp_path / f"{mode}.ndjson"
     cmd = [
         *(sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json"),
-        *("--mode", mode, "--checks", CHECKS, "--max-examples", "10", "--seed", "7", "--max-time", "40"),
+        *("--mode", mode, "--checks", CHECKS, "--max-examples", "10", "--seed", "7", "--max-time", "30"),
         *("-H", f"Authorization: Bearer {KEY}", "--request-timeout", "60", "--no-color"),
         *("--exclude-path", "/v1/load_lora_adapter", "--exclude-path", "/v1/unload_lora_adapter"),
         *("--report", "ndjson", "--report-ndjson-path", str(events)),

@@ -165,11 +165,12 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
             raise ValueError(f"Two models given: {ns.model_tag!r} and --model {ns.model!r}.")
         ns.model = ns.model_tag
     server = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
-    _check_server_args(server)
+    check_server_args(server)
     return engine_args_from(ns), server
 
 
-def _check_server_args(args: ServerArgs) -> None:
+def check_server_args(args: ServerArgs) -> None:
+    """Refuse bad server flags with a message; a chat template given as a file is read here."""
     from splitserve.entrypoints.openai.reasoning import REASONING_PARSERS
     from splitserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 

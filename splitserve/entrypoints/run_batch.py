@@ -1,0 +1,179 @@
+"""`splitserve run-batch -i requests.jsonl -o results.jsonl --model M`: OpenAI's batch file format run
+offline, as vLLM's `run-batch` does.
+
+Each input line is one request, `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions"
+(or "/v1/completions"), "body": {...}}`; each output line is its result, `{"id", "custom_id",
+"response": {"status_code", "request_id", "body"}, "error"}`, the body being exactly what the server
+would answer. The requests go through the server's own handlers (validation, chat templates, tools,
+structured output), on an engine process of their own, without HTTP. Lines are read as they are
+needed and results written as they finish (in that order, not the input's: match them by
+`custom_id`), with at most `--max-concurrency` requests in flight, so memory stays flat however long
+the file is; a progress bar counts the lines done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+from splitserve.engine.arg_flags import add_engine_args, engine_args_from
+from splitserve.entrypoints.http import APIError, error_body
+from splitserve.entrypoints.openai.args import ServerArgs
+
+logger = logging.getLogger("splitserve.run_batch")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# The server flags that change how a request is read or answered (the rest are about HTTP).
+_SERVER_FLAGS = {
+    "--chat-template": "a jinja chat template: a file path or the template itself",
+    "--reasoning-parser": "split <think> reasoning into reasoning_content: deepseek_r1, qwen3, ernie45 or none",
+    "--tool-call-parser": "how tool calls are read: hermes, llama3_json, mistral or pythonic",
+    "--default-max-tokens": "max_tokens of a request that leaves it unset",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object per line")
+    parser.add_argument("-o", "--output-file", required=True, help="where the results go, one JSON object per line")
+    parser.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once")
+    for flag, help_text in _SERVER_FLAGS.items():
+        parser.add_argument(flag, default=None, type=int if flag == "--default-max-tokens" else str, help=help_text)
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", help="as `splitserve serve`'s flag")
+    add_engine_args(parser)
+
+
+def main(ns: argparse.Namespace) -> None:
+    if ns.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {ns.max_concurrency}.")
+    server_args = ServerArgs(
+        chat_template=ns.chat_template,
+        reasoning_parser=ns.reasoning_parser,
+        tool_call_parser=ns.tool_call_parser,
+        default_max_tokens=ns.default_max_tokens,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        disable_log_requests=True,
+    )
+    from splitserve.entrypoints.openai.args import check_server_args
+
+    check_server_args(server_args)
+    summary = asyncio.run(_run(ns, engine_args_from(ns), server_args))
+    print(
+        f"run-batch: {summary['lines']} lines, {summary['ok']} answered 200, {summary['errors']} errors, "
+        f"in {summary['seconds']:.1f} s -> {ns.output_file}"
+    )
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+async def _run(ns: argparse.Namespace, engine_args, server_args: ServerArgs) -> dict:
+    from tqdm import tqdm
+
+    from splitserve.engine.async_llm import AsyncLLM
+    from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
+    from splitserve.entrypoints.openai.metrics import Metrics
+    from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
+    from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    started = time.monotonic()
+    config = engine_args.create_engine_config()
+    config.health_timeout = server_args.health_timeout
+    engine_process = EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout))
+    with ExitStack() as stack:
+        stack.callback(engine_process.shutdown)
+        await asyncio.to_thread(engine_process.wait_ready, config)
+        engine = AsyncLLM(config.model_config, engine_process.address, engine_process.pid)
+        engine.scheduling_policy = config.scheduler_config.policy
+        stack.callback(engine.shutdown)
+        metrics = Metrics(config.model_config.served_model_name)
+        handlers = {
+            "/v1/completions": OpenAIServingCompletion(engine, config, server_args, metrics).create_completion,
+            "/v1/chat/completions": OpenAIServingChat(engine, config, server_args, metrics).create_chat_completion,
+        }
+        counts = {"lines": 0, "ok": 0, "errors": 0}
+        out = stack.enter_context(open(ns.output_file, "w"))
+        bar = stack.enter_context(tqdm(total=_count_lines(ns.input_file), desc="Batch requests", unit="req"))
+        slots = asyncio.Semaphore(ns.max_concurrency)
+        pending: set[asyncio.Task] = set()
+
+        async def one(number: int, line: str) -> None:
+            try:
+                result = await run_line(number, line, handlers)
+            finally:
+                slots.release()
+            out.write(json.dumps(result) + "\n")
+            counts["ok" if result["response"]["status_code"] == 200 else "errors"] += 1
+            bar.update(1)
+
+        for number, line in _lines(ns.input_file):
+            counts["lines"] += 1
+            await slots.acquire()
+            task = asyncio.ensure_future(one(number, line))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        await asyncio.gather(*pending)
+    return counts | {"seconds": time.monotonic() - started}
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """The file's non-blank lines with their numbers, read one at a time."""
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield number, line
+
+
+class _NoClient:
+    """Stands for the HTTP request the handlers watch for a client that left: here, none ever does."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+async def run_line(number: int, line: str, handlers: dict) -> dict:
+    """One line's result, in OpenAI's batch output shape; a bad line gets an error result of its own."""
+    custom_id = None
+    request_id = f"splitserve-batch-{uuid.uuid4().hex}"
+    try:
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise APIError(f"Line {number} is not JSON: {exc}.") from None
+        if not isinstance(item, dict):
+            raise APIError(f"Line {number} is not a JSON object.")
+        custom_id = item.get("custom_id")
+        url, body = item.get("url"), item.get("body")
+        if item.get("method", "POST") != "POST":
+            raise APIError(f"Line {number}: method must be POST, got {item.get('method')!r}.", param="method")
+        if url not in handlers:
+            raise APIError(f"Line {number}: url must be one of {', '.join(ROUTES)}, got {url!r}.", 404, param="url")
+        if not isinstance(body, dict):
+            raise APIError(f"Line {number}: body must be a JSON object.", param="body")
+        if body.get("stream"):
+            raise APIError(f"Line {number}: a batch request cannot stream.", param="stream")
+        response = await handlers[url](body, _NoClient())
+        answer = {"status_code": response.status_code, "request_id": request_id, "body": json.loads(response.body)}
+        error = None
+    except APIError as exc:
+        answer = {"status_code": exc.status, "request_id": request_id, "body": None}
+        error = error_body(exc.message, exc.err_type, exc.param, exc.status)["error"]
+    except Exception as exc:  # a bug must cost its line, not the batch
+        logger.exception("Line %d failed", number)
+        answer = {"status_code": 500, "request_id": request_id, "body": None}
+        error = error_body(f"{type(exc).__name__}: {exc}", "internal_error", None, 500)["error"]
+    return {"id": f"splitserve-{uuid.uuid4().hex}", "custom_id": custom_id, "response": answer, "error": error}
+
+
+if __name__ == "__main__":  # python -m splitserve.entrypoints.run_batch
+    parser = argparse.ArgumentParser(prog="splitserve run-batch", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args(sys.argv[1:]))
