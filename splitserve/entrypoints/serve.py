@@ -36,6 +36,8 @@ _INSTANCE_SERVER_FLAGS = (
     "tool_call_parser",
     "default_max_tokens",
     "metrics_prefix",
+    "max_engine_restarts",
+    "engine_restart_window",
 )
 _INSTANCE_SERVER_SWITCHES = ("disable_log_requests", "enable_auto_tool_choice", "strict_request_fields")
 

@@ -156,3 +156,15 @@ def test_server_flags_of_restarts_and_metrics_are_checked(flags, message):
     )
     with pytest.raises(ValueError, match=message):
         split_args(make_arg_parser().parse_args(flags))
+
+
+def test_a_local_pd_deployment_passes_the_restart_flags_to_its_instances():
+    from splitserve.entrypoints.openai.args import make_arg_parser, split_args
+    from splitserve.entrypoints.serve import instance_flags
+
+    flags = ["--max-engine-restarts", "2", "--engine-restart-window", "60", "--metrics-prefix", "vllm"]
+    engine_args, server_args = split_args(make_arg_parser().parse_args(flags))
+    passed = instance_flags(engine_args, server_args, "decode")
+    for name, value in zip(flags[::2], ("2", "60.0", "vllm")):
+        assert passed[passed.index(name) + 1] == value
+    assert passed[passed.index("--pd-role") + 1] == "decode"
