@@ -40,7 +40,16 @@ def test_a_batch_file_is_answered_line_by_line(tiny_chat_model, tmp_path):
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines) + "{not json\n\n")
     results = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "splitserve.entrypoints.cli", "run-batch", "-i", str(requests), "-o", str(results)]
-    cmd += ["--model", tiny_chat_model, "--dtype", "float32", "--max-model-len", "512", "--max-concurrency", "2"]
+    cmd += [
+        "--model",
+        tiny_chat_model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-concurrency",
+        "1",
+    ]  # each alone, as offline
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "6 lines, 2 answered 200, 4 errors" in done.stdout
