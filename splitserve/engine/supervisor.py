@@ -98,9 +98,7 @@ class EngineSupervisor:
                 return
             cause = self._cause(self.engine)
             logger.error("The engine process died (%s)", cause)
-            while not await self._restart(cause):
-                if self.gave_up is not None:
-                    return
+            while not await self._restart(cause):  # a new engine that died at start: again
                 cause = self._cause(self.engine)
             if self.gave_up is not None:
                 return

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers.pd import COMMON, idle, wait_for
-from tests.helpers.server import RemoteServer, engine_pid, metric
+from tests.helpers.server import RemoteServer, engine_pid, metric, stream_and_kill
 
 pytestmark = pytest.mark.slow  # starts servers and kills their processes
 
@@ -45,14 +45,8 @@ def test_killed_engine_is_restarted_and_serves_as_before(tiny_chat_model, tmp_pa
     with RemoteServer(tiny_chat_model, *COMMON, "--workers", str(workers), log_path=str(log)) as s:
         before = _greedy(s.url)
         old = engine_pid(s)
-        body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 2:
-                        os.kill(old, signal.SIGKILL)
+        body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}
+        events = stream_and_kill(s.url, body, lambda: old, after=2)
         # The request in flight fails with a 503 that names the cause; the server does not hang.
         assert events[-1] == "[DONE]" and '"code":503' in events[-2].replace(" ", ""), events[-2:]
         assert "engine" in events[-2]

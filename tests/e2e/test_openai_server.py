@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.helpers.server import RemoteServer, engine_pid, metric
+from tests.helpers.server import RemoteServer, engine_pid, metric, stream_and_kill
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -405,14 +405,8 @@ def test_engine_death_with_no_restarts_left_ends_the_server(tiny_chat_model):
     """--max-engine-restarts 0: the engine's death fails its requests (503, never a hang) and the
     server exits non-zero, leaving the restart to an outer supervisor (systemd, Kubernetes)."""
     with RemoteServer(tiny_chat_model, *COMMON, "--max-engine-restarts", "0") as s:
-        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 2:
-                        os.kill(engine_pid(s), signal.SIGKILL)
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+        events = stream_and_kill(s.url, body, lambda: engine_pid(s), after=2)
         assert events[-1] == "[DONE]" and '"code":503' in events[-2].replace(" ", ""), events[-2:]
         assert s.proc.wait(timeout=30) == 1
 

@@ -16,7 +16,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from tests.helpers.pd import wait_for
-from tests.helpers.server import RemoteServer, alive, cmdline
+from tests.helpers.server import RemoteServer, alive, cmdline, stream_and_kill
 
 pytestmark = pytest.mark.slow  # starts multi-rank servers
 
@@ -70,14 +70,8 @@ def test_a_rank_killed_mid_generation_fails_the_request_clearly_and_the_engine_r
         ranks = _rank_pids(s)
         greedy = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         before = httpx.post(f"{s.url}/v1/completions", json=greedy, timeout=60).json()["choices"][0]["text"]
-        body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        os.kill(ranks[1], signal.SIGKILL)
+        body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}
+        events = stream_and_kill(s.url, body, lambda: ranks[1], after=3)
         assert events[-1] == "[DONE]" and "rank 1" in events[-2] and '"code":503' in events[-2].replace(" ", "")
         assert len(events) < 240
         r = httpx.post(f"{s.url}/v1/completions", json=greedy, timeout=30)

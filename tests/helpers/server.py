@@ -116,6 +116,19 @@ def metric(server, name: str) -> float:
     return total
 
 
+def stream_and_kill(url: str, body: dict, pid_to_kill, after: int) -> list[str]:
+    """The data of each server-sent event of a streamed /v1/completions, with SIGKILL sent to
+    `pid_to_kill()` once `after` events have arrived (a process dying mid-stream)."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == after:
+                    os.kill(pid_to_kill(), signal.SIGKILL)
+    return events
+
+
 def engine_pid(server: RemoteServer) -> int:
     """The engine core process: the server's child named splitserve-eng (process_utils.set_process_name)."""
     return named_child(server, "splitserve-eng")
