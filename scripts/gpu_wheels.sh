@@ -8,17 +8,17 @@
 #
 #   scripts/gpu_wheels.sh [EXTRA_REQUIREMENT ...]     e.g. scripts/gpu_wheels.sh 'ray>=2.40'
 #
-# The list is computed (scripts/gpu_check.py missing): pyproject's dependencies, plus openai and
-# jsonschema (test modules import them, and pytest imports every module it collects, GPU tests or
-# not), walked through this environment's installed metadata, less the image's packages; versions
-# are this environment's.
+# The list is computed (scripts/gpu_check.py missing): pyproject's dependencies, plus openai,
+# jsonschema and anthropic (test modules import them, and pytest imports every module it collects,
+# GPU tests or not), walked through this environment's installed metadata, less the image's
+# packages; versions are this environment's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 DEST=.whl
 BUDGET_MIB=48 # of the 64 MiB a device call carries: the tree itself needs the rest
 
-TEST_IMPORTS=("openai>=1.40" "jsonschema>=4")
+TEST_IMPORTS=("openai>=1.40" "jsonschema>=4" "anthropic>=0.40")
 mapfile -t pins < <("$PY" scripts/gpu_check.py missing --extra "${TEST_IMPORTS[@]}" "$@")
 echo "missing on the GPU image: ${pins[*]}"
 rm -rf "$DEST"

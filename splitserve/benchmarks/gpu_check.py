@@ -349,7 +349,10 @@ def run_all(ns: argparse.Namespace, scratch: str) -> dict:
     name = "tiny Qwen3 (dry run)" if ns.dry_run else MODEL
     report["model"] = {"name": name, "weight_bytes": weights, "kv_bytes_per_token": kv_token}
     with open(os.path.join(ns.out, "bench.log"), "a") as log:
-        for bench in plan(ns.dry_run, model_dir, tokenizer):
+        benches = plan(ns.dry_run, model_dir, tokenizer)
+        if unknown := set(getattr(ns, "only", None) or ()) - {b.key for b in benches}:
+            raise SystemExit(f"--only: no benchmark {sorted(unknown)}; keys: {[b.key for b in benches]}")
+        for bench in [b for b in benches if not getattr(ns, "only", None) or b.key in ns.only]:
             entry = {"key": bench.key, "title": bench.title, "command": "splitserve " + " ".join(bench.argv)}
             if bench.server_argv:
                 entry["server_command"] = "splitserve " + " ".join(bench.server_argv)
@@ -380,9 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder of bench.json and bench.log")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks that the code runs")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds for all the benchmarks together")
-    parser.add_argument(
-        "--no-table", action="store_true", help="leave the table to the caller (gpu_check.sh's summary)"
-    )
+    parser.add_argument("--no-table", action="store_true", help="leave the table to gpu_check.sh's summary")
+    parser.add_argument("--only", nargs="+", metavar="KEY", help="these benchmarks only (nano_vllm, serve, ...)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

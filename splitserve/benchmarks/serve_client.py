@@ -69,6 +69,18 @@ def _event_text(event: dict, chat: bool) -> str:
     return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
+def _event_has_output(event: dict, chat: bool) -> bool:
+    """Whether a chunk carries generated tokens, whatever their text: every chunk with a choice,
+    except a chat stream's opening one (the assistant's role, sent before any token). Tokens that
+    decode to no text still count (as vLLM counts them): a model whose ids run past its tokenizer's
+    vocabulary (dummy weights with another model's tokenizer) generates such tokens."""
+    choices = event.get("choices") or []
+    if not choices:
+        return False
+    delta = choices[0].get("delta") or {}
+    return not chat or "role" not in delta or bool(_event_text(event, chat))
+
+
 class _Stream:
     """The timing state of one response while it streams, fed one SSE payload at a time."""
 
@@ -77,8 +89,8 @@ class _Stream:
         self.start = self.last = time.perf_counter()
 
     def read(self, payload: str, now: float) -> None:
-        """TTFT at the first chunk with text, one ITL gap per later chunk with text (however many tokens it
-        carries, as vLLM counts), the usage figures wherever they come, and nothing after [DONE]."""
+        """TTFT at the first chunk with generated tokens, one ITL gap per later such chunk (however many
+        tokens it carries, as vLLM counts), the usage figures wherever they come, and nothing after [DONE]."""
         if self.done or payload == "[DONE]":
             self.done = True
             return
@@ -89,19 +101,19 @@ class _Stream:
         if usage := event.get("usage"):
             outcome.prompt_tokens = usage.get("prompt_tokens")
             outcome.output_tokens = usage.get("completion_tokens")
-        if text := _event_text(event, self.chat):
+        if _event_has_output(event, self.chat):
             if outcome.chunks == 0:
                 outcome.ttft = now - self.start
             else:
                 outcome.itl.append(now - self.last)
             self.last = now
             outcome.chunks += 1
-            self.pieces.append(text)
+            self.pieces.append(_event_text(event, self.chat))
 
 
 async def send_request(session, url: str, body: dict, headers: dict, chat: bool) -> Outcome:
     """Stream one request and time it. Every failure (HTTP status, connection, timeout, error event, a
-    stream without text) becomes an Outcome with its message: one bad request must not end the run. The
+    stream without tokens) becomes an Outcome with its message: one bad request must not end the run. The
     body is read to its end, past [DONE], so that the connection goes back to the pool for reuse."""
     stream = _Stream(chat)
     outcome = stream.outcome
@@ -124,7 +136,7 @@ async def send_request(session, url: str, body: dict, headers: dict, chat: bool)
     outcome.text = "".join(stream.pieces)
     outcome.success = outcome.chunks > 0
     if not outcome.success:
-        outcome.error = "the stream carried no generated text"
+        outcome.error = "the stream carried no generated tokens"
     return outcome
 
 

@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transformers baseline batch size (default: all prompts in one batch)",
     )
     parser.add_argument("--output-json", help="write the results to this file")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run splitserve's timed generate under torch.profiler: a Chrome trace in DIR and a summary of GPU "
+        "busy time, top kernels and top host operators (slower: not a speed figure)",
+    )
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +115,9 @@ def make_workload(ns: argparse.Namespace, vocab_size: int, special_ids: set[int]
     return Workload(prompts, output_lens)
 
 
-def run_splitserve(args: EngineArgs, workload: Workload, temperature: float) -> Result:
+def run_splitserve(args: EngineArgs, workload: Workload, temperature: float, profile: str | None = None) -> Result:
+    from splitserve.benchmarks.profiling import profiled
+    from splitserve.config import resolve_device
     from splitserve.entrypoints.llm import LLM
     from splitserve.sampling_params import SamplingParams
 
@@ -120,9 +128,10 @@ def run_splitserve(args: EngineArgs, workload: Workload, temperature: float) -> 
         for n in workload.output_lens
     ]
     before = llm.llm_engine.expert_load()
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
-    elapsed = time.perf_counter() - start
+    with profiled(profile, cuda=resolve_device(args.device).type == "cuda"):
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
+        elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(workload.output_lens), "ignore_eos requests must produce exactly max_tokens"
     load = {
@@ -213,7 +222,7 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
     results = []
     for backend in dict.fromkeys(ns.backend):
         if backend == "splitserve":
-            results.append(run_splitserve(args, workload, ns.temperature))
+            results.append(run_splitserve(args, workload, ns.temperature, getattr(ns, "profile", None)))
         else:
             results.append(run_hf(args, workload, ns.temperature, ns.hf_max_batch_size))
         gc.collect()

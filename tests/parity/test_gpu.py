@@ -2,17 +2,17 @@
 and is skipped without it (`scripts/gpu_check.sh` runs `pytest -m gpu` on a lent GPU machine). Tiny
 models keep the whole of `pytest -m gpu` within a couple of minutes on an H100.
 
-- greedy tokens equal transformers' on the same GPU, in float16 and bfloat16, for every tiny
-  architecture, ERNIE 4.5, the default model's shape and the default model itself (when its weights
-  travelled: the GPU check carries its tokenizer only);
+- greedy parity with transformers on the same GPU for every tiny architecture, ERNIE 4.5, the
+  default model's shape and the default model itself (when its weights travelled: the GPU check
+  carries its tokenizer only): in float32 the same tokens; in float16 and bfloat16 at least as close
+  to float32 as transformers in that dtype is (tests/helpers/hf_reference.py,
+  assert_as_accurate_as_reference: two correct 16-bit computations that round at different places
+  drift apart, so 16-bit tokens are not compared one for one);
 - the Triton attention backend against the torch backend on the GPU: decode split-K, varlen
   prefill, sliding windows, int8/fp8 KV caches, block sizes 16 to 128, GQA groups 1 to 8;
-- CUDA graphs on vs off and overlap scheduling on vs off give the same tokens;
+- CUDA graphs on vs off and overlap scheduling on vs off give the same tokens (up to a near tie:
+  the best two logits within a few 16-bit rounding steps);
 - chunked prefill with prefix-cache hits, LoRA, structured output and beam search on the GPU.
-
-Two correct 16-bit computations in different orders round differently, and a random model's top
-two logits are sometimes within that rounding: tokens must be identical up to such a near tie
-(tests/helpers/hf_reference.py's rule, with a gap of a few 16-bit rounding steps of the logits).
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, LoRARequest, SamplingParams  # noqa: E402
-from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model  # noqa: E402
+from tests.helpers.hf_reference import (  # noqa: E402
+    assert_as_accurate_as_reference,
+    assert_greedy_match,
+    hf_greedy,
+    load_hf_model,
+    teacher_forced_logprobs,
+)
 from tests.helpers.models import TINY_ARCHS, make_peft_adapter  # noqa: E402
 from tests.helpers.parity import MAX_TOKENS, PROMPTS, SHAPE, build  # noqa: E402
 
@@ -39,12 +45,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 DEVICE = "cuda"  # every engine and model here; only a scratch run on the CPU would change it
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# Near ties (best two logits this close) may go either way; logprobs agree to this much.
-# On the CPU (where splitserve has no float16), bfloat16 against transformers diverged at gaps up to 0.25 on the tiny
-# models and 0.5 on the 30-layer default shape, with logprobs up to 0.25 apart before that; float16
-# keeps 3 more bits. float32: 1.2e-4 apart at most.
+# Near ties (best two logits this close) may go either way: CUDA graphs / overlap on and off, and
+# float32 against transformers (logprobs within LOGPROB_ATOL there; 1.2e-4 apart at most on the CPU).
 TIE_GAP = {"float16": 0.1, "bfloat16": 0.75, "float32": 1e-3}
-LOGPROB_ATOL = {"float16": 0.08, "bfloat16": 0.5, "float32": 1e-3}
+LOGPROB_ATOL = {"float32": 1e-3}
+# Parity in 16 bits is judged against float32 (greedy_parity, assert_as_accurate_as_reference): the
+# bounds are multiples of transformers' own error in that dtype, plus this. On an H100 (2026-11-26),
+# sequence by sequence, transformers' error on the worst step was 0.01-0.39 in float16 and 0.11-4.3 in
+# bfloat16, and ours 0.35-1.8x (float16) and 0.38-2.7x (bfloat16) of it, 0.94x and 1.01x on average.
+SLACK = {"float16": 0.02, "bfloat16": 0.1}
 
 
 @pytest.fixture(autouse=True)
@@ -87,17 +96,33 @@ def _generate(llm: LLM, prompts, max_tokens: int = MAX_TOKENS, logprobs: int = 0
     ]
 
 
-def greedy_parity(path: str, dtype: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
-    """splitserve's greedy tokens and logprobs against transformers', both on the GPU in `dtype`."""
-    model = load_hf_model(path, dtype=DTYPES[dtype]).to(DEVICE)
-    refs = [hf_greedy(_OnDevice(model), p, max_tokens) for p in prompts]
-    del model
-    llm = _engine(path, dtype)
+def greedy_parity(path: str, dtype: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, gguf_file=None, **engine):
+    """splitserve's greedy tokens and logprobs against transformers' on the GPU: in float32 the same
+    tokens; in float16 / bfloat16 at least as close to float32 as transformers in that dtype is
+    (hf_reference.assert_as_accurate_as_reference), along our own tokens."""
+    llm = _engine(os.path.join(path, gguf_file) if gguf_file else path, dtype, **engine)
     if DEVICE == "cuda":
         assert llm.llm_engine.engine_core.executor.runner.backend.name == "triton"
-    for completion, ref in zip(_generate(llm, prompts, max_tokens), refs):
-        logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-        assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL[dtype], TIE_GAP[dtype])
+    completions = _generate(llm, prompts, max_tokens)
+    del llm
+    gc.collect()
+    ours = [(c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in completions]
+    if dtype == "float32":
+        model = load_hf_model(path, gguf_file=gguf_file).to(DEVICE)
+        for (ids, logprobs), prompt in zip(ours, prompts):
+            ref = hf_greedy(_OnDevice(model), prompt, max_tokens)
+            assert_greedy_match(ids, logprobs, ref, LOGPROB_ATOL[dtype], TIE_GAP[dtype])
+        return
+    exact, same_dtype = (
+        _OnDevice(load_hf_model(path, dtype=DTYPES[d], gguf_file=gguf_file).to(DEVICE)) for d in ("float32", dtype)
+    )
+    figures = assert_as_accurate_as_reference(
+        ours,
+        [teacher_forced_logprobs(exact, prompt, ids) for (ids, _), prompt in zip(ours, prompts)],
+        [teacher_forced_logprobs(same_dtype, prompt, ids) for (ids, _), prompt in zip(ours, prompts)],
+        SLACK[dtype],
+    )
+    print(f"{os.path.basename(path)} {dtype}: {figures}")
 
 
 def _assert_same_tokens(first, second, tie_gap: float, label: str = "") -> None:
@@ -159,12 +184,7 @@ def test_default_model_matches_transformers(default_gguf, dtype):
         pytest.skip("only the default model's tokenizer is here (its 98 MB GGUF does not fit a device call)")
     prompts = [[1, *range(100, 100 + 7 * i)] for i in range(1, 5)]
     directory, name = os.path.split(default_gguf)
-    model = load_hf_model(directory, dtype=DTYPES[dtype], gguf_file=name).to(DEVICE)
-    refs = [hf_greedy(_OnDevice(model), p, 24) for p in prompts]
-    llm = _engine(default_gguf, dtype, quantization="none", max_model_len=512)
-    for completion, ref in zip(_generate(llm, prompts, 24), refs):
-        logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-        assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL[dtype], TIE_GAP[dtype])
+    greedy_parity(directory, dtype, prompts, 24, gguf_file=name, quantization="none", max_model_len=512)
 
 
 # --- Triton attention against the torch backend on the GPU ------------------------------------------

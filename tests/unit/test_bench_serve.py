@@ -26,7 +26,8 @@ TOKENS_PER_CHUNK = 2  # so that usage (tokens) and the chunk count differ
 
 
 class FakeServer:
-    """Streams ceil(max_tokens / 2) chunks after an empty role chunk, then usage and [DONE]. Routes:
+    """Streams ceil(max_tokens / 2) chunks (the second with empty text; a chat stream's after a role
+    chunk), then usage and [DONE]. Routes:
     /v1/... normal; /nousage/v1/... without the usage chunk; /flaky/v1/... answers its k-th request with
     HTTP 500, HTTP 400, a mid-stream error event, or a normal stream, for k % 4 = 0, 1, 2, 3."""
 
@@ -88,18 +89,14 @@ class FakeServer:
             await response.write(f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode())
 
         def chunk(text: str) -> dict:
-            return {
-                "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": text}}
-                    if chat
-                    else {"index": 0, "text": text}
-                ]
-            }
+            return {"choices": [{"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}]}
 
-        await send(chunk(""))  # an empty first chunk, as vLLM's chat stream sends: no TTFT yet
+        if chat:  # the opening chunk of a chat stream (vLLM's, splitserve's): the role, no token, no TTFT yet
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         for i in range(chunks):
             await asyncio.sleep(FIRST_DELAY if i == 0 else CHUNK_SLEEP)
-            await send(chunk("ab"))
+            # The second chunk's token decodes to no text (an id past the tokenizer's vocabulary): it counts.
+            await send(chunk("" if i == 1 else "ab"))
             if kind == 2:
                 self.active -= 1
                 await send({"error": {"message": "engine died", "code": 500}})

@@ -299,12 +299,26 @@ def test_throughput_benchmark_runs_both_backends_on_dummy_weights(tmp_path, smol
         "splitserve",
         "hf",
         "--no-use-tqdm-on-load",
+        "--profile",
+        str(tmp_path / "profile"),
     ]
     ns = build_parser().parse_args(argv)
     results = throughput.main(ns, engine_args_from(ns))
     assert [r.backend for r in results] == ["splitserve", "hf"]
     assert results[0].output_tokens == results[1].output_tokens
-    assert "random weights" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "random weights" in out
+    # --profile: splitserve's run under torch.profiler, a summary and a Chrome trace
+    assert "Profiled run:" in out and "Self CPU time total" in out
+    (trace,) = (tmp_path / "profile").iterdir()
+    assert trace.name.endswith(".json") and trace.stat().st_size > 0
+
+
+def test_busy_seconds_is_the_union_of_intervals():
+    from splitserve.benchmarks.profiling import busy_seconds
+
+    assert busy_seconds([]) == 0
+    assert busy_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7), (2.5, 2.6)]) == 4
 
 
 def test_the_default_model_is_served_under_its_name_however_given(tmp_path):

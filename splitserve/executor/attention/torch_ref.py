@@ -122,7 +122,11 @@ def _decode(layer, q, meta: AttentionMetadata) -> torch.Tensor:
     if fields is None:
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scale  # [Hkv, B, G, L]
     else:
-        keys, values = stored_values(keys, q.dtype), stored_values(values, q.dtype)
+        # float16 cannot hold q . x' for fp8_e5m2's values (up to 57344), nor p s (s = absmax / 57344)
+        # without losing bits: float16 works in float32 here (bfloat16 has float32's range).
+        work = torch.float32 if q.dtype == torch.float16 else q.dtype
+        queries = queries.to(work)
+        keys, values = stored_values(keys, work), stored_values(values, work)
         k_fields = gather_kv(fields[0], tables, num_blocks).transpose(-1, -2)  # [Hkv, B, F, L]
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * k_fields[:, :, :1]
         if k_fields.shape[2] == 2:  # int4's min
@@ -143,7 +147,7 @@ def _decode(layer, q, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.matmul((probs * v_fields[:, :, :1]).to(values.dtype), values)
         if v_fields.shape[2] == 2:
             out += torch.matmul(probs, v_fields[:, :, 1:].transpose(-1, -2))  # [Hkv, B, G, 1]
-    return out.transpose(0, 1).reshape(nd, layer.num_heads, layer.head_dim)
+    return out.transpose(0, 1).reshape(nd, layer.num_heads, layer.head_dim).to(q.dtype)
 
 
 def _prefill(layer, q, k, v, meta: AttentionMetadata, i: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from splitserve.executor.attention.triton_common import (
     _head_block,
     _softmax_step,
     _tiles,
+    _value_norm,
 )
 from splitserve.executor.attention.triton_decode import decode_attention
 from splitserve.executor.host import to_device
@@ -117,6 +118,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    V_NORM: tl.constexpr,
     FRESH_FROM_INPUT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -200,6 +202,7 @@ def _prefill_kernel(
             True,
             HAS_WINDOW,
             QUANTIZED,
+            V_NORM,
             PRECISION,
         )
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -238,7 +241,7 @@ def _attend_new_tokens(
         k = tl.load(k_ptr + pos_64 * stride_kt + offs_d[None, :], mask=tile_mask, other=0.0)
         v = tl.load(v_ptr + pos_64 * stride_vt + offs_d[None, :], mask=tile_mask, other=0.0)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _softmax_step(q, k, v, 0.0, 0.0, visible, m_i, l_i, acc, qk_scale, False, PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, 0.0, 0.0, visible, m_i, l_i, acc, qk_scale, False, 1.0, PRECISION)
     return m_i, l_i, acc
 
 
@@ -301,6 +304,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         HAS_WINDOW=bool(window),
         QUANTIZED=quantized,
+        V_NORM=_value_norm(layer),
         FRESH_FROM_INPUT=quantized and not window,
         PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps,

@@ -3,6 +3,8 @@ and the online-softmax steps over a paged block table (see triton_attn.py for th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,19 @@ def _cache_args(layer) -> tuple:
     )
 
 
+def _value_norm(layer) -> float:
+    """For a quantized cache, the power of two at or above its format's largest level (int8 128,
+    fp8 e4m3 512, e5m2 65536). The probabilities are multiplied by each value's scale (s = absmax /
+    largest level) before their product with the stored values, in the model's dtype: float16 would
+    keep few bits of p s (down to ~1e-9 for e5m2), so the kernels take p s V_NORM, of the order of
+    the values themselves, and divide the product by V_NORM (exact, as a power of two)."""
+    if layer.kv_scales is None:
+        return 1.0
+    storage = layer.kv_cache.dtype
+    largest = torch.iinfo(storage).max if storage == torch.int8 else torch.finfo(storage).max
+    return float(2 ** math.ceil(math.log2(largest)))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """float32 dots as 3xTF32, close to float32 (plain tf32 misses the reference by ~1e-3; "ieee"
     runs off the tensor cores and spills registers); 16-bit dtypes ignore it."""
@@ -73,12 +88,24 @@ def _tiles(table: dict, block_d: int, dtype: torch.dtype) -> tuple[int, ...]:
 
 @triton.jit
 def _softmax_step(
-    q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr
+    q,
+    k,
+    v,
+    k_scale,
+    v_scale,
+    visible,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    QUANTIZED: tl.constexpr,
+    V_NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Fold one tile of keys into the running softmax of a tile of query rows.
     q [M, BLOCK_D] and k, v [N, BLOCK_D] in the model's dtype (k, v: stored values when QUANTIZED,
     with k_scale, v_scale [N] float32); visible [M, N]; m_i, l_i [M] (base 2) and acc [M, BLOCK_D]
-    float32. Returns the updated (m_i, l_i, acc)."""
+    float32; v_scale comes multiplied by V_NORM (see _value_norm). Returns the updated (m_i, l_i, acc)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if QUANTIZED:
         s = s * k_scale[None, :]
@@ -89,7 +116,10 @@ def _softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANTIZED:
         p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if QUANTIZED:
+        pv = pv * (1.0 / V_NORM)  # a power of two: exact
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -123,6 +153,7 @@ def _attend_paged(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    V_NORM: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Keys [start, end) of one request from the paged cache, BLOCK_N at a time: each key's block
@@ -148,11 +179,13 @@ def _attend_paged(
         if QUANTIZED:
             scale = block * stride_sb + slot * stride_st
             k_scale = tl.load(k_scales + scale, mask=valid, other=0.0)
-            v_scale = tl.load(v_scales + scale, mask=valid, other=0.0)
+            v_scale = tl.load(v_scales + scale, mask=valid, other=0.0) * V_NORM
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, QUANTIZED, PRECISION)
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, QUANTIZED, V_NORM, PRECISION
+        )
     return m_i, l_i, acc

@@ -22,6 +22,7 @@ from splitserve.executor.attention.triton_common import (
     _dot_precision,
     _head_block,
     _tiles,
+    _value_norm,
 )
 
 
@@ -74,6 +75,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    V_NORM: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Program (request b, KV head, split): the GROUP query heads of the KV head (rows padded to
@@ -130,6 +132,7 @@ def _decode_kernel(
         False,
         HAS_WINDOW,
         QUANTIZED,
+        V_NORM,
         PRECISION,
     )
     has_keys = l_i > 0
@@ -213,6 +216,7 @@ def decode_attention(layer, q: torch.Tensor, out: torch.Tensor, meta: AttentionM
         NUM_SPLITS=splits,
         HAS_WINDOW=bool(window),
         QUANTIZED=quantized,
+        V_NORM=_value_norm(layer),
         PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=2,
