@@ -1,7 +1,8 @@
 """splitserve: an LLM serving engine (offline batch API, OpenAI-compatible server, PD disaggregation)."""
 
 from splitserve.lora.request import LoRARequest
-from splitserve.outputs import CompletionOutput, Logprob, RequestOutput
+from splitserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ScoringRequestOutput
+from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from splitserve.version import __version__
 
@@ -22,7 +23,10 @@ __all__ = [
     "GuidedDecodingParams",
     "StructuredOutputsParams",
     "BeamSearchParams",
+    "PoolingParams",
     "LoRARequest",
+    "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

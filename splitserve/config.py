@@ -50,6 +50,8 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     sampling_defaults: dict = field(default_factory=dict)  # what they give (set by create_engine_config)
+    runner_type: str = "generate"  # "pooling": requests ask for embeddings (pooling_params.py)
+    pooler_config: object | None = None  # pooling_params.PoolerConfig, with the pooling runner
 
     @property
     def architecture(self) -> str:

@@ -45,6 +45,43 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = None  # PD prefill side: where a decode instance pulls the KV from
     num_generated_tokens: int = 0  # every sampled token, the best_of samples not returned included
+    pooled: list[float] | None = None  # a pooling request's embedding (PoolingRequestOutput has it for users)
+
+
+@dataclass
+class EmbeddingOutput:
+    """A prompt's embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, as vLLM's: `output.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per pair, as vLLM's: `output.outputs.score`."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass

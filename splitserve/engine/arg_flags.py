@@ -82,8 +82,19 @@ _ENGINE_HELP = {
     "served_model_name": 'the name requests give as `model` (default: the model\'s name; "default" is always accepted)',
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} (also '
     '"suffix", or "model": a draft model; see docs/speculative.md)',
+    "runner": "generate (completions, chat) or pooling (embeddings, score, rerank; docs/pooling.md); auto: pooling "
+    "for a bare *Model architecture (Qwen3Model, LlamaModel ...), else generate",
+    "task": "vLLM's older spelling of --runner: generate, or embed / embedding (the pooling runner)",
+    "pooler_config": 'how the pooling runner pools, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": '
+    'true, "matryoshka_dimensions": [...]} (default: the model\'s sentence-transformers files, else LAST and '
+    "normalized; also --override-pooler-config)",
 }
-_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
+_ALIASES = {
+    "tensor_parallel_size": ["-tp"],
+    "pipeline_parallel_size": ["-pp"],
+    "quantization": ["-q"],
+    "pooler_config": ["--override-pooler-config"],
+}
 # Arguments that only a Python caller sets, or that exist to be refused with a clear message.
 _HIDDEN_ENGINE_ARGS = {"revision", "num_cpu_blocks", "device", "use_tqdm_on_load"}
 

@@ -3,6 +3,7 @@ EngineConfig (its command-line flags are in arg_flags.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,9 @@ class EngineArgs:
     lora_modules: list[str] | None = None
     speculative_config: dict | None = None  # SpeculativeConfig's keys (spec_decode/config.py)
     batch_invariant: bool = False  # or SPLITSERVE_BATCH_INVARIANT=1 (kernels/batch_invariant.py)
+    runner: str = "auto"  # generate or pooling (embeddings); auto: pooling for a bare *Model architecture
+    task: str = "auto"  # vLLM's older name for the runner: generate, embed (embedding)
+    pooler_config: dict | None = None  # PoolerConfig's keys: pooling_type, normalize, matryoshka_dimensions
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -97,12 +101,13 @@ class EngineArgs:
         with startup.phase("model config"):
             model_config = load_model_config(self, device)
             model_config.sampling_defaults = sampling_defaults(model_config)
+            self._resolve_runner(model_config)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching and _pooling_may_cache(model_config),
             cache_dtype=self.kv_cache_dtype,
             num_cpu_blocks_override=self.num_cpu_blocks,
             swap_space_bytes=int(self.swap_space * (1 << 30)),
@@ -148,6 +153,27 @@ class EngineArgs:
             batch_invariant=self.batch_invariant or envs.SPLITSERVE_BATCH_INVARIANT,
             draft_model_config=self._draft_model_config(speculative, model_config, device),
         )
+
+    def _resolve_runner(self, model_config) -> None:
+        """The pooling runner (embeddings) or the generate runner, and the pooler config with it."""
+        from splitserve.pooling_params import PoolerConfig
+
+        tasks = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling; got {self.runner!r}.")
+        if self.task not in tasks:
+            raise ValueError(f"task must be one of {', '.join(tasks)}; got {self.task!r}.")
+        runner = self.runner if self.runner != "auto" else tasks[self.task]
+        if runner is None:  # auto: a bare transformer (Qwen3Model, LlamaModel ...) has no LM head to generate with
+            runner = "pooling" if model_config.architecture.endswith("Model") else "generate"
+        if runner == "pooling":
+            if self.speculative_config or self.pd_role != "mixed":
+                raise ValueError("The pooling runner (embeddings) takes no speculative decoding and no PD role.")
+            directory = model_config.model if os.path.isdir(model_config.model) else None
+            model_config.pooler_config = PoolerConfig.resolve(directory, model_config.hf_config, self.pooler_config)
+        elif self.pooler_config:
+            raise ValueError("--pooler-config is for the pooling runner: add --runner pooling.")
+        model_config.runner_type = runner
 
     def _draft_model_config(self, speculative: SpeculativeConfig | None, target, device: torch.device):
         """The draft model of speculative decoding, loaded as any model is, sharing the target's vocabulary."""
@@ -243,6 +269,12 @@ class EngineArgs:
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+
+
+def _pooling_may_cache(model_config) -> bool:
+    """Prefix caching skips the cached tokens' forward: MEAN and CLS pooling need every token's."""
+    pooler = model_config.pooler_config
+    return pooler is None or pooler.pooling_type == "LAST"
 
 
 def _resolve_async_scheduling(asked: bool | None, device: torch.device, parallel: ParallelConfig) -> bool:

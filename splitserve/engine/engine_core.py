@@ -337,6 +337,7 @@ class EngineCore:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time if request.is_finished() else None,
+            pooled=result.pooled.get(rid),
         )
 
     def shutdown(self) -> None:

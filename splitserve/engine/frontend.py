@@ -66,7 +66,14 @@ class FrontEnd:
             samples[core_id] = SampleState(i, child, detokenizer)
             core_requests.append(
                 self.processor.make_request(
-                    core_id, request.prompt_token_ids, child, arrival, kv_transfer, lora_request, priority
+                    core_id,
+                    request.prompt_token_ids,
+                    child,
+                    arrival,
+                    kv_transfer,
+                    lora_request,
+                    priority,
+                    request.pooling,
                 )
             )
         state = RequestState(

@@ -11,6 +11,7 @@ from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
 from splitserve.lora.request import LoRARequest
 from splitserve.outputs import RequestOutput
+from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
 
@@ -35,8 +36,13 @@ class LLMEngine(FrontEnd):
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        request = self.processor.process(prompt, params)
+        """`params` is None for a pooling request (`pooling_params` given, the pooling runner)."""
+        if params is None:
+            request = self.processor.process_pooling(prompt, pooling_params, param="prompt")
+        else:
+            request = self.processor.process(prompt, params)
         if lora_request is not None:
             self.add_lora(lora_request)
         core_requests = self.prepare_request(

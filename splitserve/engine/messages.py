@@ -11,6 +11,7 @@ import msgspec
 from splitserve.distributed.kv_transfer.stats import KVTransferStats
 from splitserve.executor.step_input import TokenLogprobs
 from splitserve.lora.request import LoRARequest
+from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     kv_transfer: KVTransferParams | None = None
     lora_request: LoRARequest | None = None
     priority: int = 0  # with the priority scheduling policy: lower runs first
+    pooling_params: PoolingParams | None = None  # a pooling request: its prompt's embedding, no tokens
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -104,6 +106,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer: KVTransferParams | None = None  # prefill side: where the leased KV can be pulled from
     error: str | None = None  # the engine refused the request (finish_reason "abort"): why
     error_not_found: bool = False  # ... because what it names (a LoRA adapter) is not there
+    pooled: list[float] | None = None  # a pooling request's embedding (it finishes with it)
 
     @property
     def finished(self) -> bool:

@@ -62,6 +62,7 @@ class RequestState:
     # best_of > n: (n, whether the caller asked for logprobs): the best n samples are returned
     best_of: tuple[int, bool] | None = None
     error: InvalidRequestError | None = None  # the engine refused the request
+    pooled: list[float] | None = None  # a pooling request's embedding
 
     @property
     def finished(self) -> bool:
@@ -115,6 +116,8 @@ class OutputProcessor:
             sample = state.samples[out.request_id]
             if out.new_prompt_logprobs:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if out.kv_transfer is not None:
                 state.kv_transfer_params = msgspec.structs.asdict(out.kv_transfer)
             if out.first_scheduled_time is not None:
@@ -220,6 +223,7 @@ class OutputProcessor:
             state.metrics,
             state.kv_transfer_params,
             num_generated,
+            state.pooled,
         )
 
     @staticmethod

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from splitserve.config import ModelConfig
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import EngineCoreRequest
+from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
 PromptType = str | Mapping  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
@@ -26,6 +27,7 @@ class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    pooling: PoolingParams | None = None  # a pooling request (params then asks for its one ignored token)
 
 
 class Processor:
@@ -49,8 +51,45 @@ class Processor:
         """One request of the offline API; a max_tokens past the context is clamped to the room left."""
         return self.process_prompt(prompt, self.process_params(params))
 
+    def process_pooling(
+        self, prompt: PromptType, pooling: PoolingParams | None, *, add_special_tokens: bool = True, param="input"
+    ) -> ProcessedRequest:
+        """A pooling request (the pooling runner only): the prompt checked, the params completed
+        from the model's pooler config. It runs as a one-token request whose token is never shown."""
+        pooler = self.model_config.pooler_config
+        if pooler is None:
+            raise InvalidRequestError(
+                "This model runs the generate runner, which makes no embeddings: start it with --runner pooling."
+            )
+        pooling = (pooling or PoolingParams()).clone()
+        pooling.pooling_type = pooler.pooling_type
+        if pooling.normalize is None:
+            pooling.normalize = pooler.normalize
+        if pooling.dimensions is not None:
+            why = pooler.allows_dimensions(pooling.dimensions, self.model_config.hf_config.hidden_size)
+            if why is not None:
+                raise InvalidRequestError(why, "dimensions")
+        text, ids = self._tokenized(prompt, add_special_tokens)
+        self._check_prompt(ids, param)
+        if len(ids) >= self.model_config.max_model_len:
+            raise InvalidRequestError(
+                f"The input is {len(ids)} tokens long; this model takes at most "
+                f"{self.model_config.max_model_len - 1} (max_model_len {self.model_config.max_model_len}).",
+                param,
+            )
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        return ProcessedRequest(text, ids, params, pooling)
+
+    def _check_generate(self) -> None:
+        if self.model_config.runner_type == "pooling":
+            raise InvalidRequestError(
+                "This model runs the pooling runner: it answers embeddings (LLM.embed, /v1/embeddings), "
+                "score and rerank, not generation. Start it with --runner generate to generate."
+            )
+
     def process_params(self, params: SamplingParams) -> SamplingParams:
         """A copy completed with what depends on the tokenizer: stop token ids and bad words."""
+        self._check_generate()
         params = params.clone()
         for token in list(params.logit_bias or {}) + list(params.allowed_token_ids or []):
             if not 0 <= token < self.vocab_size:
@@ -117,6 +156,7 @@ class Processor:
         kv_transfer=None,
         lora_request=None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -130,6 +170,7 @@ class Processor:
             kv_transfer,
             lora_request,
             priority,
+            pooling,
         )
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:

@@ -68,6 +68,7 @@ class Request:
     # Speculative decoding: draft tokens proposed to follow the sequence, verified by its next step.
     spec_token_ids: list[int] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)  # what the last step appended
+    pooling_params: object = None  # PoolingParams: a pooling request (one step's token, ignored)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -87,6 +88,7 @@ class Request:
             kv_transfer=req.kv_transfer,
             lora_request=req.lora_request,
             priority=req.priority,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -68,6 +68,7 @@ def _new_request_data(request: Request) -> NewRequestData:
         request.sampling_params,
         sorted(request.stop_token_set),
         request.lora_request,
+        request.pooling_params,
     )
 
 

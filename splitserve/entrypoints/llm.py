@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -13,7 +14,16 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
 from splitserve.lora.request import LoRARequest
-from splitserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from splitserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from splitserve.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from splitserve.sampling_params import BeamSearchParams, SamplingParams
 from splitserve.tokenizer import apply_chat_template
 
@@ -93,6 +103,54 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (the pooling runner: runner="pooling", docs/pooling.md), in the
+        prompts' order: `output.outputs.embedding`, pooled and normalized as the model's pooler
+        config says, unless `pooling_params` (one, or one per prompt) say otherwise."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._list(pooling_params, PoolingParams, len(prompts))
+        ids: list[str] = []
+        try:
+            for prompt, pp, lora in zip(prompts, params, self._lora_list(lora_request, len(prompts))):
+                ids.append(str(next(self._counter)))
+                kind = RequestOutputKind.FINAL_ONLY
+                self.llm_engine.add_request(ids[-1], prompt, None, kind, lora_request=lora, pooling_params=pp)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        outputs = self._run(ids, use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score for an embedding model: the cosine similarity of each pair's embeddings.
+        One text against one, one against many, or many against as many (pairwise)."""
+        pairs = score_pairs(data_1, data_2)
+        unique: dict[str, PromptType] = {}  # each text embedded once (one query against many documents)
+        for pair in pairs:
+            for prompt in pair:
+                unique.setdefault(_prompt_key(prompt), prompt)
+        embedded = dict(zip(unique, self.embed(list(unique.values()), pooling_params, use_tqdm)))
+        outputs = []
+        for a, b in pairs:
+            first, second = embedded[_prompt_key(a)], embedded[_prompt_key(b)]
+            score = cosine_similarity(first.outputs.embedding, second.outputs.embedding)
+            ids = first.prompt_token_ids + second.prompt_token_ids
+            outputs.append(ScoringRequestOutput(str(next(self._counter)), ScoringOutput(score), ids))
+        return outputs
+
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[BeamSearchOutput]:
@@ -139,10 +197,15 @@ class LLM:
     def _params_list(self, params, n: int) -> list[SamplingParams]:
         if params is None:
             return [self.get_default_sampling_params()] * n
-        if isinstance(params, SamplingParams):
+        return self._list(params, SamplingParams, n)
+
+    @staticmethod
+    def _list(params, kind: type, n: int) -> list:
+        """One params object for every prompt, or one per prompt (None stays None)."""
+        if params is None or isinstance(params, kind):
             return [params] * n
         if len(params) != n:
-            raise ValueError(f"Got {len(params)} SamplingParams for {n} prompts.")
+            raise ValueError(f"Got {len(params)} {kind.__name__} for {n} prompts.")
         return list(params)
 
     @staticmethod
@@ -191,3 +254,7 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in request_ids]
+
+
+def _prompt_key(prompt: PromptType) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)

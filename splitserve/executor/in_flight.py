@@ -24,6 +24,7 @@ class InFlightStep:
     sampled: SamplerOutput | None = None
     host: list = field(default_factory=list)  # host copies of sampled.host_tensors()
     prompt_host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # host copies, per request
+    pooled_host: dict[str, torch.Tensor] = field(default_factory=dict)  # finished embeddings, host copies
     ready: StepReady | None = None
 
     def __post_init__(self) -> None:
@@ -60,3 +61,11 @@ def collect_samples(step: InFlightStep, out: ModelRunnerOutput) -> None:
             out.accepted_token_logprobs[request_id] = token_logprobs[first:final]
             if entries is not None and entries[final] is not None:
                 out.accepted_logprobs[request_id] = entries[first:final]
+
+
+def collect_pooled(step: InFlightStep, out: ModelRunnerOutput) -> None:
+    """Each finished pooling request's embedding. Its one token (0, never shown) ends it by length,
+    as max_tokens=1 asks, through the same bookkeeping as a sampled token."""
+    for request_id, vector in step.pooled_host.items():
+        out.pooled[request_id] = vector.tolist()
+        out.sampled[request_id], out.sampled_logprobs[request_id] = 0, 0.0

@@ -17,6 +17,7 @@ from splitserve.executor.attention.backend import AttentionMetadata
 from splitserve.executor.host import to_device
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest
 from splitserve.lora.request import LoRARequest
+from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
 
@@ -30,11 +31,14 @@ class CachedRequestState:
     # Tokens past the prompt, kept only when sampling reads them (penalties, bad words, min_tokens).
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # a pooling request
+    pool: object = None  # its pooling so far, over the prompt chunks computed (executor/pooler.py)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
         state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, set(data.stop_token_ids))
         state.lora_request = data.lora_request
+        state.pooling = data.pooling
         return state
 
     @property
@@ -115,6 +119,17 @@ def _verify_rows(state: CachedRequestState, row: ScheduledRequest):
         yield state, ScheduledRequest(row.request_id, position, 1, [token], [], samples=True)
 
 
+class PoolingSpan(NamedTuple):
+    """A pooling request's prompt tokens in a step: hidden rows first_index.. at prompt positions
+    start..start + count; `last`: the step ends its prompt (its embedding is complete)."""
+
+    state: CachedRequestState
+    first_index: int
+    start: int
+    count: int
+    last: bool
+
+
 class PromptLogprobSpan(NamedTuple):
     """Prompt positions whose next-token logprobs a step scores."""
 
@@ -144,6 +159,7 @@ class InputBatch:
     # Speculative decoding: request id -> (index of its first slot, the drafts its slots verify)
     drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    pooling_spans: list[PoolingSpan] = field(default_factory=list)
     # (index in input_ids, request id) of tokens that the step in flight is still sampling
     pending_inputs: list[tuple[int, str]] = field(default_factory=list)
 
@@ -176,7 +192,9 @@ class InputBatch:
         self.query_start_loc.append(self.query_start_loc[-1] + n)
         self.seq_lens.append(end)
         self.block_tables.append(blocks)
-        if row.samples:
+        if state.pooling is not None:  # pools instead of sampling
+            self.pooling_spans.append(PoolingSpan(state, self.query_start_loc[-2], start, n, row.samples))
+        elif row.samples:
             self.sample_slots.append(SampleSlot(state, end - state.num_prompt_tokens))
             self.logits_indices.append(self.query_start_loc[-1] - 1)
         if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:

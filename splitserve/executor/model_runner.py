@@ -15,10 +15,11 @@ from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
-from splitserve.executor.in_flight import InFlightStep, collect_samples
+from splitserve.executor.in_flight import InFlightStep, collect_pooled, collect_samples
 from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
 from splitserve.executor.kv_memory import kv_memory_use, kv_zeros
 from splitserve.executor.kv_swap import HostKVSwap
+from splitserve.executor.pooler import pool_step
 from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
@@ -297,6 +298,8 @@ class ModelRunner:
             meta = build_sampling_metadata(slots, logits.shape[-1], self.device)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in step.sampled.host_tensors()]
+        for request_id, vector in pool_step(hidden, batch.pooling_spans).items():
+            step.pooled_host[request_id] = start_host_copy(vector)
         for span in batch.prompt_logprob_spans:
             request = batch.requests[span.row]
             tensors = self._prompt_logprobs(request, hidden, span)
@@ -312,6 +315,7 @@ class ModelRunner:
             collect_samples(step, out)
             if self.draft is not None:
                 self.draft.propose(self.requests, step, out)
+        collect_pooled(step, out)
         for request_id, (ids, lps, ranks) in step.prompt_host.items():
             out.prompt_logprobs[request_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return out

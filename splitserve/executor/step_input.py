@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from splitserve.lora.request import LoRARequest
+from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the first id); the first id is the chosen token, then the top-k.
@@ -25,6 +26,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     stop_token_ids: list[int]  # eos and stop ids: what min_tokens holds back
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    pooling: PoolingParams | None = None  # a pooling request: pool its prompt's hidden states
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -77,3 +79,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     accepted_token_logprobs: dict[str, list[float]] = {}
     accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
     draft_token_ids: dict[str, list[int]] = {}
+    pooled: dict[str, list[float]] = {}  # pooling requests whose prompt this step finished: the embedding

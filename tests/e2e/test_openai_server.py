@@ -233,6 +233,13 @@ def test_json_body_limits(server, data, status):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/score", "/rerank"])
+def test_pooling_routes_need_the_pooling_runner(server, path):
+    body = {"input": "x", "text_1": "x", "text_2": "y", "query": "x", "documents": ["y"]}
+    r = _post(server, path, body)
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+
+
 def test_chat_errors(server):
     tools = [{"type": "function", "function": {"name": "f"}}]
     # Without --enable-auto-tool-choice, tools default to tool_choice "none": plain text.

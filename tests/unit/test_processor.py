@@ -35,6 +35,8 @@ def processor() -> Processor:
         max_model_len=MAX_LEN,
         substitute_tokenizer=True,
         hf_config=SimpleNamespace(eos_token_id=[2, 7]),
+        runner_type="generate",
+        pooler_config=None,
     )
     return Processor(config, CharTokenizer())
 

@@ -22,6 +22,14 @@ from splitserve.entrypoints.openai.anthropic_protocol import (
     AnthropicMessagesRequest,
     AnthropicTokenCount,
 )
+from splitserve.entrypoints.openai.pooling_protocol import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from splitserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,6 +91,9 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     ),
     "/v1/messages/count_tokens": RouteDoc((AnthropicCountTokensRequest,), AnthropicTokenCount, anthropic_errors=True),
     "/kv_transfer/release": RouteDoc((KVReleaseRequest,), KVReleaseResponse, errors=(400, 401, 413, 503)),
+    "/v1/embeddings": RouteDoc((EmbeddingRequest,), EmbeddingResponse),
+    **{path: RouteDoc((ScoreRequest,), ScoreResponse) for path in ("/score", "/v1/score")},
+    **{path: RouteDoc((RerankRequest,), RerankResponse) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
 
 

@@ -17,6 +17,7 @@ from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from splitserve.entrypoints.openai.serving_generate import NativeServing
+from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from splitserve.version import __version__
 
@@ -34,6 +35,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     tokenization = OpenAIServingTokenization(engine, config, server_args, metrics)
     native = NativeServing(engine, config, server_args, metrics)
     anthropic = AnthropicServing(chat)
+    pooling = OpenAIServingPooling(engine, config, server_args, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,6 +63,15 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await anthropic.count_tokens(await read_json_body(request))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await pooling.create_embedding(await read_json_body(request), request)
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, _score_route(pooling), methods=["POST"], name=f"score {path}")
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, _rerank_route(pooling), methods=["POST"], name=f"rerank {path}")
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -133,3 +144,17 @@ def build_metrics_app(server_args) -> FastAPI:
 
     app.add_middleware(ApiKeyMiddleware, api_key=None, path_keys={"/metrics": server_args.metrics_api_key})
     return app
+
+
+def _score_route(pooling: OpenAIServingPooling):
+    async def score(request: Request):
+        return await pooling.create_score(await read_json_body(request), request)
+
+    return score
+
+
+def _rerank_route(pooling: OpenAIServingPooling):
+    async def rerank(request: Request):
+        return await pooling.create_rerank(await read_json_body(request), request)
+
+    return rerank

@@ -208,9 +208,32 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
         )
 
 
-_PROMPT_SHAPES = (
-    "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids, and not empty."
-)
+def check_prompt_shapes(value: Any, name: str = "prompt") -> Any:
+    """A prompt field (completions' `prompt`, embeddings' `input`): a string, a list of strings, a
+    list of token ids or a list of lists of token ids, not empty; checked by hand so that a bad one
+    gets one message listing the accepted shapes rather than one error per member of the union."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return value
+        ids = _token_ids(value)
+        if ids is not None:
+            return ids
+        batch = [_token_ids(p) if isinstance(p, list) and p else None for p in value]
+        if all(ids is not None for ids in batch):
+            return batch
+    raise ValueError(
+        f"'{name}' must be a string, a list of strings, a list of token ids or a list of lists of token ids, "
+        "and not empty."
+    )
+
+
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """The batch of prompts of a checked prompt field, each a text or a list of token ids."""
+    if isinstance(prompt, str) or is_token_id(prompt[0]):
+        return [prompt]
+    return list(prompt)
 
 
 def _token_ids(values: list) -> list[int] | None:
@@ -237,27 +260,11 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        """Checked by hand so that a bad prompt gets one message listing the accepted shapes rather
-        than one error per member of the union."""
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and value:
-            if all(isinstance(p, str) for p in value):
-                return value
-            ids = _token_ids(value)
-            if ids is not None:
-                return ids
-            batch = [_token_ids(p) if isinstance(p, list) and p else None for p in value]
-            if all(ids is not None for ids in batch):
-                return batch
-        raise ValueError(_PROMPT_SHAPES)
+        return check_prompt_shapes(value, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts, each a text or a list of token ids, whichever shape was sent."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or is_token_id(prompt[0]):
-            return [prompt]
-        return list(prompt)
+        return prompt_list(self.prompt)
 
     def to_sampling_params(self, default_max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         """The engine's SamplingParams; `default_max_tokens` replaces a null max_tokens, `defaults`

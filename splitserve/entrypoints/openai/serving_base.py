@@ -275,7 +275,10 @@ class OpenAIServing(PDServingMixin):
     async def warmup(self) -> None:
         """One short request through the whole path, so the first user does not pay for cold caches."""
         start = time.monotonic()
-        request = self.processor.process("Hello", SamplingParams(max_tokens=4))
+        if self.model_config.runner_type == "pooling":
+            request = self.processor.process_pooling("Hello", None)
+        else:
+            request = self.processor.process("Hello", SamplingParams(max_tokens=4))
         async for _ in self.engine.generate("warmup", request):
             pass
         logger.info("Warm-up request done in %.2f s", time.monotonic() - start)
