@@ -24,6 +24,7 @@ import zmq.asyncio
 from splitserve.config import ModelConfig
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.messages import (
+    AbortClientRequests,
     AbortRequests,
     EngineCoreOutputs,
     GrammarVocabulary,
@@ -173,6 +174,13 @@ class AsyncLLM(FrontEnd):
         core_ids = self.output_processor.abort(request_ids)
         if core_ids and self.dead_reason is None:
             await self._send(AbortRequests(core_ids))
+
+    async def abort_client_requests(self, client_request_ids: list[str]) -> None:
+        """/abort_requests: the engine aborts the requests whose clients gave these ids, sent by any
+        API worker; each owning worker then hears that its request ended (finish_reason "abort")."""
+        self._start()
+        self._check_alive()
+        await self._send(AbortClientRequests(list(client_request_ids)))
 
     async def release_kv_leases(self, core_request_ids: list[str]) -> None:
         """PD prefill side: end the KV leases of these finished requests (engine ids, as the

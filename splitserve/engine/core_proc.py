@@ -23,6 +23,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.memtrace import MemoryTrace
 from splitserve.engine.messages import (
+    AbortClientRequests,
     AbortRequests,
     ClientMessage,
     EngineCoreOutput,
@@ -128,6 +129,11 @@ class EngineCoreProc:
             self.core.abort_requests(msg.request_ids)
             for rid in msg.request_ids:
                 self.owner.pop(rid, None)
+        elif isinstance(msg, AbortClientRequests):
+            for rid in self.core.abort_client_requests(msg.client_request_ids):
+                owner = self.owner.pop(rid, None)
+                if owner is not None:  # its front-end did not ask: tell it that the request ended
+                    self._send_to(owner, EngineCoreOutputs([EngineCoreOutput(rid, [], finish_reason="abort")]))
         elif isinstance(msg, Ping):
             self._send_to(identity, EngineCoreOutputs(stats=self._stats(), pong=msg.nonce))
         elif isinstance(msg, LoRACall):

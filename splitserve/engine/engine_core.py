@@ -161,6 +161,15 @@ class EngineCore:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.step_inputs.forget(r.request_id for r in finished)
 
+    def abort_client_requests(self, client_request_ids) -> list[str]:
+        """Abort the requests whose client gave one of these ids (/abort_requests); returns their ids.
+        Leased prefill requests among them give up their lease, as with abort_requests."""
+        wanted = set(client_request_ids)
+        found = [rid for rid, r in self.scheduler.requests.items() if r.client_request_id in wanted]
+        found += [rid for rid, (r, _) in self._compiling.items() if r.client_request_id in wanted]
+        self.abort_requests(found)
+        return found
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()

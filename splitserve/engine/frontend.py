@@ -74,6 +74,7 @@ class FrontEnd:
                     lora_request,
                     priority,
                     request.pooling,
+                    request.client_request_id,
                 )
             )
         state = RequestState(

@@ -51,10 +51,18 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     lora_request: LoRARequest | None = None
     priority: int = 0  # with the priority scheduling policy: lower runs first
     pooling_params: PoolingParams | None = None  # a pooling request: its prompt's embedding, no tokens
+    client_request_id: str | None = None  # the id its client gave (X-Request-Id, request_id): /abort_requests
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
+
+
+class AbortClientRequests(msgspec.Struct, tag="abort_client", array_like=True):
+    """Abort every request whose client gave one of these ids, whichever front-end sent it; their
+    front-ends hear that they ended (finish_reason "abort")."""
+
+    client_request_ids: list[str]
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):
@@ -90,7 +98,7 @@ class LoRAReply(msgspec.Struct, array_like=True, omit_defaults=True):
     not_found: bool = False
 
 
-ClientMessage = EngineCoreRequest | AbortRequests | Ping | GrammarVocabulary | LoRACall
+ClientMessage = EngineCoreRequest | AbortRequests | AbortClientRequests | Ping | GrammarVocabulary | LoRACall
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -28,6 +28,7 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     pooling: PoolingParams | None = None  # a pooling request (params then asks for its one ignored token)
+    client_request_id: str | None = None  # the id its client gave (X-Request-Id, request_id), set by the server
 
 
 class Processor:
@@ -157,6 +158,7 @@ class Processor:
         lora_request=None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        client_request_id: str | None = None,
     ) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -171,6 +173,7 @@ class Processor:
             lora_request,
             priority,
             pooling,
+            client_request_id,
         )
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:

@@ -69,6 +69,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)  # what the last step appended
     pooling_params: object = None  # PoolingParams: a pooling request (one step's token, ignored)
+    client_request_id: str | None = None  # the id its client gave, for /abort_requests
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -89,6 +90,7 @@ class Request:
             lora_request=req.lora_request,
             priority=req.priority,
             pooling_params=req.pooling_params,
+            client_request_id=req.client_request_id,
         )
 
     @property

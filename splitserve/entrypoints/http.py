@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -93,6 +94,34 @@ class ApiKeyMiddleware:
                     scope, receive, send
                 )
         await self.app(scope, receive, send)
+
+
+# The X-Request-Id of the request being handled (None without one): the id its client chose.
+CLIENT_REQUEST_ID: ContextVar[str | None] = ContextVar("client_request_id", default=None)
+
+
+class RequestIdMiddleware:
+    """A request's `X-Request-Id` header: kept in CLIENT_REQUEST_ID while it is handled (so that
+    /abort_requests can name it) and echoed in the answer's headers. Pure ASGI, like ApiKeyMiddleware."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        value = dict(scope.get("headers") or []).get(b"x-request-id") if scope["type"] == "http" else None
+        if not value:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", value)]
+            await send(message)
+
+        token = CLIENT_REQUEST_ID.set(value.decode("latin-1"))
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            CLIENT_REQUEST_ID.reset(token)
 
 
 def _bearer_matches(scope, key: bytes) -> bool:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 
 from splitserve import LLM, BeamSearchParams, SamplingParams
 from tests.helpers.pd import COMMON, idle, wait_for
-from tests.helpers.server import RemoteServer, alive, engine_pid, free_port, metric
+from tests.helpers.server import RemoteServer, alive, engine_pid, free_port, metric, read_stream
 
 pytestmark = pytest.mark.slow  # starts PD deployments (prefill, decode, router)
 
@@ -200,6 +201,18 @@ def test_client_aborts_free_both_sides(pd_cluster):
                 timeout=0.15,
                 json={"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True},
             )
+    for server in (decode, *prefill):
+        wait_for(lambda url=server.url: idle(url), what=f"{server.url} to free its blocks")
+    # /abort_requests at the router, by the id the client gave: it reaches every instance.
+    run: dict = {}
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
+    reader = threading.Thread(target=read_stream, args=(router.url, body, {"X-Request-Id": "pd-job"}, run))
+    reader.start()
+    wait_for(lambda: run.get("chunks", 0) >= 3, what="the stream to start")
+    answer = httpx.post(f"{router.url}/abort_requests", json={"request_ids": ["pd-job"]}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    reader.join(60)
+    assert run["finish"] == "abort" and run["chunks"] < 400
     for server in (decode, *prefill):
         wait_for(lambda url=server.url: idle(url), what=f"{server.url} to free its blocks")
 

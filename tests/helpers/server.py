@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -127,6 +128,21 @@ def stream_and_kill(url: str, body: dict, pid_to_kill, after: int) -> list[str]:
                 if len(events) == after:
                     os.kill(pid_to_kill(), signal.SIGKILL)
     return events
+
+
+def read_stream(url: str, body: dict, headers: dict, out: dict) -> None:
+    """Read a streamed /v1/completions (for a thread): `out` gets the number of chunks so far
+    ("chunks"), the last finish_reason ("finish") and the answer's headers; an error event fails."""
+    out["chunks"], out["finish"] = 0, None
+    body = {**body, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+        out["headers"] = r.headers
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                out["chunks"] += 1
+                out["finish"] = event["choices"][0].get("finish_reason") or out["finish"]
 
 
 def engine_pid(server: RemoteServer) -> int:

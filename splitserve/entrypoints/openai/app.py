@@ -10,12 +10,20 @@ from fastapi.responses import PlainTextResponse, Response
 
 from splitserve.config import EngineConfig
 from splitserve.engine.async_llm import AsyncLLM
-from splitserve.entrypoints.http import ApiKeyMiddleware, error_response, install_error_handlers, read_json_body
+from splitserve.entrypoints.http import (
+    ApiKeyMiddleware,
+    RequestIdMiddleware,
+    error_response,
+    install_error_handlers,
+    read_json_body,
+)
 from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
+from splitserve.entrypoints.openai.serving_base import json_response
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from splitserve.entrypoints.openai.serving_control import abort_by_client_ids
 from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -97,6 +105,12 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     async def detokenize(request: Request):
         return await tokenization.detokenize(await read_json_body(request))
 
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request):
+        """Abort requests by the ids their clients gave (X-Request-Id or the body's request_id), on
+        whichever API worker they run; unknown ids are ignored."""
+        return json_response(await abort_by_client_ids(engine, await read_json_body(request)))
+
     @app.get("/version")
     async def version():
         return {"version": __version__}
@@ -123,6 +137,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         return Response(body, media_type=content_type)
 
     document_routes(app, config.model_config.hf_config.vocab_size)
+    app.add_middleware(RequestIdMiddleware)
     # /metrics is open to Prometheus unless it has a key of its own.
     app.add_middleware(
         ApiKeyMiddleware,

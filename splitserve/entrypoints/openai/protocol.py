@@ -83,6 +83,7 @@ class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
     )
 
     model: str | None = None
+    request_id: str | None = None  # the client's id for /abort_requests (vLLM's field; also X-Request-Id)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)

@@ -26,7 +26,7 @@ from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
-from splitserve.entrypoints.http import APIError, ErrorResponse, error_body
+from splitserve.entrypoints.http import CLIENT_REQUEST_ID, APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
 from splitserve.entrypoints.openai.response_models import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
@@ -204,7 +204,13 @@ class OpenAIServing(PDServingMixin):
         kv: KVTransferParams | None = None,
         lora: LoRARequest | None = None,
         priority: int = 0,
+        client_request_id: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
+        """Each processed prompt's outputs. client_request_id (the body's request_id, else the
+        X-Request-Id header) names them for /abort_requests."""
+        client_request_id = client_request_id or CLIENT_REQUEST_ID.get()
+        for request in requests:
+            request.client_request_id = client_request_id
         return [
             self.engine.generate(f"{request_id}-{i}", request, arrival, kind, kv, lora, priority)
             for i, request in enumerate(requests)
@@ -213,7 +219,9 @@ class OpenAIServing(PDServingMixin):
     def _generation_streams(self, req, request_id: str, requests, arrival: float, kind, kv=None, lora=None) -> list:
         """Each prompt's outputs: sampled, or (use_beam_search) a beam search's one output."""
         if not req.use_beam_search:
-            return self._streams(request_id, requests, arrival, kind, kv, lora, req.priority)
+            return self._streams(
+                request_id, requests, arrival, kind, kv, lora, req.priority, getattr(req, "request_id", None)
+            )
         if kv is not None:
             raise APIError("Beam search does not run on prefill/decode instances.", param="use_beam_search")
         streams = []

@@ -124,6 +124,11 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
     async def unload_lora_adapter(request: Request):
         return await router.broadcast(request, "/v1/unload_lora_adapter")
 
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request):
+        """Every instance, prefill and decode: a request's decode runs on one, its leased KV waits on another."""
+        return await router.broadcast(request, "/abort_requests")
+
 
 def _refuse_openai_routes(app: FastAPI) -> None:
     """USE_OPENAI=0: the OpenAI routes answer a 404 that says why, not a bare "not found"."""

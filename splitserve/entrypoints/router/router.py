@@ -124,7 +124,9 @@ class Router(UpstreamPool):
         """A completion, chat or /generate request (its `body` read from `request` unless given)."""
         if body is None:
             body = await read_json_body(request)
-        trace = _Trace(request.headers.get("x-request-id") or uuid.uuid4().hex, path)
+        client_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+        # The client's id (header, else body) goes to both instances as X-Request-Id: /abort_requests names it.
+        trace = _Trace(request.headers.get("x-request-id") or client_id or uuid.uuid4().hex, path)
         prefilled = None
         try:
             if is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
