@@ -45,6 +45,7 @@ from splitserve.entrypoints.openai.response_models import (
     ModelList,
     TokenizeResponse,
 )
+from splitserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from splitserve.entrypoints.openai.serving_control import AbortRequestsBody, AbortRequestsResponse
 from splitserve.entrypoints.openai.serving_generate import GenerateRequest
 from splitserve.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -93,6 +94,9 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/v1/messages/count_tokens": RouteDoc((AnthropicCountTokensRequest,), AnthropicTokenCount, anthropic_errors=True),
     "/kv_transfer/release": RouteDoc((KVReleaseRequest,), KVReleaseResponse, errors=(400, 401, 413, 503)),
     "/v1/embeddings": RouteDoc((EmbeddingRequest,), EmbeddingResponse),
+    "/v1/responses": RouteDoc((ResponsesRequest,), ResponseObject, "text/event-stream"),
+    "/v1/responses/{response_id}": RouteDoc((), ResponseObject, errors=(401, 404, 503)),
+    "/v1/responses/{response_id}/cancel": RouteDoc((), ResponseObject, errors=(400, 401, 404, 503)),
     "/abort_requests": RouteDoc((AbortRequestsBody,), AbortRequestsResponse, errors=(400, 401, 413, 503)),
     **{path: RouteDoc((ScoreRequest,), ScoreResponse) for path in ("/score", "/v1/score")},
     **{path: RouteDoc((RerankRequest,), RerankResponse) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},

@@ -26,6 +26,7 @@ from splitserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from splitserve.entrypoints.openai.serving_control import abort_by_client_ids
 from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from splitserve.entrypoints.openai.serving_responses import ResponsesServing
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from splitserve.version import __version__
 
@@ -44,6 +45,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     native = NativeServing(engine, config, server_args, metrics)
     anthropic = AnthropicServing(chat)
     pooling = OpenAIServingPooling(engine, config, server_args, metrics)
+    responses = ResponsesServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -71,6 +73,22 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await anthropic.count_tokens(await read_json_body(request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(await read_json_body(request), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return await responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):

@@ -67,9 +67,11 @@ class OpenAIServingPooling(OpenAIServing):
         request_id = random_id("embd")
         if not self.server_args.disable_log_requests:
             logger.info(
-                "Request %s: %d input(s) of %s tokens to embed", request_id, len(requests),
+                "Request %s: %d input(s) of %s tokens to embed",
+                request_id,
+                len(requests),
                 [len(r.prompt_token_ids) for r in requests],
-            )  # fmt: skip
+            )
         arrival = time.monotonic()
         streams = self._streams(request_id, requests, arrival, RequestOutputKind.FINAL_ONLY, None, lora)
         return await self._collect(streams, raw)
