@@ -28,6 +28,7 @@ from splitserve.benchmarks.serve_client import Outcome, Request, fetch_model, se
 from splitserve.benchmarks.serve_report import (
     METRICS,
     compute_result,
+    latencies_by_priority,
     plot_latencies,
     print_report,
     result_path,
@@ -147,6 +148,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send ignore_eos so outputs reach max_tokens; --no-ignore-eos for servers that refuse unknown fields",
     )
     load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument(
+        "--priority-fraction",
+        type=float,
+        default=0.0,
+        help="this share of the requests, spread evenly, is sent with priority -1 (first, on a server started with "
+        "--scheduling-policy priority); the report gives their latencies apart from the others'",
+    )
 
     out = parser.add_argument_group("results")
     out.add_argument(
@@ -179,6 +187,8 @@ def check_arguments(ns: argparse.Namespace) -> None:
         )
     if not 0.0 <= ns.random_range_ratio < 1.0:
         raise ValueError("--random-range-ratio must be in [0, 1)")
+    if not 0.0 <= getattr(ns, "priority_fraction", 0.0) <= 1.0:
+        raise ValueError("--priority-fraction must be in [0, 1]")
     if ns.request_rate <= 0 or ns.burstiness <= 0:
         raise ValueError("--request-rate and --burstiness must be > 0")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
@@ -235,10 +245,11 @@ def make_requests(ns: argparse.Namespace, tokenizer, chat: bool) -> list[Request
     output_lens = sample_lengths(rng, ns.num_prompts, ns.random_output_len, ns.random_range_ratio)
     if tokenizer is None:
         prefix = [rng.choice(_WORDS) for _ in range(ns.random_prefix_len)]
-        return [
+        words = [
             Request(" ".join(prefix + [rng.choice(_WORDS) for _ in range(n)]), len(prefix) + n, out)
             for n, out in zip(input_lens, output_lens)
         ]
+        return _with_priorities(words, ns.priority_fraction)
     special = set(tokenizer.all_special_ids)
     pool = [t for t in range(tokenizer.vocab_size) if t not in special]
     prefix = [rng.choice(pool) for _ in range(ns.random_prefix_len)]
@@ -250,6 +261,14 @@ def make_requests(ns: argparse.Namespace, tokenizer, chat: bool) -> list[Request
             requests.append(Request(text, length, out))
         else:
             requests.append(Request(ids, len(ids), out))
+    return _with_priorities(requests, ns.priority_fraction)
+
+
+def _with_priorities(requests: list[Request], fraction: float) -> list[Request]:
+    """Request i gets priority -1 when floor((i + 1) f) > floor(i f): a share f, spread evenly."""
+    for i, request in enumerate(requests):
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction):
+            request.priority = -1
     return requests
 
 
@@ -270,6 +289,8 @@ def request_body(request: Request, ns: argparse.Namespace, model: str, chat: boo
         body["ignore_eos"] = True
     if ns.guided_json is not None:
         body["guided_json"] = ns.guided_json
+    if request.priority:
+        body["priority"] = request.priority
     return body | (ns.extra_body or {})
 
 
@@ -362,6 +383,8 @@ def main(ns: argparse.Namespace) -> dict:
     model, outcomes, duration, peak = asyncio.run(_benchmark(ns, requests, base_url, headers))
     _fill_token_counts(outcomes, requests, tokenizer)
     result = compute_result(ns, outcomes, duration, peak, model, base_url)
+    if any(r.priority for r in requests):
+        result["by_priority"] = latencies_by_priority(outcomes, [r.priority for r in requests], ns)
     print_report(result, ns)
     if ns.save_result:
         path = result_path(result, ns)

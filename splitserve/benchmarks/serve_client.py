@@ -12,6 +12,7 @@ class Request:
     prompt: str | list[int]
     prompt_len: int  # exact for token ids, close for decoded text, a word count without a tokenizer
     output_len: int
+    priority: int = 0  # sent as the request's `priority` when not 0 (--priority-fraction)
 
 
 @dataclass

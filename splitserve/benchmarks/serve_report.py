@@ -105,6 +105,20 @@ def compute_result(
     return result
 
 
+def latencies_by_priority(outcomes: list[Outcome], priorities: list[int], ns: argparse.Namespace) -> dict:
+    """TTFT and E2EL figures (ms) of each priority's successful requests, by priority."""
+    groups: dict = {}
+    for priority in sorted(set(priorities)):
+        mine = [o for o, p in zip(outcomes, priorities) if p == priority]
+        values = metric_values(mine)
+        figures = {"requests": len(mine)}
+        for metric in ("ttft", "e2el"):
+            for stat, value in summarize(values[metric], selected_percentiles(ns)).items():
+                figures[f"{stat}_{metric}_ms"] = value
+        groups[str(priority)] = figures
+    return groups
+
+
 def _arguments(ns: argparse.Namespace) -> dict:
     """The arguments as JSON values: no callables, no API key, and infinity as the string "inf"."""
     args = {k: v for k, v in vars(ns).items() if not callable(v) and k != "api_key"}
@@ -133,6 +147,11 @@ def print_report(result: dict, ns: argparse.Namespace) -> None:
         for p in selected_percentiles(ns):
             key = f"p{_percentile_name(p)}"
             print(line(f"{key.upper()} {name} (ms):", f"{result[f'{key}_{metric}_ms']:.2f}"))
+    for priority, figures in (result.get("by_priority") or {}).items():
+        print("{s:{c}^50}".format(s=f" priority {priority} ({figures['requests']} requests) ", c="-"))
+        for metric in ("ttft", "e2el"):
+            for stat in ("median", *(f"p{_percentile_name(p)}" for p in selected_percentiles(ns))):
+                print(line(f"{stat.capitalize()} {metric.upper()} (ms):", f"{figures[f'{stat}_{metric}_ms']:.2f}"))
     print("=" * 50)
     errors = Counter(e for e in result["errors"] if e)
     if errors:

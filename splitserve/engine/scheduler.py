@@ -11,7 +11,10 @@ swap_out) and back into fresh blocks when it resumes (swap_in), ahead of any wai
 
 With the "priority" policy (vLLM's), requests are ordered by (priority, arrival) instead of
 arrival alone: the waiting queue is kept in that order, and the running list is sorted by it at
-each step, so that the lowest-priority (then latest) running request is the one preempted.
+each step, so that the lowest-priority (then latest) running request is the one preempted. A
+waiting request also takes the seat of a running one of a strictly lower priority when every seat
+(max_num_seqs) is taken: one such preemption per step, so that urgent requests start within a step
+or two however busy the engine is.
 """
 
 from __future__ import annotations
@@ -103,10 +106,12 @@ class Scheduler:
         self._tail_left = self.config.prompt_tail_tokens if self.config.enable_chunked_prefill else 0
         if self.config.policy == "priority":  # the back of the list is preempted first (stable: ties keep their order)
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            self._free_a_seat_for_priority(out)
+        seated = len(out.preempted)  # preempted for a better request's seat, not for lack of blocks
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted and self.swapped:
+        if len(out.preempted) == seated and self.swapped:
             budget = self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped and self._passed_delay():  # admitting more would thrash
+        if len(out.preempted) == seated and not self.swapped and self._passed_delay():  # more would thrash
             num_running = len(out.scheduled)
             self._schedule_waiting(out, budget)
             self._prev_had_prompts = len(out.scheduled) > num_running
@@ -161,6 +166,17 @@ class Scheduler:
         if not drafts or n != 1 or request.num_pending_tokens:
             return []
         return drafts[: budget - 1]
+
+    def _free_a_seat_for_priority(self, out: SchedulePlan) -> None:
+        """Every seat taken and the first waiting request of a strictly better priority than the
+        worst running one: that one is preempted (recomputed, or swapped out) and waits again."""
+        seats = self.config.max_num_seqs - len(self.running) - len(self.receiving)
+        if seats > 0 or not self.waiting or not self.running or self.swapped:
+            return
+        if self.waiting[0].priority < self.running[-1].priority:
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            out.preempted.append(victim)
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulePlan) -> bool:
         """Find blocks for `request`, preempting from the back of the running list; False when the

@@ -391,3 +391,14 @@ def test_lora_modules_spread_requests_over_adapters(fake):
     fake.reset()
     _small(fake.url, "--num-prompts", "24", "--lora-modules", "a", "b", "c", "--seed", "3")
     assert sorted(body["model"] for body in fake.bodies) == sorted(models)  # the same draw again
+
+
+def test_priority_fraction_marks_an_even_share_and_reports_it_apart(fake, capsys):
+    result = _small(fake.url, "--num-prompts", "8", "--priority-fraction", "0.25")
+    priorities = [b.get("priority", 0) for b in fake.bodies]
+    assert sorted(priorities) == [-1, -1, 0, 0, 0, 0, 0, 0]
+    assert set(result["by_priority"]) == {"-1", "0"} and result["by_priority"]["-1"]["requests"] == 2
+    assert result["by_priority"]["-1"]["p99_ttft_ms"] > 0
+    assert "priority -1 (2 requests)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--priority-fraction"):
+        _small(fake.url, "--priority-fraction", "1.5")

@@ -63,3 +63,27 @@ def test_a_preempted_request_does_not_pass_a_waiting_one_that_goes_first():
     while sched.has_unfinished_requests():
         step(sched)
     assert all(r.is_finished() for r in (a, b, c))
+
+
+def test_a_better_waiting_request_takes_the_seat_of_the_worst_running_one():
+    """Every seat taken: an urgent request preempts the lowest-priority running one and is admitted
+    in the same step; a request of equal priority waits for a seat as before."""
+    sched = _sched("priority", max_num_seqs=2)
+    low, mid = (
+        req("low", range(20, 24), priority=5, max_tokens=20),
+        req("mid", range(30, 34), priority=1, max_tokens=20),
+    )
+    add(sched, low, mid)
+    step(sched)
+    add(sched, req("same", [50, 51], priority=5, max_tokens=2))
+    out = step(sched)
+    assert not out.preempted and "same" not in dict(plan(out))
+    urgent = req("urgent", [60, 61], priority=-1, max_tokens=2)
+    add(sched, urgent)
+    out = step(sched)
+    assert [r.request_id for r in out.preempted] == ["low"] and "urgent" in dict(plan(out))
+    assert low.status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in sched.waiting] == ["low", "same"]  # by arrival within priority 5: low came first
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(r.is_finished() for r in (low, mid, urgent))
