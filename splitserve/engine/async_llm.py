@@ -33,6 +33,8 @@ from splitserve.engine.messages import (
     LoRAReply,
     Ping,
     SchedulerStats,
+    SleepCall,
+    SleepReply,
 )
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
@@ -81,7 +83,7 @@ class AsyncLLM(FrontEnd):
         self._pings: dict[int, asyncio.Future] = {}
         self._vocabulary_task: asyncio.Future | None = None
         self._nonce = itertools.count()
-        self._lora_calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future] = {}
         self.loras: dict[str, LoRARequest] = {}  # the engine's adapters by name, as last heard
         self.loras_version = -1  # the registry version they are from (-1: never asked)
         self.engine_loras_version = 0  # the version the engine last reported
@@ -145,6 +147,21 @@ class AsyncLLM(FrontEnd):
         info = await asyncio.to_thread(lambda: self.processor.guides.info.serialize_json())
         await self._send(GrammarVocabulary(info))
 
+    # --- sleep mode -------------------------------------------------------------------------------
+    async def sleep_call(self, op: str, level: int = 1) -> SleepReply:
+        """sleep (level 1 or 2), wake_up, is_sleeping or reset_prefix_cache (engine/sleep_mode.py);
+        the reply has the level the engine sleeps at after the call (0: awake) and any refusal."""
+        self._start()
+        self._check_alive()
+        call_id = next(self._nonce)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            await self._send(SleepCall(call_id, op, level))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
     # --- LoRA adapters ------------------------------------------------------------------------
     async def lora_call(self, op: str, name: str = "", path: str = "", base_model_name: str | None = None) -> LoRAReply:
         """Add ("add"), remove ("remove") or list ("list") the engine's adapters; the reply carries
@@ -153,12 +170,12 @@ class AsyncLLM(FrontEnd):
         self._check_alive()
         call_id = next(self._nonce)
         future = asyncio.get_running_loop().create_future()
-        self._lora_calls[call_id] = future
+        self._calls[call_id] = future
         try:
             await self._send(LoRACall(call_id, op, name, path, base_model_name))
             reply = await future
         finally:
-            self._lora_calls.pop(call_id, None)
+            self._calls.pop(call_id, None)
         self.loras = {lora.lora_name: lora for lora in reply.loras}
         self.loras_version = reply.version
         return reply
@@ -306,8 +323,9 @@ class AsyncLLM(FrontEnd):
             pass
 
     async def _handle(self, message: EngineCoreOutputs) -> None:
-        if message.lora_reply is not None and message.lora_reply.call_id in self._lora_calls:
-            self._lora_calls[message.lora_reply.call_id].set_result(message.lora_reply)
+        for reply in (message.lora_reply, message.sleep_reply):  # answers to lora_call / sleep_call
+            if reply is not None and reply.call_id in self._calls:
+                self._calls[reply.call_id].set_result(reply)
         if message.stats is not None:
             self.stats, self.sent_since_stats = message.stats, 0
             self.engine_loras_version = message.stats.lora_version
@@ -330,7 +348,7 @@ class AsyncLLM(FrontEnd):
         logger.error("Engine is dead (%s): failing %d pending requests", reason, len(self.queues))
         for queue in self.queues.values():
             queue.put_nowait(EngineDeadError(f"The engine is not running: {reason}"))
-        for future in self._lora_calls.values():
+        for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(f"The engine is not running: {reason}"))
         self.output_processor.abort(list(self.output_processor.requests))

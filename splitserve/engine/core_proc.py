@@ -21,6 +21,7 @@ import zmq
 from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
+from splitserve.engine.errors import EngineAsleepError
 from splitserve.engine.memtrace import MemoryTrace
 from splitserve.engine.messages import (
     AbortClientRequests,
@@ -33,6 +34,8 @@ from splitserve.engine.messages import (
     LoRACall,
     Ping,
     SchedulerStats,
+    SleepCall,
+    SleepReply,
 )
 from splitserve.engine.watchdog import StepWatchdog
 from splitserve.process_utils import exit_with_parent, set_process_name
@@ -121,7 +124,12 @@ class EngineCoreProc:
             except (ValueError, KeyError) as exc:  # e.g. an adapter removed since the client looked
                 logger.warning("Request %s refused: %s", msg.request_id, exc)
                 refusal = EngineCoreOutput(
-                    msg.request_id, [], finish_reason="abort", error=str(exc), error_not_found=isinstance(exc, KeyError)
+                    msg.request_id,
+                    [],
+                    finish_reason="abort",
+                    error=str(exc),
+                    error_not_found=isinstance(exc, KeyError),
+                    error_status=503 if isinstance(exc, EngineAsleepError) else 0,
                 )
                 self._send_to(identity, EngineCoreOutputs([refusal]))
                 del self.owner[msg.request_id]
@@ -134,6 +142,8 @@ class EngineCoreProc:
                 owner = self.owner.pop(rid, None)
                 if owner is not None:  # its front-end did not ask: tell it that the request ended
                     self._send_to(owner, EngineCoreOutputs([EngineCoreOutput(rid, [], finish_reason="abort")]))
+        elif isinstance(msg, SleepCall):
+            self._send_to(identity, EngineCoreOutputs(stats=self._stats(), sleep_reply=self._sleep_call(msg)))
         elif isinstance(msg, Ping):
             self._send_to(identity, EngineCoreOutputs(stats=self._stats(), pong=msg.nonce))
         elif isinstance(msg, LoRACall):
@@ -142,6 +152,22 @@ class EngineCoreProc:
             self.last_stats = 0.0  # every client hears the new registry version at the next send
         elif isinstance(msg, GrammarVocabulary):
             self.core.structured_output.set_tokenizer_info(msg.tokenizer_info)
+
+    def _sleep_call(self, call: SleepCall) -> SleepReply:
+        sleeping = self.core.sleeping
+        try:
+            if call.op == "sleep":
+                sleeping.sleep(call.level)
+            elif call.op == "wake_up":
+                sleeping.wake_up()
+            elif call.op == "reset_prefix_cache":
+                if not sleeping.reset_prefix_cache():
+                    raise ValueError("Requests hold KV blocks: the prefix cache can be reset only when none run.")
+            elif call.op != "is_sleeping":
+                raise ValueError(f"unknown sleep call {call.op!r}")
+        except ValueError as exc:
+            return SleepReply(call.call_id, sleeping.level, str(exc))
+        return SleepReply(call.call_id, sleeping.level)
 
     # --- output -----------------------------------------------------------------------------
     def _stats(self) -> SchedulerStats:

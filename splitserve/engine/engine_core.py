@@ -31,6 +31,7 @@ from splitserve.engine.messages import (
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.schedule_plan import SchedulePlan
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sleep_mode import EngineSleep
 from splitserve.engine.speculation import Speculator
 from splitserve.engine.step_input_builder import StepInputBuilder
 from splitserve.engine.structured_output import StructuredOutputManager
@@ -86,6 +87,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulePlan, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
+        self.sleeping = EngineSleep(self)  # sleep mode: engine/sleep_mode.py
         if self.config.device.type == "cpu":
             with startup.phase("CPU kernels"):  # built once per machine, loaded from torch's cache after
                 kernels.cpu_ops()
@@ -123,6 +125,7 @@ class EngineCore:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.sleeping.check_awake()
         if request.kv_transfer is not None and self.connector is None:
             raise ValueError("kv_transfer_params need a prefill or decode instance (--pd-role); this one is mixed.")
         if request.lora_request is not None:

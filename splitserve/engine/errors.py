@@ -17,4 +17,10 @@ class InvalidRequestError(ValueError):
 
     @property
     def err_type(self) -> str:
+        if self.status == 503:
+            return "service_unavailable"
         return "not_found_error" if self.status == 404 else "invalid_request_error"
+
+
+class EngineAsleepError(ValueError):
+    """A request sent to an engine that sleeps (LLM.sleep, POST /sleep): it is refused, 503."""

@@ -96,6 +96,16 @@ class BlockPool:
             del self.cached[block.block_hash]
             block.block_hash = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's hash (after the KV memory was released, or the weights
+        changed); False, doing nothing, while a request holds blocks."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
     def check_invariants(self) -> None:
         for block in self.blocks:
             assert block.ref_cnt >= 0

@@ -48,8 +48,12 @@ class LLMEngine(FrontEnd):
         core_requests = self.prepare_request(
             request_id, request, kind, arrival_time, lora_request=lora_request, priority=priority
         )
-        for core_request in core_requests:
-            self.engine_core.add_request(core_request)
+        try:
+            for core_request in core_requests:
+                self.engine_core.add_request(core_request)
+        except Exception:  # refused by the core (asleep, an adapter gone): forget it here too
+            self.abort_request([request_id])
+            raise
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Serve an adapter (read and checked now; a no-op when it is already served)."""

@@ -65,6 +65,20 @@ class AbortClientRequests(msgspec.Struct, tag="abort_client", array_like=True):
     client_request_ids: list[str]
 
 
+class SleepCall(msgspec.Struct, tag="sleep", array_like=True, omit_defaults=True):
+    """sleep (level 1 or 2), wake_up, is_sleeping or reset_prefix_cache, answered with a SleepReply."""
+
+    call_id: int
+    op: str
+    level: int = 1
+
+
+class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    sleep_level: int = 0  # after the call: 0 awake, else the level it sleeps at
+    error: str | None = None
+
+
 class Ping(msgspec.Struct, tag="ping", array_like=True):
     nonce: int
 
@@ -98,7 +112,9 @@ class LoRAReply(msgspec.Struct, array_like=True, omit_defaults=True):
     not_found: bool = False
 
 
-ClientMessage = EngineCoreRequest | AbortRequests | AbortClientRequests | Ping | GrammarVocabulary | LoRACall
+ClientMessage = (
+    EngineCoreRequest | AbortRequests | AbortClientRequests | Ping | GrammarVocabulary | LoRACall | SleepCall
+)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -115,6 +131,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # the engine refused the request (finish_reason "abort"): why
     error_not_found: bool = False  # ... because what it names (a LoRA adapter) is not there
     pooled: list[float] | None = None  # a pooling request's embedding (it finishes with it)
+    error_status: int = 0  # the HTTP status of `error` when not 400 / 404 (503: the engine sleeps)
 
     @property
     def finished(self) -> bool:
@@ -181,3 +198,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     pong: int | None = None
     engine_dead: str | None = None  # the reason, when the engine core is going down
     lora_reply: LoRAReply | None = None
+    sleep_reply: SleepReply | None = None

@@ -132,7 +132,8 @@ class OutputProcessor:
             elif out.finished:  # ended without a token: aborted before it ran, or refused
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             if out.error is not None:
-                state.error = InvalidRequestError(out.error, "model", 404 if out.error_not_found else 400)
+                status = out.error_status or (404 if out.error_not_found else 400)
+                state.error = InvalidRequestError(out.error, "model" if status == 404 else None, status)
                 state.error.request_id = rid
             touched[rid] = state
         results = []

@@ -225,6 +225,22 @@ class LLM:
         )
         return request_id
 
+    # --- sleep mode (vLLM's LLM methods; engine/sleep_mode.py) ---------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and move the weights to host memory (1) or drop them (2); the engine
+        must be idle, and refuses requests until wake_up()."""
+        self.llm_engine.engine_core.sleeping.sleep(level)
+
+    def wake_up(self) -> None:
+        self.llm_engine.engine_core.sleeping.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.engine_core.sleeping.level > 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (after the weights changed); False while requests hold blocks."""
+        return self.llm_engine.engine_core.sleeping.reset_prefix_cache()
+
     # --- LoRA adapters (vLLM's LLM methods) ---------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.llm_engine.add_lora(lora_request)

@@ -60,6 +60,14 @@ class Executor(ABC):
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter on every rank."""
 
+    @abstractmethod
+    def sleep(self, level: int) -> None:
+        """Release every rank's KV cache, and its weights to host memory (1) or altogether (2)."""
+
+    @abstractmethod
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Weights back on the device (read again after level 2) and a new, empty KV cache."""
+
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for a dense model)."""
         return merge_expert_load(self._rank_expert_load())

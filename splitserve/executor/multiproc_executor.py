@@ -205,6 +205,12 @@ class MultiprocExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self._call("remove_lora", lora_int_id)
 
+    def sleep(self, level: int) -> None:
+        self._call("sleep", level)
+
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._call("wake_up", num_blocks, num_cpu_blocks)
+
     def call_kv_connector(self, method: str, *args) -> list:
         return self._call("kv_connector", method, list(args))
 

@@ -8,6 +8,7 @@ from splitserve.distributed.kv_transfer.handler import KVTransferHandler
 from splitserve.executor.abstract import Executor
 from splitserve.executor.in_flight import InFlightStep
 from splitserve.executor.model_runner import ModelRunner
+from splitserve.executor.sleep_mode import RankSleep
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 
 
@@ -15,6 +16,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.runner = ModelRunner(config)
+        self.sleeping = RankSleep(lambda: ModelRunner(config))
         self._last: InFlightStep | None = None  # the step a pending input token comes from
         self.kv_transfer = KVTransferHandler(config.kv_transfer_config, ParallelRank())
 
@@ -25,10 +27,10 @@ class UniProcExecutor(Executor):
         return self.runner.determine_num_cpu_blocks()
 
     def kv_cache_memory(self) -> tuple[int, int]:
-        return self.runner.kv_cache_memory()
+        return self.runner.kv_cache_memory() if self.runner is not None else (0, 0)  # None: asleep, level 2
 
     def _rank_expert_load(self) -> list[dict[int, list[int]]]:
-        return [self.runner.expert_load()]
+        return [self.runner.expert_load() if self.runner is not None else {}]
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
@@ -48,6 +50,13 @@ class UniProcExecutor(Executor):
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.remove_lora(lora_int_id)
+
+    def sleep(self, level: int) -> None:
+        self._last = None
+        self.runner = self.sleeping.sleep(self.runner, level)
+
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks)
 
     def call_kv_connector(self, method: str, *args) -> list:
         return [self.kv_transfer.handle(self.runner, method, list(args))]

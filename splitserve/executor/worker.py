@@ -22,6 +22,7 @@ import torch
 from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank, init_distributed
 from splitserve.distributed.kv_transfer.handler import KVTransferHandler
+from splitserve.executor.sleep_mode import RankSleep
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 from splitserve.lora.request import LoRARequest
 
@@ -65,6 +66,8 @@ _CALLS = (
     "kv_connector",
     "add_lora",
     "remove_lora",
+    "sleep",
+    "wake_up",
 )
 
 
@@ -88,6 +91,7 @@ class Worker:
         from splitserve.executor.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
+        self.sleeping = RankSleep(lambda: ModelRunner(config))
         self.in_flight: deque = deque()  # launched steps, oldest first
         self.failure: str | None = None
         self.kv_transfer = KVTransferHandler(config.kv_transfer_config, rank, kv_host)
@@ -144,16 +148,23 @@ class Worker:
         self.runner.capture_cuda_graphs()
 
     def kv_cache_memory(self) -> tuple[int, int]:
-        return self.runner.kv_cache_memory()
+        return self.runner.kv_cache_memory() if self.runner is not None else (0, 0)  # None: asleep, level 2
 
     def expert_load(self) -> dict[int, list[int]]:
-        return self.runner.expert_load()
+        return self.runner.expert_load() if self.runner is not None else {}
 
     def add_lora(self, lora: dict) -> None:
         self.runner.add_lora(msgspec.convert(lora, LoRARequest))
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.remove_lora(lora_int_id)
+
+    def sleep(self, level: int) -> None:
+        self.in_flight.clear()
+        self.runner = self.sleeping.sleep(self.runner, level)
+
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks)
 
     def kv_connector(self, method: str, args: list):
         return self.kv_transfer.handle(self.runner, method, args)

@@ -46,12 +46,13 @@ from splitserve.entrypoints.openai.response_models import (
     TokenizeResponse,
 )
 from splitserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
-from splitserve.entrypoints.openai.serving_control import AbortRequestsBody, AbortRequestsResponse
+from splitserve.entrypoints.openai.serving_control import AbortRequestsBody, AbortRequestsResponse, SleepStatus
 from splitserve.entrypoints.openai.serving_generate import GenerateRequest
 from splitserve.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from splitserve.entrypoints.openai.serving_pd import KVReleaseRequest, KVReleaseResponse
 
 _REF = "#/components/schemas/{model}"
+_SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
 _ERRORS = {
     400: "The request is invalid (the message and param say why).",
     401: "A missing or wrong API key.",
@@ -97,6 +98,7 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/v1/responses": RouteDoc((ResponsesRequest,), ResponseObject, "text/event-stream"),
     "/v1/responses/{response_id}": RouteDoc((), ResponseObject, errors=(401, 404, 503)),
     "/v1/responses/{response_id}/cancel": RouteDoc((), ResponseObject, errors=(400, 401, 404, 503)),
+    **{path: RouteDoc((), SleepStatus, errors=(400, 401, 503)) for path in _SLEEP_ROUTES},
     "/abort_requests": RouteDoc((AbortRequestsBody,), AbortRequestsResponse, errors=(400, 401, 413, 503)),
     **{path: RouteDoc((ScoreRequest,), ScoreResponse) for path in ("/score", "/v1/score")},
     **{path: RouteDoc((RerankRequest,), RerankResponse) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},

@@ -23,7 +23,7 @@ from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
 from splitserve.entrypoints.openai.serving_base import json_response
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from splitserve.entrypoints.openai.serving_control import abort_by_client_ids
+from splitserve.entrypoints.openai.serving_control import abort_by_client_ids, sleep_call
 from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from splitserve.entrypoints.openai.serving_responses import ResponsesServing
@@ -128,6 +128,23 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         """Abort requests by the ids their clients gave (X-Request-Id or the body's request_id), on
         whichever API worker they run; unknown ids are ignored."""
         return json_response(await abort_by_client_ids(engine, await read_json_body(request)))
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        """Release the KV cache and the weights (level 2) or move them to host memory (level 1)."""
+        return json_response(await sleep_call(engine, "sleep", level))
+
+    @app.post("/wake_up")
+    async def wake_up():
+        return json_response(await sleep_call(engine, "wake_up"))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return json_response(await sleep_call(engine, "is_sleeping"))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return json_response(await sleep_call(engine, "reset_prefix_cache"))
 
     @app.get("/version")
     async def version():

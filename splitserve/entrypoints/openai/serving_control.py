@@ -37,3 +37,23 @@ async def abort_by_client_ids(engine: AsyncLLM, body: dict) -> AbortRequestsResp
     except EngineDeadError as exc:
         raise APIError(str(exc), 503, "service_unavailable") from None
     return AbortRequestsResponse(request_ids=req.request_ids)
+
+
+class SleepStatus(BaseModel):
+    """What /sleep, /wake_up and /is_sleeping answer: whether the engine sleeps, and at which level."""
+
+    is_sleeping: bool
+    level: int = 0
+
+
+async def sleep_call(engine: AsyncLLM, op: str, level: int = 1) -> SleepStatus:
+    """POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping, POST /reset_prefix_cache (vLLM's
+    routes; engine/sleep_mode.py): a refusal (requests still running, a level other than 1 or 2)
+    is a 400 that says why."""
+    try:
+        reply = await engine.sleep_call(op, level)
+    except EngineDeadError as exc:
+        raise APIError(str(exc), 503, "service_unavailable") from None
+    if reply.error is not None:
+        raise APIError(reply.error, param="level" if op == "sleep" else None)
+    return SleepStatus(is_sleeping=reply.sleep_level > 0, level=reply.sleep_level)

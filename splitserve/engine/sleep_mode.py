@@ -1,0 +1,69 @@
+"""Sleep mode at the engine (vLLM's LLM.sleep / wake_up / is_sleeping, and reset_prefix_cache): an
+idle engine hands its accelerator memory back between rollouts of a reinforcement-learning loop
+and takes it again, ready to serve as before (executor/sleep_mode.py says what each rank does).
+
+An engine sleeps only when idle: a request in it, or a KV lease of a PD prefill instance, makes
+sleep refuse, naming them. Requests sent while it sleeps are refused (EngineAsleepError, 503 at
+the server). Waking allocates an empty KV cache: the prefix cache starts empty, as after start-up;
+CUDA graphs are captured again and, after level 2, the LoRA adapters in use are read again."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from splitserve.engine.errors import EngineAsleepError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSleep:
+    def __init__(self, core):
+        self.core = core
+        self.level = 0
+
+    def check_awake(self) -> None:
+        if self.level:
+            raise EngineAsleepError(
+                f"The engine is asleep (level {self.level}): wake it first (POST /wake_up, LLM.wake_up())."
+            )
+
+    def sleep(self, level: int) -> None:
+        core = self.core
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}.")
+        if self.level:
+            raise ValueError(f"The engine is already asleep (level {self.level}).")
+        if core.config.speculative_config is not None or core.connector is not None:
+            raise ValueError("Sleep mode does not cover speculative decoding or PD instances yet.")
+        busy = len(core.scheduler.requests) + len(core._compiling) + (core._in_flight is not None)
+        if busy:
+            raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before sleeping.")
+        start = time.perf_counter()
+        core.executor.sleep(level)
+        core.kv_manager.pool.reset_prefix_cache()
+        self.level = level
+        logger.info(
+            "Engine asleep (level %d: KV cache released, weights %s) in %.2f s",
+            level,
+            "dropped" if level == 2 else "in host memory",
+            time.perf_counter() - start,
+        )
+
+    def wake_up(self) -> None:
+        core = self.core
+        if not self.level:
+            return
+        start = time.perf_counter()
+        cc = core.config.cache_config
+        core.executor.wake_up(cc.num_gpu_blocks, cc.num_cpu_blocks)
+        core.executor.capture_cuda_graphs()
+        if self.level == 2:
+            for lora in core.loras.list():
+                core.executor.add_lora(lora)
+        self.level = 0
+        logger.info("Engine awake in %.2f s", time.perf_counter() - start)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (after the weights changed); False while requests hold blocks."""
+        return self.core.kv_manager.pool.reset_prefix_cache()

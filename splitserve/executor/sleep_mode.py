@@ -1,0 +1,90 @@
+"""Sleep mode on a rank (vLLM's LLM.sleep / wake_up, for reinforcement-learning loops that hand the
+accelerator to a trainer between rollouts): what one rank's model runner releases and takes back.
+
+- level 1: the KV cache (and the host swap space) is released; on a GPU the weights move to host
+  memory (on a CPU they already are there, and stay). Waking moves them back and allocates a new,
+  empty KV cache.
+- level 2: the runner itself is dropped, weights and all; waking builds it again, which reads the
+  weights from the model's files (dummy weights are drawn again from the same seed).
+
+CUDA graphs hold the KV cache's addresses: they are dropped with it and captured again after
+waking (the executor's capture_cuda_graphs)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def release_kv_cache(runner) -> None:
+    for layer in runner.model.attention_layers():
+        layer.kv_cache = None
+        layer.kv_scales = None
+    runner.kv_caches, runner.kv_scales = [], None
+    runner.swap = None
+    runner.graph_runner = None
+    runner.decode_stack = None
+    runner.requests.clear()
+
+
+def offload_weights(runner) -> None:
+    """Parameters and buffers to pinned host memory (a GPU runner); nothing on a CPU."""
+    if runner.device.type != "cuda":
+        return
+    for tensor in _tensors(runner.model):
+        tensor.data = tensor.data.to("cpu").pin_memory()
+
+
+def reload_weights(runner) -> None:
+    if runner.device.type != "cuda":
+        return
+    for tensor in _tensors(runner.model):
+        tensor.data = tensor.data.to(runner.device, non_blocking=True)
+    torch.cuda.synchronize(runner.device)
+
+
+def _tensors(model: torch.nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class RankSleep:
+    """A rank's side of sleep mode, around its runner (None while asleep at level 2)."""
+
+    def __init__(self, make_runner):
+        self.make_runner = make_runner  # builds a new ModelRunner (level 2's wake-up)
+        self.level = 0
+
+    def sleep(self, runner, level: int):
+        """Returns the runner to keep (None at level 2)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        device = runner.device
+        release_kv_cache(runner)
+        if level == 1:
+            offload_weights(runner)
+        else:
+            runner = None
+        free_memory(device)
+        self.level = level
+        return runner
+
+    def wake_up(self, runner, num_blocks: int, num_cpu_blocks: int):
+        """Returns the runner, its weights on the device and a new KV cache allocated."""
+        if self.level == 2 or runner is None:
+            runner = self.make_runner()
+        else:
+            reload_weights(runner)
+        runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+        self.level = 0
+        return runner
