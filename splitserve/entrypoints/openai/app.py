@@ -130,9 +130,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         return json_response(await abort_by_client_ids(engine, await read_json_body(request)))
 
     @app.post("/sleep")
-    async def sleep(level: int = 1):
+    async def sleep(request: Request):
         """Release the KV cache and the weights (level 2) or move them to host memory (level 1)."""
-        return json_response(await sleep_call(engine, "sleep", level))
+        return json_response(await sleep_call(engine, "sleep", request.query_params.get("level", "1")))
 
     @app.post("/wake_up")
     async def wake_up():

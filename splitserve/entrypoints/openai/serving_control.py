@@ -46,10 +46,14 @@ class SleepStatus(BaseModel):
     level: int = 0
 
 
-async def sleep_call(engine: AsyncLLM, op: str, level: int = 1) -> SleepStatus:
+async def sleep_call(engine: AsyncLLM, op: str, level: int | str = 1) -> SleepStatus:
     """POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping, POST /reset_prefix_cache (vLLM's
     routes; engine/sleep_mode.py): a refusal (requests still running, a level other than 1 or 2)
     is a 400 that says why."""
+    try:
+        level = int(level)
+    except ValueError:
+        raise APIError(f"level must be 1 or 2, got {level!r}.", param="level") from None
     try:
         reply = await engine.sleep_call(op, level)
     except EngineDeadError as exc:
