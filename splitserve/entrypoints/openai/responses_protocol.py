@@ -42,6 +42,13 @@ class ResponsesRequest(RequestModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: the client's id for /abort_requests
+    # vLLM's sampling extensions, passed on to the chat request as they are
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
 
 
 class ResponseObject(BaseModel):
@@ -127,6 +134,9 @@ def to_chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
         if getattr(req, ours) is not None:
             body[theirs] = getattr(req, ours)
+    for field in ("top_k", "min_p", "seed", "repetition_penalty", "ignore_eos", "stop"):
+        if getattr(req, field) is not None:
+            body[field] = getattr(req, field)
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
     if req.request_id:
