@@ -147,35 +147,30 @@ class AsyncLLM(FrontEnd):
         info = await asyncio.to_thread(lambda: self.processor.guides.info.serialize_json())
         await self._send(GrammarVocabulary(info))
 
-    # --- sleep mode -------------------------------------------------------------------------------
-    async def sleep_call(self, op: str, level: int = 1) -> SleepReply:
-        """sleep (level 1 or 2), wake_up, is_sleeping or reset_prefix_cache (engine/sleep_mode.py);
-        the reply has the level the engine sleeps at after the call (0: awake) and any refusal."""
+    async def _call(self, make_message):
+        """Send the message make_message(call_id) and wait for the engine's reply to that call id."""
         self._start()
         self._check_alive()
         call_id = next(self._nonce)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            await self._send(SleepCall(call_id, op, level))
+            await self._send(make_message(call_id))
             return await future
         finally:
             self._calls.pop(call_id, None)
+
+    # --- sleep mode -------------------------------------------------------------------------------
+    async def sleep_call(self, op: str, level: int = 1) -> SleepReply:
+        """sleep (level 1 or 2), wake_up, is_sleeping or reset_prefix_cache (engine/sleep_mode.py);
+        the reply has the level the engine sleeps at after the call (0: awake) and any refusal."""
+        return await self._call(lambda call_id: SleepCall(call_id, op, level))
 
     # --- LoRA adapters ------------------------------------------------------------------------
     async def lora_call(self, op: str, name: str = "", path: str = "", base_model_name: str | None = None) -> LoRAReply:
         """Add ("add"), remove ("remove") or list ("list") the engine's adapters; the reply carries
         the adapters after the call, which become this front-end's view of them."""
-        self._start()
-        self._check_alive()
-        call_id = next(self._nonce)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        try:
-            await self._send(LoRACall(call_id, op, name, path, base_model_name))
-            reply = await future
-        finally:
-            self._calls.pop(call_id, None)
+        reply = await self._call(lambda call_id: LoRACall(call_id, op, name, path, base_model_name))
         self.loras = {lora.lora_name: lora for lora in reply.loras}
         self.loras_version = reply.version
         return reply

@@ -17,7 +17,7 @@ def pool_step(hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, torch
     for span in spans:
         state, params = span.state, span.state.pooling
         rows = hidden[span.first_index : span.first_index + span.count]
-        if span.start == 0 or state.pool is None:
+        if span.start == 0:
             state.pool = None
         kind = params.pooling_type
         if kind == "MEAN":
