@@ -38,6 +38,7 @@ _INSTANCE_SERVER_FLAGS = (
     "metrics_prefix",
     "max_engine_restarts",
     "engine_restart_window",
+    "otlp_traces_endpoint",
 )
 _INSTANCE_SERVER_SWITCHES = ("disable_log_requests", "enable_auto_tool_choice", "strict_request_fields")
 
@@ -147,7 +148,11 @@ def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls
     from splitserve.entrypoints.router import RouterConfig
 
     return RouterConfig(
-        prefill_urls=prefill_urls, decode_urls=decode_urls, policy=server_args.policy, api_key=server_args.api_key
+        prefill_urls=prefill_urls,
+        decode_urls=decode_urls,
+        policy=server_args.policy,
+        api_key=server_args.api_key,
+        otlp_traces_endpoint=server_args.otlp_traces_endpoint,
     )
 
 

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from splitserve import LLM, BeamSearchParams, SamplingParams
+from tests.helpers.otlp import EXPORTER_ENV, OtlpCollector
 from tests.helpers.pd import COMMON, idle, wait_for
 from tests.helpers.server import RemoteServer, alive, engine_pid, free_port, metric, read_stream
 
@@ -58,8 +59,13 @@ def _check_parity(url: str, offline: LLM) -> None:
 
 # --- one command ------------------------------------------------------------------------------
 def test_one_command_1p1d_matches_a_mixed_instance(tiny_chat_model, offline):
-    with RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d") as router:
+    """Also with tracing on: one request's spans, exported over OTLP by the router and both
+    instances, form one trace with the phases of each instance under the router's calls."""
+    collector = OtlpCollector()
+    tracing = ("--otlp-traces-endpoint", collector.endpoint)
+    with collector, RemoteServer(tiny_chat_model, *COMMON, "--pd", "1p1d", *tracing, env=EXPORTER_ENV) as router:
         _check_parity(router.url, offline)
+        _check_trace(router.url, collector)
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
         chat = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
@@ -105,6 +111,45 @@ def test_one_command_1p1d_serves_an_moe_model_with_expert_parallelism(tiny_moe_c
     args = ("--pd", "1p1d", "--tensor-parallel-size", "2", "--enable-expert-parallel")
     with RemoteServer(tiny_moe_chat_model, *COMMON, *args) as router:
         _check_parity(router.url, offline)
+
+
+def _check_trace(url: str, collector: OtlpCollector) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "min_tokens": 6}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": "traced"}).status_code == 200
+    spans = collector.wait_for_trace("traced", 10)
+    by_id = {s.span_id: s for s in spans}
+
+    def tree(span) -> tuple:
+        children = sorted((tree(s) for s in spans if s.parent_span_id == span.span_id), key=str)
+        return (span.service, span.name, *children)
+
+    [root] = [s for s in spans if not s.parent_span_id]
+    assert tree(root) == (
+        "splitserve-router",
+        "POST /v1/chat/completions",
+        (
+            "splitserve-router",
+            "decode",
+            (
+                "splitserve-decode",
+                "llm_request",
+                ("splitserve-decode", "decode"),
+                ("splitserve-decode", "kv_transfer"),
+                ("splitserve-decode", "queue"),
+            ),
+        ),
+        (
+            "splitserve-router",
+            "prefill",
+            ("splitserve-prefill", "llm_request", ("splitserve-prefill", "prefill"), ("splitserve-prefill", "queue")),
+        ),
+    )
+    decode_request = next(s for s in spans if s.name == "llm_request" and s.service == "splitserve-decode")
+    assert decode_request.attributes["gen_ai.usage.completion_tokens"] == 6
+    for span in spans:  # every child lies within its parent (one clock for the host's processes)
+        parent = by_id.get(span.parent_span_id)
+        if parent is not None:
+            assert parent.start_ns - 1_000_000 <= span.start_ns <= span.end_ns <= parent.end_ns + 1_000_000
 
 
 # --- instances started by hand, with a separate router ----------------------------------------

@@ -85,6 +85,7 @@ class FakeInstance:
         self.load = (0, 0, 0.0)  # running, waiting, kv usage per label set (two label sets are exported)
         self.bodies: list[tuple[str, dict]] = []
         self.auth: list[str | None] = []
+        self.traceparents: list[str | None] = []  # the W3C trace context the router sent (tracing on)
         self.health_auth: list[str | None] = []
         self.sent: list[bytes] = []
         self.release = threading.Event()
@@ -161,6 +162,7 @@ class FakeInstance:
         self.count += 1
         self.bodies.append((request.path, body))
         self.auth.append(request.headers.get("Authorization"))
+        self.traceparents.append(request.headers.get("traceparent"))
         self.log.append((self.role, self.name))
         if self.mode == "500":
             return web.json_response(

@@ -28,6 +28,7 @@ from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from splitserve.entrypoints.openai.serving_responses import ResponsesServing
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from splitserve.tracing import TraceContextMiddleware
 from splitserve.version import __version__
 
 logger = logging.getLogger("splitserve.api_server")
@@ -46,6 +47,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     anthropic = AnthropicServing(chat)
     pooling = OpenAIServingPooling(engine, config, server_args, metrics)
     responses = ResponsesServing(chat)
+    tracing = completion.tracing
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,6 +55,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
             await completion.warmup()
         yield
         engine.shutdown()
+        if tracing is not None:
+            tracing.flush()
 
     app = FastAPI(title="splitserve", version=__version__, lifespan=lifespan)
 
@@ -173,6 +177,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
 
     document_routes(app, config.model_config.hf_config.vocab_size)
     app.add_middleware(RequestIdMiddleware)
+    if tracing is not None:
+        app.add_middleware(TraceContextMiddleware, tracing=tracing)
     # /metrics is open to Prometheus unless it has a key of its own.
     app.add_middleware(
         ApiKeyMiddleware,

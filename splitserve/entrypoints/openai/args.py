@@ -11,6 +11,7 @@ import re
 from splitserve import envs
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 from splitserve.engine.arg_utils import EngineArgs
+from splitserve.tracing import check_endpoint
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class ServerArgs:
     policy: str = "round_robin"
     uvicorn_log_level: str = "warning"
     metrics_prefix: str = "splitserve"
+    otlp_traces_endpoint: str | None = None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default="splitserve",
         help="the metrics' name prefix: vllm gives vLLM's own names (vllm:num_requests_running ...), for vLLM's "
         "Grafana dashboards and the routers that read them",
+    )
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send OpenTelemetry spans of each request (queue, prefill, KV transfer, decode) to this OTLP collector, "
+        "e.g. http://localhost:4317 (gRPC; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for OTLP/HTTP); "
+        "needs splitserve[otel]",
     )
     g.add_argument("--chat-template", default=None, help="a jinja chat template: a file path or the template itself")
     g.add_argument(
@@ -196,6 +205,7 @@ def check_server_args(args: ServerArgs) -> None:
         raise ValueError(f"--engine-restart-window must be > 0, got {args.engine_restart_window}.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
+    check_endpoint(args.otlp_traces_endpoint)
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)
 

@@ -36,6 +36,7 @@ from splitserve.lora.request import LoRARequest
 from splitserve.outputs import Logprob, RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
+from splitserve.tracing import REQUEST_TRACE, tracing_for
 from splitserve.version import __version__
 
 logger = logging.getLogger("splitserve.api_server")
@@ -73,6 +74,8 @@ class OpenAIServing(PDServingMixin):
         self.tokenizer = engine.get_tokenizer()
         self.fingerprint = f"splitserve-{__version__}"
         self.pd_role = config.kv_transfer_config.pd_role
+        service = "splitserve" if self.pd_role == "mixed" else f"splitserve-{self.pd_role}"
+        self.tracing = tracing_for(server_args.otlp_traces_endpoint, service)
         self.models = OpenAIServingModels(engine, config)
         # What a request's unset fields become: the model's sampling defaults (--generation-config),
         # and max_tokens from --default-max-tokens, else the model's max_new_tokens, else the context.
@@ -266,6 +269,8 @@ class OpenAIServing(PDServingMixin):
             sum(len(c.token_ids) for c in output.outputs),
             [c.finish_reason for c in output.outputs if c.finish_reason],
         )
+        if self.tracing is not None:
+            self.tracing.record_request(output, REQUEST_TRACE.get(), self.pd_role)
 
     @staticmethod
     def _usage(

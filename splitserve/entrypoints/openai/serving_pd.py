@@ -13,6 +13,7 @@ from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
+from splitserve.tracing import REQUEST_TRACE
 
 
 class LeasedKV(BaseModel):
@@ -82,6 +83,9 @@ class PDServingMixin:
             raise APIError(
                 "do_remote_prefill needs remote_host, remote_port and remote_request_id.", param="kv_transfer_params"
             )
+        trace = REQUEST_TRACE.get()
+        if trace is not None and kv.do_remote_prefill:  # the request's first phase is the KV pull
+            trace.remote_prefill = True
         return kv
 
     @staticmethod

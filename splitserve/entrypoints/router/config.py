@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from splitserve.disagg.policies import POLICIES
+from splitserve.tracing import check_endpoint
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -30,6 +31,7 @@ class RouterConfig:
     health_timeout: float = 10.0  # seconds for one /health (and one /metrics) check: busy CPUs answer late
     connect_timeout: float = 10.0  # seconds to open a connection, so a dead host fails fast
     openai_api: bool = True  # False (USE_OPENAI=0): only vLLM's native /generate, no /v1 routes
+    otlp_traces_endpoint: str | None = None  # an OTLP collector: spans of each request (splitserve/tracing.py)
 
     def __post_init__(self) -> None:
         self.prefill_urls = _check_urls(self.prefill_urls, "--prefill")
@@ -41,6 +43,7 @@ class RouterConfig:
         for name in ("health_interval", "request_timeout", "health_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}.")
+        check_endpoint(self.otlp_traces_endpoint)
 
 
 def _check_urls(urls: Sequence[str], flag: str) -> list[str]:
@@ -92,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds an upstream request (stream included) may take (default: 3600)",
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send OpenTelemetry spans of each request (the router's, and its calls to the instances, whose own "
+        "spans join the same trace) to this OTLP collector; needs splitserve[otel]",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -104,4 +113,5 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         max_retries=ns.max_retries,
         health_interval=ns.health_interval,
         request_timeout=ns.request_timeout,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
     )

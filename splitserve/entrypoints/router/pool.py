@@ -20,6 +20,7 @@ from splitserve.entrypoints.router.relay import (
     status_reason,
     until_disconnected,
 )
+from splitserve.tracing import tracing_for
 
 logger = logging.getLogger("splitserve.router")
 ROLE_RULE = "Rule NODE_PORTS order"  # how the refusal of an instance in the wrong role is named
@@ -39,6 +40,7 @@ class UpstreamPool:
         for inst in self.all_instances():
             self.metrics.instance_healthy.labels(instance=inst.url, role=inst.role).set(1)
         self.session: aiohttp.ClientSession | None = None
+        self.tracing = tracing_for(config.otlp_traces_endpoint, "splitserve-router")
         self._health_task: asyncio.Task | None = None
 
     def all_instances(self) -> list[Upstream]:
@@ -90,8 +92,10 @@ class UpstreamPool:
             await self.session.close()
 
     # --- health ------------------------------------------------------------------------------
-    def _headers(self, request_id: str | None = None, content_type: str | None = None) -> dict[str, str]:
-        headers = {}
+    def _headers(
+        self, request_id: str | None = None, content_type: str | None = None, extra: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        headers = dict(extra or {})
         if self.config.instance_api_key:
             headers["Authorization"] = f"Bearer {self.config.instance_api_key}"
         if request_id:
@@ -190,14 +194,20 @@ class UpstreamPool:
         data: bytes | None = None,
         request_id: str | None = None,
         content_type: str | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
-        """Send the request and wait for the answer's headers (the client may leave meanwhile)."""
+        """Send the request and wait for the answer's headers (the client may leave meanwhile);
+        trace_headers carry the router's trace context (tracing on)."""
         inst = open_request.instance
         self.metrics.requests.labels(instance=inst.url, role=inst.role).inc()
 
         async def send() -> aiohttp.ClientResponse:
             return await self.session.request(
-                method, inst.url + path, json=json_body, data=data, headers=self._headers(request_id, content_type)
+                method,
+                inst.url + path,
+                json=json_body,
+                data=data,
+                headers=self._headers(request_id, content_type, trace_headers),
             )
 
         open_request.resp = await until_disconnected(request, send())

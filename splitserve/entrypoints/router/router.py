@@ -32,7 +32,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -58,6 +57,7 @@ from splitserve.entrypoints.router.relay import (
     unavailable_before_output,
     until_disconnected,
 )
+from splitserve.entrypoints.router.request_log import RoutedRequest
 
 logger = logging.getLogger("splitserve.router")
 
@@ -65,36 +65,7 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 _STREAMS = ("text/event-stream", "application/x-ndjson")  # OpenAI's server-sent events; /generate's JSON lines
 
 
-@dataclass
-class _Trace:
-    """What happened to one request, for its one log line."""
-
-    request_id: str
-    path: str
-    started: float = field(default_factory=time.monotonic)
-    prefill: str | None = None
-    prefill_s: float | None = None
-    decode: str | None = None
-    retries: int = 0
-    fallback: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def line(self, status: int) -> str:
-        parts = [f"{self.path} {self.request_id}: HTTP {status} in {time.monotonic() - self.started:.3f} s"]
-        if self.prefill:
-            parts.append(
-                f"prefill {self.prefill}" + (f" ({self.prefill_s:.3f} s)" if self.prefill_s is not None else "")
-            )
-        if self.fallback:
-            parts.append(f"FALLBACK to decode-only ({self.fallback})")
-        if self.decode:
-            parts.append(f"decode {self.decode}")
-        if self.retries:
-            parts.append(f"{self.retries} retr{'y' if self.retries == 1 else 'ies'}")
-        return ", ".join(parts + self.notes)
-
-
-def _decode_refused(data: bytes, decode_url: str, trace: _Trace) -> bytes:
+def _decode_refused(data: bytes, decode_url: str, trace: RoutedRequest) -> bytes:
     """A 404 from the decode instance after the prefill instance served the request: the two serve
     different models or LoRA adapters. The error says so, and how to fix it."""
     note = (
@@ -126,7 +97,8 @@ class Router(UpstreamPool):
             body = await read_json_body(request)
         client_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
         # The client's id (header, else body) goes to both instances as X-Request-Id: /abort_requests names it.
-        trace = _Trace(request.headers.get("x-request-id") or client_id or uuid.uuid4().hex, path)
+        trace = RoutedRequest(request.headers.get("x-request-id") or client_id or uuid.uuid4().hex, path)
+        trace.start_span(self.tracing, request.headers)
         prefilled = None
         try:
             if is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
@@ -156,7 +128,7 @@ class Router(UpstreamPool):
                 await self._release_lease(trace, prefilled)
             return self._finish(trace, Response(status_code=499))
 
-    async def _release_lease(self, trace: _Trace, kv: dict) -> None:
+    async def _release_lease(self, trace: RoutedRequest, kv: dict) -> None:
         """No decode instance will pull this prefill's KV: the prefill instance frees it now (POST
         /kv_transfer/release with its own kv_transfer_params) instead of when the lease expires."""
         inst = next((i for i in self.instances[PREFILL] if i.url == trace.prefill), None)
@@ -174,15 +146,16 @@ class Router(UpstreamPool):
         else:
             trace.notes.append(f"the prefill KV lease could not be released ({status_reason(status, data)})")
 
-    def _finish(self, trace: _Trace, response: Response) -> Response:
+    def _finish(self, trace: RoutedRequest, response: Response) -> Response:
         self._log_request(trace, response.status_code)
         return response
 
-    def _log_request(self, trace: _Trace, status: int) -> None:
+    def _log_request(self, trace: RoutedRequest, status: int) -> None:
         self.metrics.latency.observe(time.monotonic() - trace.started)
         logger.info("%s", trace.line(status))
+        trace.end(status)
 
-    def _attempts(self, role: str, body: dict, trace: _Trace | None = None) -> Iterator[Upstream]:
+    def _attempts(self, role: str, body: dict, trace: RoutedRequest | None = None) -> Iterator[Upstream]:
         """The instances to try for one request, in the policy's order: at most 1 + max_retries,
         each tried once; for completions (with a trace) every attempt after the first counts as a retry."""
         tried: list[Upstream] = []
@@ -196,20 +169,28 @@ class Router(UpstreamPool):
             tried.append(inst)
             yield inst
 
-    async def _prefill(self, request: Request, path: str, body: dict, trace: _Trace) -> dict | Response | None:
+    async def _prefill(self, request: Request, path: str, body: dict, trace: RoutedRequest) -> dict | Response | None:
         """The prefill's kv_transfer_params; or the instance's 4xx answer to pass on; or None when no
         prefill instance could do it (then the request is decoded without remote prefill)."""
         prefill_body = prefill_request_body(body)
         reasons: list[str] = []
         for inst in self._attempts(PREFILL, body, trace):
             started = time.monotonic()
+            span, trace_headers = trace.open_call(PREFILL, inst.url)
             try:
                 status, data, content_type = await self._exchange(
-                    request, inst, "POST", path, json_body=prefill_body, request_id=trace.request_id
+                    request,
+                    inst,
+                    "POST",
+                    path,
+                    json_body=prefill_body,
+                    request_id=trace.request_id,
+                    trace_headers=trace_headers,
                 )
             except UPSTREAM_ERRORS as exc:
                 reason = describe_error(exc, self.config.request_timeout)
             else:
+                trace.end_call(span, None if status < 400 else f"HTTP {status}")
                 if status == 429:  # this instance is full, not the request invalid: try another one
                     reasons.append(f"{inst.url}: busy (429)")
                     continue
@@ -226,12 +207,13 @@ class Router(UpstreamPool):
                     logger.warning("prefill instance %s %s", inst.url, reason)
                 else:
                     reason = status_reason(status, data)
+            trace.end_call(span, reason)
             self._failed(inst, reason)
             reasons.append(f"{inst.url}: {reason}")
         trace.fallback = "; ".join(reasons) if reasons else "no prefill instance is up"
         return None
 
-    async def _decode(self, request: Request, path: str, body: dict, trace: _Trace) -> Response:
+    async def _decode(self, request: Request, path: str, body: dict, trace: RoutedRequest) -> Response:
         """The decode instance's answer: passed through as it comes. Failures before the first byte
         reached the client are retried on another decode instance; a 503 when none is left."""
         reasons: list[str] = []
@@ -239,9 +221,17 @@ class Router(UpstreamPool):
             trace.decode = inst.url
             open_request = OpenRequest(inst)
             handed_over = False
+            span, trace_headers = trace.open_call(DECODE, inst.url)
+            reason = None
             try:
                 resp = await self._open(
-                    request, open_request, "POST", path, json_body=body, request_id=trace.request_id
+                    request,
+                    open_request,
+                    "POST",
+                    path,
+                    json_body=body,
+                    request_id=trace.request_id,
+                    trace_headers=trace_headers,
                 )
                 if resp.status >= 500:
                     reason = status_reason(resp.status, await until_disconnected(request, resp.read()))
@@ -270,6 +260,7 @@ class Router(UpstreamPool):
             finally:
                 if not handed_over:
                     open_request.release()
+                    trace.end_call(span, reason)
             self._failed(inst, reason)
             reasons.append(f"{inst.url}: {reason}")
         if not reasons:
@@ -280,7 +271,7 @@ class Router(UpstreamPool):
         trace.notes.append(message)
         return self._finish(trace, error_response(message, 503, "service_unavailable"))
 
-    async def _relay(self, open_request: OpenRequest, first: bytes, trace: _Trace) -> AsyncIterator[bytes]:
+    async def _relay(self, open_request: OpenRequest, first: bytes, trace: RoutedRequest) -> AsyncIterator[bytes]:
         """The decode instance's SSE bytes as they arrive. If the stream breaks, the client gets an
         error event and [DONE] (its own SDK then raises instead of waiting). If the client leaves,
         Starlette cancels this generator and `finally` closes the upstream connection."""
