@@ -5,11 +5,16 @@ read from the model's sentence-transformers files when it has them.
 A pooling request runs the prompt through the model once (chunked like any prompt) and pools the
 final hidden states (after the last norm) of its tokens: the last token's (LAST), their mean
 (MEAN) or the first token's (CLS); `normalize` scales the vector to unit length; `dimensions`
-keeps its first so many values (Matryoshka embeddings), before normalizing."""
+keeps its first so many values (Matryoshka embeddings), before normalizing.
+
+A classification model (`*ForSequenceClassification`: a cross-encoder reranker or a classifier)
+pools its prompt's last token and puts it through its head: the pooled vector is then its
+num_labels logits, which `classifier_activation` turns into probabilities."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,7 +56,7 @@ class PoolerConfig:
     def resolve(cls, model_dir: str | None, hf_config, overrides: dict | str | None) -> PoolerConfig:
         """The model's own pooling (sentence-transformers' files in model_dir, then the config's
         `matryoshka_dimensions` / `is_matryoshka`), with `overrides` (a dict or its JSON) over it."""
-        found: dict = {}
+        found: dict = {"normalize": False} if is_classifier(hf_config) else {}  # logits, not an embedding
         if model_dir and os.path.isdir(model_dir):
             found.update(_sentence_transformers_pooling(model_dir))
         dims = getattr(hf_config, "matryoshka_dimensions", None)
@@ -124,3 +129,20 @@ def cosine_similarity(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b))
     norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
     return dot / norm if norm else 0.0
+
+
+def is_classifier(hf_config) -> bool:
+    """A model with a classification head (`*ForSequenceClassification`): it scores, it does not generate."""
+    return any(a.endswith("ForSequenceClassification") for a in getattr(hf_config, "architectures", None) or [])
+
+
+def classifier_activation(logits: list[float]) -> list[float]:
+    """A classifier's probabilities, as vLLM and sentence-transformers' CrossEncoder give them: the
+    sigmoid of a single logit (a reranker's relevance), the softmax of several (one per label)."""
+    if len(logits) == 1:
+        x = logits[0]
+        return [1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))]
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = sum(exps)
+    return [e / total for e in exps]

@@ -156,16 +156,24 @@ class EngineArgs:
 
     def _resolve_runner(self, model_config) -> None:
         """The pooling runner (embeddings) or the generate runner, and the pooler config with it."""
-        from splitserve.pooling_params import PoolerConfig
+        from splitserve.pooling_params import PoolerConfig, is_classifier
 
-        tasks = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+        tasks = {"auto": None, "generate": "generate"} | dict.fromkeys(
+            ("embed", "embedding", "classify", "score", "rerank"), "pooling"
+        )
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling; got {self.runner!r}.")
         if self.task not in tasks:
             raise ValueError(f"task must be one of {', '.join(tasks)}; got {self.task!r}.")
         runner = self.runner if self.runner != "auto" else tasks[self.task]
-        if runner is None:  # auto: a bare transformer (Qwen3Model, LlamaModel ...) has no LM head to generate with
-            runner = "pooling" if model_config.architecture.endswith("Model") else "generate"
+        classifier = is_classifier(model_config.hf_config)
+        if runner is None:  # auto: a bare transformer (Qwen3Model ...) or a classifier has no LM head to generate with
+            runner = "pooling" if model_config.architecture.endswith("Model") or classifier else "generate"
+        if runner == "generate" and classifier:
+            raise ValueError(
+                f"{model_config.architecture} is a classification model (a reranker or classifier): it scores and "
+                "classifies with the pooling runner (--runner pooling, the default for it), it cannot generate."
+            )
         if runner == "pooling":
             if self.speculative_config or self.pd_role != "mixed":
                 raise ValueError("The pooling runner (embeddings) takes no speculative decoding and no PD role.")

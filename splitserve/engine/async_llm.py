@@ -161,10 +161,11 @@ class AsyncLLM(FrontEnd):
             self._calls.pop(call_id, None)
 
     # --- sleep mode -------------------------------------------------------------------------------
-    async def sleep_call(self, op: str, level: int = 1) -> SleepReply:
-        """sleep (level 1 or 2), wake_up, is_sleeping or reset_prefix_cache (engine/sleep_mode.py);
-        the reply has the level the engine sleeps at after the call (0: awake) and any refusal."""
-        return await self._call(lambda call_id: SleepCall(call_id, op, level))
+    async def sleep_call(self, op: str, level: int = 1, model_path: str = "", load_format: str = "auto") -> SleepReply:
+        """sleep (level 1 or 2), wake_up, is_sleeping, reset_prefix_cache (engine/sleep_mode.py) or
+        update_weights from model_path (engine/weight_update.py); the reply has the level the engine
+        sleeps at after the call (0: awake) and any refusal."""
+        return await self._call(lambda call_id: SleepCall(call_id, op, level, model_path, load_format))
 
     # --- LoRA adapters ------------------------------------------------------------------------
     async def lora_call(self, op: str, name: str = "", path: str = "", base_model_name: str | None = None) -> LoRAReply:

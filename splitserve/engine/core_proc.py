@@ -38,6 +38,7 @@ from splitserve.engine.messages import (
     SleepReply,
 )
 from splitserve.engine.watchdog import StepWatchdog
+from splitserve.engine.weight_update import update_weights
 from splitserve.process_utils import exit_with_parent, set_process_name
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class EngineCoreProc:
                 sleeping.sleep(call.level)
             elif call.op == "wake_up":
                 sleeping.wake_up()
+            elif call.op == "update_weights":
+                update_weights(self.core, call.model_path, call.load_format)
             elif call.op == "reset_prefix_cache":
                 if not sleeping.reset_prefix_cache():
                     raise ValueError("Requests hold KV blocks: the prefix cache can be reset only when none run.")

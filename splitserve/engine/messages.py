@@ -66,11 +66,14 @@ class AbortClientRequests(msgspec.Struct, tag="abort_client", array_like=True):
 
 
 class SleepCall(msgspec.Struct, tag="sleep", array_like=True, omit_defaults=True):
-    """sleep (level 1 or 2), wake_up, is_sleeping or reset_prefix_cache, answered with a SleepReply."""
+    """sleep (level 1 or 2), wake_up, is_sleeping, reset_prefix_cache or update_weights (from
+    model_path), answered with a SleepReply."""
 
     call_id: int
     op: str
     level: int = 1
+    model_path: str = ""
+    load_format: str = "auto"
 
 
 class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True):

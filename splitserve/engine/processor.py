@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from splitserve.config import ModelConfig
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import EngineCoreRequest
-from splitserve.pooling_params import PoolingParams
+from splitserve.pooling_params import PoolingParams, is_classifier
 from splitserve.sampling_params import SamplingParams
 
 PromptType = str | Mapping  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
@@ -48,6 +48,14 @@ class Processor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
+    def pair_prompt(self, first: PromptType, second: PromptType) -> dict:
+        """A cross-encoder's input for a (query, document) pair: two texts encoded as the tokenizer
+        encodes a pair (its separators and special tokens, as transformers' `tokenizer(a, b)`);
+        token ids (or a text with ids) joined as they are, the second side without special tokens."""
+        if isinstance(first, str) and isinstance(second, str):
+            return {"prompt_token_ids": self.tokenizer(first, second).input_ids}
+        return {"prompt_token_ids": self._tokenized(first, True)[1] + self._tokenized(second, False)[1]}
+
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
         """One request of the offline API; a max_tokens past the context is clamped to the room left."""
         return self.process_prompt(prompt, self.process_params(params))
@@ -66,6 +74,11 @@ class Processor:
         pooling.pooling_type = pooler.pooling_type
         if pooling.normalize is None:
             pooling.normalize = pooler.normalize
+        if pooling.dimensions is not None and is_classifier(self.model_config.hf_config):
+            raise InvalidRequestError(
+                "A classification model answers its labels' scores, not an embedding: dimensions cannot be set.",
+                "dimensions",
+            )
         if pooling.dimensions is not None:
             why = pooler.allows_dimensions(pooling.dimensions, self.model_config.hf_config.hidden_size)
             if why is not None:

@@ -14,7 +14,10 @@ arrival alone: the waiting queue is kept in that order, and the running list is 
 each step, so that the lowest-priority (then latest) running request is the one preempted. A
 waiting request also takes the seat of a running one of a strictly lower priority when every seat
 (max_num_seqs) is taken: one such preemption per step, so that urgent requests start within a step
-or two however busy the engine is.
+or two however busy the engine is. A waiting request of a better priority than a running one's
+unfinished prompt takes the step's budget before that prompt's next chunk, and
+long_prefill_token_threshold chunks only the prompts of a worse priority than the best the engine
+has seen: the steps an urgent request may arrive during stay short, its own prompt runs whole.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from splitserve.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.schedule_plan import PrefixCacheStats, SchedulePlan
+from splitserve.engine.scheduler_pd import PDSchedulingMixin
 
 
-class Scheduler:
+class Scheduler(PDSchedulingMixin):
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_loras: int | None = None):
         """`max_loras`: most LoRA adapters among the running requests (None: LoRA is off)."""
         self.config = config
@@ -47,11 +51,14 @@ class Scheduler:
         self._last_prompt_latency = 0.0  # seconds between a step that admitted prompts and the next
         self.num_preemptions = 0
         self.prefix_cache_stats = PrefixCacheStats()
+        self._best_priority: int | None = None  # the best (lowest) priority added so far (priority policy)
 
     # --- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
+        if self._best_priority is None or request.priority < self._best_priority:
+            self._best_priority = request.priority
         self._enqueue(request, front=False)
 
     def _enqueue(self, request: Request, front: bool) -> None:
@@ -129,25 +136,32 @@ class Scheduler:
         oldest = min(r.arrival_time for r in self.waiting)
         return now - oldest > self.config.delay_factor * self._last_prompt_latency
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, remaining: int, budget: int, request: Request) -> int:
         """Tokens of a request's `remaining` ones to compute in this step. A prompt that the budget
         would cut short by no more than what is left of the step's tail allowance
         (prompt_tail_tokens) is finished now: its first token then comes a whole step sooner."""
         n = min(remaining, budget)
         if 0 < remaining - n <= self._tail_left:
             n, self._tail_left = remaining, self._tail_left - (remaining - n)
-        if self.config.long_prefill_token_threshold and self.config.enable_chunked_prefill:
-            n = min(n, self.config.long_prefill_token_threshold)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and self.config.enable_chunked_prefill:
+            if self.config.policy != "priority" or request.priority > self._best_priority:
+                n = min(n, threshold)
         return n
 
     def _schedule_running(self, out: SchedulePlan, budget: int) -> int:
+        urgent = self._urgent_priority()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.reaches_length_limit_with_pending:
-                i += 1  # finishes when its pending token is read: another step would be wasted
+            if request.reaches_length_limit_with_pending or (
+                urgent is not None
+                and request.priority > urgent
+                and request.num_computed_tokens < request.num_prompt_tokens
+            ):  # finishes when its pending token is read; or its prompt waits for a more urgent one's
+                i += 1
                 continue
-            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget, request)
             drafts = self._drafts(request, n, budget)
             if not self._allocate_or_preempt(request, n + len(drafts) + self.config.num_lookahead_tokens, out):
                 break
@@ -166,6 +180,15 @@ class Scheduler:
         if not drafts or n != 1 or request.num_pending_tokens:
             return []
         return drafts[: budget - 1]
+
+    def _urgent_priority(self) -> int | None:
+        """Under the priority policy, the priority of the first waiting request when it has a seat
+        to take this step: running prompts of a worse priority leave it the budget first."""
+        if self.config.policy != "priority" or not self.waiting or self.swapped:
+            return None
+        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+            return None
+        return self.waiting[0].priority
 
     def _free_a_seat_for_priority(self, out: SchedulePlan) -> None:
         """Every seat taken and the first waiting request of a strictly better priority than the
@@ -212,7 +235,7 @@ class Scheduler:
             request = self.swapped[0]
             if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= (self.max_loras or 0):
                 break
-            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget, request)
             copies = self.kv.swap_in(request, n + self.config.num_lookahead_tokens)
             if copies is None:
                 break
@@ -245,7 +268,7 @@ class Scheduler:
                 remaining = request.num_tokens - num_cached
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
-                n = self._chunk(remaining, budget)
+                n = self._chunk(remaining, budget, request)
                 if not self.kv.allocate_slots(
                     request, n + self.config.num_lookahead_tokens, hits, self._decode_reserve()
                 ):
@@ -272,54 +295,6 @@ class Scheduler:
         if self.kv.enable_caching and request.uses_prefix_cache:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_cached
-
-    def _admit_remote_prefill(self, request: Request, hits, num_cached: int, out: SchedulePlan) -> bool:
-        """Reserve blocks for the prompt tokens whose KV comes from the prefill instance and ask for it
-        to be pulled (only the blocks the local prefix cache lacks; see Request.remote_kv_target)."""
-        target = request.remote_kv_target
-        if not self.kv.allocate_slots(request, target - num_cached, hits, self._decode_reserve(), register=False):
-            return False
-        self._admit(request, num_cached, RequestStatus.WAITING_FOR_REMOTE_KV)
-        self.receiving[request.request_id] = request
-        bs = self.kv.block_size
-        first = num_cached // bs
-        out.kv_pulls.append((request, first, self.kv.get_block_ids(request.request_id)[first : -(-target // bs)]))
-        return True
-
-    def finish_remote_prefill(self, request_id: str, ok: bool) -> Request | None:
-        """A pull ended. On success the request runs on from the prefill's first token (returned:
-        it is the request's first output, and may already finish it), or from its last prompt token
-        when it came without one; on failure it computes its prompt itself, as a plain request."""
-        request = self.receiving.pop(request_id)
-        if request.is_finished():  # aborted while its KV was on the way
-            self._free(request)
-            return None
-        if ok:
-            request.num_computed_tokens = request.remote_kv_target
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.RUNNING
-            first = request.kv_transfer.first_token_id
-            if first is None:
-                self.running.append(request)
-                return None
-            request.append_output_token(first)
-            if request.check_stop(self.config.max_model_len):
-                self._free(request)
-            else:
-                self.running.append(request)
-            return request
-        self.kv.free(request)
-        request.kv_transfer = None
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self._enqueue(request, front=True)
-        return None
-
-    def release_lease(self, request_id: str) -> None:
-        """PD prefill side: the decode instance has its KV (or the lease expired): free the blocks."""
-        request = self.leased.pop(request_id, None)
-        if request is not None:
-            self._free(request)
 
     def _decode_reserve(self) -> int:
         """Blocks that new prompts may not take while requests run (FastDeploy's kv_cache_ratio):

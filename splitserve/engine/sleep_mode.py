@@ -34,11 +34,7 @@ class EngineSleep:
             raise ValueError(f"sleep level must be 1 or 2, got {level}.")
         if self.level:
             raise ValueError(f"The engine is already asleep (level {self.level}).")
-        if core.config.speculative_config is not None or core.connector is not None:
-            raise ValueError("Sleep mode does not cover speculative decoding or PD instances yet.")
-        busy = len(core.scheduler.requests) + len(core._compiling) + (core._in_flight is not None)
-        if busy:
-            raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before sleeping.")
+        self.check_idle("sleeping")
         start = time.perf_counter()
         core.executor.sleep(level)
         core.kv_manager.pool.reset_prefix_cache()
@@ -49,6 +45,16 @@ class EngineSleep:
             "dropped" if level == 2 else "in host memory",
             time.perf_counter() - start,
         )
+
+    def check_idle(self, action: str) -> None:
+        """Refuse (ValueError) to drop the runner while a request is in the engine, or where the
+        engine holds more than its runner (a draft model, a PD KV connector)."""
+        core = self.core
+        if core.config.speculative_config is not None or core.connector is not None:
+            raise ValueError(f"{action.capitalize()} does not cover speculative decoding or PD instances yet.")
+        busy = len(core.scheduler.requests) + len(core._compiling) + (core._in_flight is not None)
+        if busy:
+            raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before {action}.")
 
     def wake_up(self) -> None:
         core = self.core

@@ -13,17 +13,26 @@ from splitserve.engine.beam_search import BeamSearch, step_params, top_candidate
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
+from splitserve.engine.weight_update import update_weights
 from splitserve.lora.request import LoRARequest
 from splitserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from splitserve.pooling_params import PoolingParams, cosine_similarity, score_pairs
+from splitserve.pooling_params import (
+    PoolingParams,
+    classifier_activation,
+    cosine_similarity,
+    is_classifier,
+    score_pairs,
+)
 from splitserve.sampling_params import BeamSearchParams, SamplingParams
 from splitserve.tokenizer import apply_chat_template
 
@@ -113,6 +122,15 @@ class LLM:
         """Each prompt's embedding (the pooling runner: runner="pooling", docs/pooling.md), in the
         prompts' order: `output.outputs.embedding`, pooled and normalized as the model's pooler
         config says, unless `pooling_params` (one, or one per prompt) say otherwise."""
+        if self._classifier:
+            raise ValueError("This is a classification model: it answers LLM.classify and LLM.score, not embeddings.")
+        return self._pool(prompts, pooling_params, use_tqdm, lora_request)
+
+    @property
+    def _classifier(self) -> bool:
+        return is_classifier(self.llm_engine.config.model_config.hf_config)
+
+    def _pool(self, prompts, pooling_params, use_tqdm: bool, lora_request) -> list[EmbeddingRequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._list(pooling_params, PoolingParams, len(prompts))
@@ -128,6 +146,23 @@ class LLM:
         outputs = self._run(ids, use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A classification model's probabilities for each prompt (vLLM's LLM.classify):
+        `output.outputs.probs`, the softmax of its labels' logits (the sigmoid of a single one)."""
+        if not self._classifier:
+            raise ValueError("LLM.classify needs a classification model (*ForSequenceClassification).")
+        return [
+            ClassificationRequestOutput(
+                o.request_id, ClassificationOutput(classifier_activation(o.outputs.embedding)), o.prompt_token_ids
+            )
+            for o in self._pool(prompts, None, use_tqdm, lora_request)
+        ]
+
     def score(
         self,
         data_1: PromptType | Sequence[PromptType],
@@ -135,9 +170,22 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score for an embedding model: the cosine similarity of each pair's embeddings.
-        One text against one, one against many, or many against as many (pairwise)."""
+        """vLLM's LLM.score: for an embedding model the cosine similarity of each pair's embeddings;
+        for a cross-encoder (a classification model of one label) the sigmoid of its logit for the
+        pair, read together. One text against one, one against many, or many against as many."""
         pairs = score_pairs(data_1, data_2)
+        if self._classifier:
+            processor = self.llm_engine.processor
+            outputs = self.classify([processor.pair_prompt(a, b) for a, b in pairs], use_tqdm)
+            if outputs and outputs[0].outputs.num_classes != 1:
+                raise ValueError(
+                    f"Scoring needs a cross-encoder of one label; this model has {outputs[0].outputs.num_classes}: "
+                    "use LLM.classify."
+                )
+            return [
+                ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
+                for o in outputs
+            ]
         unique: dict[str, PromptType] = {}  # each text embedded once (one query against many documents)
         for pair in pairs:
             for prompt in pair:
@@ -236,6 +284,11 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.engine_core.sleeping.level > 0
+
+    def update_weights(self, model_path: str, load_format: str = "auto") -> None:
+        """Load a new checkpoint of the same model (same architecture and shapes) into the idle
+        engine, on every rank; the prefix cache is emptied (engine/weight_update.py)."""
+        update_weights(self.llm_engine.engine_core, model_path, load_format)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (after the weights changed); False while requests hold blocks."""

@@ -19,17 +19,15 @@ import json
 import logging
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
-from splitserve.entrypoints.http import APIError, error_body
 from splitserve.entrypoints.openai.args import ServerArgs
+from splitserve.entrypoints.openai.batch_runner import run_line
 
 logger = logging.getLogger("splitserve.run_batch")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
 # The server flags that change how a request is read or answered (the rest are about HTTP).
 _SERVER_FLAGS = {
     "--chat-template": "a jinja chat template: a file path or the template itself",
@@ -130,47 +128,6 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
         for number, line in enumerate(f, 1):
             if line.strip():
                 yield number, line
-
-
-class _NoClient:
-    """Stands for the HTTP request the handlers watch for a client that left: here, none ever does."""
-
-    async def is_disconnected(self) -> bool:
-        return False
-
-
-async def run_line(number: int, line: str, handlers: dict) -> dict:
-    """One line's result, in OpenAI's batch output shape; a bad line gets an error result of its own."""
-    custom_id = None
-    request_id = f"splitserve-batch-{uuid.uuid4().hex}"
-    try:
-        try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise APIError(f"Line {number} is not JSON: {exc}.") from None
-        if not isinstance(item, dict):
-            raise APIError(f"Line {number} is not a JSON object.")
-        custom_id = item.get("custom_id")
-        url, body = item.get("url"), item.get("body")
-        if item.get("method", "POST") != "POST":
-            raise APIError(f"Line {number}: method must be POST, got {item.get('method')!r}.", param="method")
-        if url not in handlers:
-            raise APIError(f"Line {number}: url must be one of {', '.join(ROUTES)}, got {url!r}.", 404, param="url")
-        if not isinstance(body, dict):
-            raise APIError(f"Line {number}: body must be a JSON object.", param="body")
-        if body.get("stream"):
-            raise APIError(f"Line {number}: a batch request cannot stream.", param="stream")
-        response = await handlers[url](body, _NoClient())
-        answer = {"status_code": response.status_code, "request_id": request_id, "body": json.loads(response.body)}
-        error = None
-    except APIError as exc:
-        answer = {"status_code": exc.status, "request_id": request_id, "body": None}
-        error = error_body(exc.message, exc.err_type, exc.param, exc.status)["error"]
-    except Exception as exc:  # a bug must cost its line, not the batch
-        logger.exception("Line %d failed", number)
-        answer = {"status_code": 500, "request_id": request_id, "body": None}
-        error = error_body(f"{type(exc).__name__}: {exc}", "internal_error", None, 500)["error"]
-    return {"id": f"splitserve-{uuid.uuid4().hex}", "custom_id": custom_id, "response": answer, "error": error}
 
 
 if __name__ == "__main__":  # python -m splitserve.entrypoints.run_batch

@@ -65,8 +65,9 @@ class Executor(ABC):
         """Release every rank's KV cache, and its weights to host memory (1) or altogether (2)."""
 
     @abstractmethod
-    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        """Weights back on the device (read again after level 2) and a new, empty KV cache."""
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
+        """Weights back on the device (read again after level 2) and a new, empty KV cache;
+        `weights` (path, load format): after level 2, read these instead (engine/weight_update.py)."""
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for a dense model)."""

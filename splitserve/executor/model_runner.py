@@ -298,7 +298,7 @@ class ModelRunner:
             meta = build_sampling_metadata(slots, logits.shape[-1], self.device)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in step.sampled.host_tensors()]
-        for request_id, vector in pool_step(hidden, batch.pooling_spans).items():
+        for request_id, vector in pool_step(hidden, batch.pooling_spans, getattr(self.model, "classify", None)).items():
             step.pooled_host[request_id] = start_host_copy(vector)
         for span in batch.prompt_logprob_spans:
             request = batch.requests[span.row]

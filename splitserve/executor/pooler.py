@@ -9,10 +9,11 @@ import torch
 from splitserve.executor.input_batch import PoolingSpan
 
 
-def pool_step(hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, torch.Tensor]:
+def pool_step(hidden: torch.Tensor, spans: list[PoolingSpan], head=None) -> dict[str, torch.Tensor]:
     """Fold this step's rows into each pooling request's state; returns the finished embeddings
     (float32, on the device) by request id. A span that starts at position 0 starts the pooling
-    over (a new prompt, or one computed again after a preemption)."""
+    over (a new prompt, or one computed again after a preemption). `head`: a classification
+    model's head (pooled vector -> its logits), applied to each finished vector."""
     finished = {}
     for span in spans:
         state, params = span.state, span.state.pooling
@@ -33,6 +34,8 @@ def pool_step(hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, torch
             vector = state.pool / (span.start + span.count) if kind == "MEAN" else state.pool
             if vector is None:
                 raise RuntimeError(f"request {state.request_id}: its {kind} pooling saw no token to pool")
+            if head is not None:
+                vector = head(vector)
             if params.dimensions is not None:
                 vector = vector[: params.dimensions]
             if params.normalize:

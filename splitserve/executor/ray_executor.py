@@ -198,8 +198,8 @@ class RayDistributedExecutor(Executor):
     def sleep(self, level: int) -> None:
         self._call("sleep", level)
 
-    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self._call("wake_up", num_blocks, num_cpu_blocks)
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
+        self._call("wake_up", num_blocks, num_cpu_blocks, weights)
 
     def call_kv_connector(self, method: str, *args) -> list:
         return self._call("kv_connector", method, list(args))

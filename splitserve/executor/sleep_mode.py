@@ -61,14 +61,18 @@ def free_memory(device: torch.device) -> None:
 class RankSleep:
     """A rank's side of sleep mode, around its runner (None while asleep at level 2)."""
 
-    def __init__(self, make_runner):
+    def __init__(self, make_runner, model_config=None):
         self.make_runner = make_runner  # builds a new ModelRunner (level 2's wake-up)
+        self.model_config = model_config  # what make_runner reads the weights from
         self.level = 0
 
     def sleep(self, runner, level: int):
         """Returns the runner to keep (None at level 2)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if runner is None:  # already dropped (a failed wake-up with new weights): nothing to release
+            self.level = 2
+            return None
         device = runner.device
         release_kv_cache(runner)
         if level == 1:
@@ -79,8 +83,13 @@ class RankSleep:
         self.level = level
         return runner
 
-    def wake_up(self, runner, num_blocks: int, num_cpu_blocks: int):
-        """Returns the runner, its weights on the device and a new KV cache allocated."""
+    def wake_up(self, runner, num_blocks: int, num_cpu_blocks: int, weights=None):
+        """Returns the runner, its weights on the device and a new KV cache allocated. `weights`
+        (path, load format), after level 2: the checkpoint to build the runner from from now on."""
+        if weights is not None:
+            if runner is not None:
+                raise ValueError("New weights are read only by a runner built again (after sleep level 2).")
+            self.model_config.model, self.model_config.load_format = weights
         if self.level == 2 or runner is None:
             runner = self.make_runner()
         else:

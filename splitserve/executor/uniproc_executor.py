@@ -16,7 +16,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.runner = ModelRunner(config)
-        self.sleeping = RankSleep(lambda: ModelRunner(config))
+        self.sleeping = RankSleep(lambda: ModelRunner(config), config.model_config)
         self._last: InFlightStep | None = None  # the step a pending input token comes from
         self.kv_transfer = KVTransferHandler(config.kv_transfer_config, ParallelRank())
 
@@ -55,8 +55,8 @@ class UniProcExecutor(Executor):
         self._last = None
         self.runner = self.sleeping.sleep(self.runner, level)
 
-    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks)
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
+        self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks, weights)
 
     def call_kv_connector(self, method: str, *args) -> list:
         return [self.kv_transfer.handle(self.runner, method, list(args))]

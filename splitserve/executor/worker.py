@@ -91,7 +91,7 @@ class Worker:
         from splitserve.executor.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
-        self.sleeping = RankSleep(lambda: ModelRunner(config))
+        self.sleeping = RankSleep(lambda: ModelRunner(config), config.model_config)
         self.in_flight: deque = deque()  # launched steps, oldest first
         self.failure: str | None = None
         self.kv_transfer = KVTransferHandler(config.kv_transfer_config, rank, kv_host)
@@ -163,8 +163,8 @@ class Worker:
         self.in_flight.clear()
         self.runner = self.sleeping.sleep(self.runner, level)
 
-    def wake_up(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks)
+    def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
+        self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks, weights)
 
     def kv_connector(self, method: str, args: list):
         return self.kv_transfer.handle(self.runner, method, args)

@@ -253,7 +253,7 @@ def _max_model_len(hf_config, requested: int | None) -> int:
     return requested
 
 
-def _resolve_load_format(load_format: str, path: str) -> str:
+def resolve_load_format(load_format: str, path: str) -> str:
     if load_format == "dummy":
         return load_format
     if path.endswith(".gguf"):
@@ -290,7 +290,7 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
     else:
         tokenizer = path
     served = args.served_model_name or _served_name(args.model, path)
-    load_format = _resolve_load_format(args.load_format, path)
+    load_format = resolve_load_format(args.load_format, path)
     return ModelConfig(
         model=path,
         tokenizer=tokenizer,

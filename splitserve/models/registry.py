@@ -16,6 +16,7 @@ from splitserve.models.moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from splitserve.models.sequence_classification import LlamaForSequenceClassification
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -33,7 +34,13 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    # Cross-encoders and classifiers (the pooling runner): models/sequence_classification.py
+    **{
+        f"{name}ForSequenceClassification": LlamaForSequenceClassification
+        for name in ("Llama", "Mistral", "Qwen2", "Qwen3")
+    },
 }
+
 
 # Model types whose config class is remote code: splitserve reads their config.json itself.
 _NATIVE_CONFIG_READERS: dict[str, Callable[[dict], object]] = {

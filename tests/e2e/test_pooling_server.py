@@ -83,3 +83,21 @@ def test_errors_are_400s(server, path, body, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_cross_encoder_and_a_classifier_served(tmp_path, smollm_tokenizer):
+    """A reranker (one label) answers /score and /rerank with its sigmoid, as LLM.score does
+    offline; /classify answers its probabilities; /v1/embeddings is a 400 on it."""
+    from tests.parity.test_classification import DOCUMENTS, QUERY, make_classifier
+
+    path = make_classifier(str(tmp_path / "reranker"), smollm_tokenizer, 1)
+    offline = [o.outputs.score for o in LLM(path, dtype="float32", max_model_len=256).score(QUERY, DOCUMENTS)]
+    with RemoteServer(path, "--dtype", "float32", "--max-model-len", "256", "--disable-log-requests") as s:
+        score = httpx.post(f"{s.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
+        assert [d["score"] for d in score["data"]] == pytest.approx(offline, abs=1e-5)
+        rerank = httpx.post(f"{s.url}/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
+        assert [r["index"] for r in rerank["results"]] == sorted(range(3), key=lambda i: -offline[i])
+        classify = httpx.post(f"{s.url}/classify", json={"input": [QUERY, "Berlin"]}, timeout=60).json()
+        assert [len(d["probs"]) for d in classify["data"]] == [1, 1] and classify["data"][0]["label"] == "LABEL_0"
+        refused = httpx.post(f"{s.url}/v1/embeddings", json={"input": "x"}, timeout=60)
+        assert refused.status_code == 400 and "classification model" in refused.json()["error"]["message"]

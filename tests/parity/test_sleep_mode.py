@@ -1,7 +1,8 @@
 """Sleep mode (vLLM's LLM.sleep / wake_up / is_sleeping / reset_prefix_cache) on a tiny model: an idle
 engine releases its KV cache (level 1) or its weights too (level 2), refuses requests while it
 sleeps, and after waking gives the same greedy tokens as before, with an empty prefix cache; a busy
-engine refuses to sleep. (The server's routes: tests/e2e/test_sleep_mode_server.py.)"""
+engine refuses to sleep. LLM.update_weights: a new checkpoint's tokens, refusals that change nothing.
+(The server's routes: tests/e2e/test_sleep_mode_server.py.)"""
 
 from __future__ import annotations
 
@@ -55,3 +56,68 @@ def test_a_busy_engine_does_not_sleep(llm):
     _tokens(llm)
     assert llm.reset_prefix_cache()
     assert _tokens(llm) and not llm.is_sleeping()
+
+
+# --- weights updated from disk (engine/weight_update.py) ----------------------------------------
+def perturbed_copy(src: str, dst: str, seed: int) -> str:
+    """The checkpoint at `src` with every weight changed a little: the same model, trained further."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + 0.5 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(dst)
+    return dst
+
+
+def test_update_weights_gives_the_new_checkpoints_tokens(llm, tiny_models, tmp_path):
+    original = tiny_models["qwen3"]
+    before = _tokens(llm)
+    updated = perturbed_copy(original, str(tmp_path / "step1"), seed=1)
+    fresh = LLM(updated, tokenizer=original, dtype="float32", max_num_seqs=4, use_tqdm_on_load=False)
+    expected = _tokens(fresh)
+    del fresh
+    assert expected != before  # the test would prove nothing with the same tokens
+    _tokens(llm)  # fills the prefix cache with the old weights' blocks
+    llm.update_weights(updated)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert outputs[0].num_cached_tokens == 0  # no block computed with the old weights is reused
+    llm.update_weights(original)
+    assert _tokens(llm) == before
+
+
+def test_update_weights_refusals_change_nothing(llm, tiny_models, tmp_path):
+    import shutil
+
+    import transformers
+
+    before = _tokens(llm)
+    with pytest.raises(ValueError, match="does not exist"):
+        llm.update_weights(str(tmp_path / "missing"))
+    other = tmp_path / "other_shape"
+    config = transformers.AutoConfig.from_pretrained(tiny_models["qwen3"])
+    config.intermediate_size *= 2
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        llm.update_weights(str(other))
+    # A checkpoint whose config fits but whose weights cannot be read: the old weights come back.
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_models["qwen3"], broken)
+    for file in broken.glob("*.safetensors"):
+        file.write_bytes(file.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="previous weights were loaded again"):
+        llm.update_weights(str(broken))
+    assert _tokens(llm) == before
+    llm.llm_engine.add_request("busy", PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="1 request"):
+        llm.update_weights(tiny_models["qwen3"])
+    llm.llm_engine.abort_request(["busy"])
+    llm.sleep(1)
+    with pytest.raises(ValueError, match="asleep"):
+        llm.update_weights(tiny_models["qwen3"])
+    llm.wake_up()
+    assert _tokens(llm) == before

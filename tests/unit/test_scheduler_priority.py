@@ -87,3 +87,41 @@ def test_a_better_waiting_request_takes_the_seat_of_the_worst_running_one():
     while sched.has_unfinished_requests():
         step(sched)
     assert all(r.is_finished() for r in (low, mid, urgent))
+
+
+def test_an_urgent_prompt_takes_the_budget_before_a_worse_prompts_next_chunk():
+    """A long low-priority prompt is being computed chunk by chunk when an urgent one arrives: the
+    next step computes the urgent prompt whole (the decodes run too), the long one waits a step."""
+    sched = _sched("priority", budget=16, max_model_len=64)
+    decoding = req("decoding", [5, 6], priority=3, max_tokens=20)
+    add(sched, decoding)
+    step(sched)
+    long = req("long", range(100, 140), priority=3, max_tokens=2)
+    add(sched, long)
+    assert dict(plan(step(sched)))["long"] == 15  # a chunk, beside the decode
+    urgent = req("urgent", range(200, 212), priority=-1, max_tokens=2)
+    add(sched, urgent)
+    out = plan(step(sched))
+    assert dict(out) == {"decoding": 1, "urgent": 12}
+    assert dict(plan(step(sched)))["long"] == 14  # then it goes on, beside two decodes
+    fcfs = _sched("fcfs", budget=16, max_model_len=64)
+    add(fcfs, req("long", range(100, 140), max_tokens=2))
+    step(fcfs)
+    add(fcfs, req("urgent", range(200, 212), priority=0, max_tokens=2))
+    assert plan(step(fcfs))[0] == ("long", 16)  # first come, first served
+
+
+def test_the_prefill_threshold_chunks_only_prompts_worse_than_the_best_priority():
+    """--long-prefill-token-threshold under the priority policy: prompts of the best priority the
+    engine has seen run whole, worse ones in chunks of the threshold, so that the steps an urgent
+    request may arrive during stay short."""
+    sched = _sched("priority", budget=64, threshold=8, max_model_len=64)
+    add(sched, req("normal", range(100, 120), priority=0, max_tokens=2))
+    assert plan(step(sched)) == [("normal", 20)]  # the best priority so far: whole
+    add(sched, req("urgent", range(200, 220), priority=-1, max_tokens=2))
+    assert dict(plan(step(sched)))["urgent"] == 20
+    add(sched, req("normal2", range(300, 320), priority=0, max_tokens=2))
+    assert dict(plan(step(sched)))["normal2"] == 8  # worse than the best seen (-1): chunked
+    fcfs = _sched("fcfs", budget=64, threshold=8, max_model_len=64)
+    add(fcfs, req("a", range(100, 120), priority=0, max_tokens=2))
+    assert plan(step(fcfs)) == [("a", 8)]  # first come, first served: every prompt is chunked

@@ -22,7 +22,17 @@ from splitserve.entrypoints.openai.anthropic_protocol import (
     AnthropicMessagesRequest,
     AnthropicTokenCount,
 )
+from splitserve.entrypoints.openai.batch_protocol import (
+    BatchList,
+    BatchObject,
+    CreateBatchRequest,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
 from splitserve.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    ClassificationResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     RerankRequest,
@@ -46,7 +56,13 @@ from splitserve.entrypoints.openai.response_models import (
     TokenizeResponse,
 )
 from splitserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
-from splitserve.entrypoints.openai.serving_control import AbortRequestsBody, AbortRequestsResponse, SleepStatus
+from splitserve.entrypoints.openai.serving_control import (
+    AbortRequestsBody,
+    AbortRequestsResponse,
+    SleepStatus,
+    UpdateWeightsBody,
+    UpdateWeightsResponse,
+)
 from splitserve.entrypoints.openai.serving_generate import GenerateRequest
 from splitserve.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from splitserve.entrypoints.openai.serving_pd import KVReleaseRequest, KVReleaseResponse
@@ -56,7 +72,7 @@ _SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
 _ERRORS = {
     400: "The request is invalid (the message and param say why).",
     401: "A missing or wrong API key.",
-    404: "An unknown model, LoRA adapter or route.",
+    404: "An unknown model, LoRA adapter, route, file or batch.",
     413: "The body, or an array, object or string in it, is too large.",
     429: "Too many requests are waiting in the engine.",
     503: "The engine (or, at the router, every instance of a role) is not available.",
@@ -70,6 +86,7 @@ class RouteDoc:
     streams: str | None = None  # the media type of a streamed answer ("stream": true)
     text: bool = False  # a plain-text answer
     empty: bool = False  # an answer without a body (/health)
+    binary: bool = False  # a file's bytes (application/octet-stream)
     errors: tuple[int, ...] = field(default=(400, 401, 404, 413, 429, 503))
     # Anthropic's routes answer their own errors in Anthropic's shape (the API-key check and the
     # body limits, before them, in OpenAI's).
@@ -100,7 +117,22 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/v1/responses/{response_id}/cancel": RouteDoc((), ResponseObject, errors=(400, 401, 404, 503)),
     **{path: RouteDoc((), SleepStatus, errors=(400, 401, 503)) for path in _SLEEP_ROUTES},
     "/abort_requests": RouteDoc((AbortRequestsBody,), AbortRequestsResponse, errors=(400, 401, 413, 503)),
+    # "METHOD /path" where the methods of one path answer differently.
+    "POST /v1/files": RouteDoc((), FileObject, errors=(400, 401, 413)),  # multipart: serving_batches.py
+    "GET /v1/files": RouteDoc((), FileList, errors=(400, 401)),
+    "GET /v1/files/{file_id}": RouteDoc((), FileObject, errors=(401, 404)),
+    "DELETE /v1/files/{file_id}": RouteDoc((), FileDeleted, errors=(401, 404)),
+    "/v1/files/{file_id}/content": RouteDoc((), None, binary=True, errors=(401, 404)),
+    "POST /v1/batches": RouteDoc((CreateBatchRequest,), BatchObject, errors=(400, 401, 404, 413)),
+    "GET /v1/batches": RouteDoc((), BatchList, errors=(400, 401)),
+    "/v1/batches/{batch_id}": RouteDoc((), BatchObject, errors=(401, 404)),
+    "/v1/batches/{batch_id}/cancel": RouteDoc((), BatchObject, errors=(400, 401, 404)),
+    **{
+        path: RouteDoc((UpdateWeightsBody,), UpdateWeightsResponse, errors=(400, 401, 413, 503))
+        for path in ("/update_weights", "/update_weights_from_disk")
+    },
     **{path: RouteDoc((ScoreRequest,), ScoreResponse) for path in ("/score", "/v1/score")},
+    **{path: RouteDoc((ClassificationRequest,), ClassificationResponse) for path in ("/classify", "/v1/classify")},
     **{path: RouteDoc((RerankRequest,), RerankResponse) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
 
@@ -113,8 +145,10 @@ def _responses(doc: RouteDoc) -> dict:
     content = {}
     if doc.response is not None:
         content["application/json"] = {"schema": _ref(doc.response)}
-    elif not doc.text and not doc.empty:
+    elif not doc.text and not doc.empty and not doc.binary:
         content["application/json"] = {"schema": {"type": "object"}}
+    if doc.binary:
+        content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
     if doc.streams:  # server-sent events (chunks of the JSON answer) or JSON lines
         content[doc.streams] = {}
     if doc.text:
@@ -140,6 +174,15 @@ def _bound_token_ids(node, vocab_size: int) -> None:
             _bound_token_ids(value, vocab_size)
 
 
+def _route_doc(route) -> RouteDoc | None:
+    """A route's doc: by "METHOD /path" when there is one, else by "/path"."""
+    path = getattr(route, "path", "")
+    for method in sorted(getattr(route, "methods", None) or ()):
+        if f"{method} {path}" in ROUTE_DOCS:
+            return ROUTE_DOCS[f"{method} {path}"]
+    return ROUTE_DOCS.get(path)
+
+
 def document_routes(app: FastAPI, vocab_size: int | None = None) -> None:
     """Give every route of ROUTE_DOCS that `app` has its request body and answers in the OpenAPI
     document, and add the models' schemas to its components; token ids are bounded by `vocab_size`
@@ -147,7 +190,7 @@ def document_routes(app: FastAPI, vocab_size: int | None = None) -> None:
     models: set[type[BaseModel]] = {ErrorResponse, AnthropicErrorResponse}
     documented: dict[tuple[str, str], RouteDoc] = {}
     for route in app.routes:
-        doc = ROUTE_DOCS.get(getattr(route, "path", ""))
+        doc = _route_doc(route)
         if not isinstance(route, APIRoute) or doc is None:
             continue
         documented.update({(route.path, method.lower()): doc for method in route.methods})

@@ -21,9 +21,10 @@ from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
 from splitserve.entrypoints.openai.serving_base import json_response
+from splitserve.entrypoints.openai.serving_batches import add_batch_routes, batch_serving
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from splitserve.entrypoints.openai.serving_control import abort_by_client_ids, sleep_call
+from splitserve.entrypoints.openai.serving_control import abort_by_client_ids, sleep_call, update_weights
 from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from splitserve.entrypoints.openai.serving_responses import ResponsesServing
@@ -47,6 +48,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     anthropic = AnthropicServing(chat)
     pooling = OpenAIServingPooling(engine, config, server_args, metrics)
     responses = ResponsesServing(chat)
+    batches = batch_serving(completion, chat, pooling, config, server_args)
     tracing = completion.tracing
 
     @asynccontextmanager
@@ -100,6 +102,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
 
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, _score_route(pooling), methods=["POST"], name=f"score {path}")
+    for path in ("/classify", "/v1/classify"):
+        app.add_api_route(path, _classify_route(pooling), methods=["POST"], name=f"classify {path}")
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.add_api_route(path, _rerank_route(pooling), methods=["POST"], name=f"rerank {path}")
 
@@ -146,6 +150,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     async def is_sleeping():
         return json_response(await sleep_call(engine, "is_sleeping"))
 
+    for path in ("/update_weights", "/update_weights_from_disk"):  # the second is SGLang's name
+        app.add_api_route(path, _update_weights_route(engine), methods=["POST"], name=f"update weights {path}")
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         return json_response(await sleep_call(engine, "reset_prefix_cache"))
@@ -175,6 +182,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         body, content_type = render_metrics()
         return Response(body, media_type=content_type)
 
+    add_batch_routes(app, batches)  # /v1/files, /v1/batches
     document_routes(app, config.model_config.hf_config.vocab_size)
     app.add_middleware(RequestIdMiddleware)
     if tracing is not None:
@@ -214,3 +222,17 @@ def _rerank_route(pooling: OpenAIServingPooling):
         return await pooling.create_rerank(await read_json_body(request), request)
 
     return rerank
+
+
+def _update_weights_route(engine: AsyncLLM):
+    async def update(request: Request):
+        return json_response(await update_weights(engine, await read_json_body(request)))
+
+    return update
+
+
+def _classify_route(pooling: OpenAIServingPooling):
+    async def classify(request: Request):
+        return await pooling.create_classify(await read_json_body(request), request)
+
+    return classify

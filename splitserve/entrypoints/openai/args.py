@@ -42,6 +42,9 @@ class ServerArgs:
     uvicorn_log_level: str = "warning"
     metrics_prefix: str = "splitserve"
     otlp_traces_endpoint: str | None = None
+    batch_files_dir: str | None = None  # None: a temporary directory of this server's (server.py)
+    batch_max_file_mb: int = 200
+    batch_max_concurrency: int = 8
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +157,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="how the PD router picks instances",
     )
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument(
+        "--batch-files-dir",
+        default=None,
+        help="where /v1/files keeps its files and /v1/batches its batches, shared by the API workers (default: a "
+        "temporary directory of the server's, removed when it stops)",
+    )
+    g.add_argument(
+        "--batch-max-file-mb", type=int, default=200, help="the largest file POST /v1/files takes, in MiB (OpenAI's)"
+    )
+    g.add_argument(
+        "--batch-max-concurrency",
+        type=int,
+        default=8,
+        help="requests of one batch (/v1/batches) in flight at once",
+    )
 
 
 def make_arg_parser(
@@ -203,6 +221,8 @@ def check_server_args(args: ServerArgs) -> None:
         raise ValueError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}.")
     if args.engine_restart_window <= 0:
         raise ValueError(f"--engine-restart-window must be > 0, got {args.engine_restart_window}.")
+    if args.batch_max_file_mb < 1 or args.batch_max_concurrency < 1:
+        raise ValueError("--batch-max-file-mb and --batch-max-concurrency must be >= 1.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
     check_endpoint(args.otlp_traces_endpoint)

@@ -1,5 +1,6 @@
 """The bodies of the pooling routes (the pooling runner, docs/pooling.md): OpenAI's /v1/embeddings,
-vLLM's /score, and the Jina / Cohere shaped /rerank, as pydantic v2 models (requests and answers)."""
+vLLM's /score and /classify, and the Jina / Cohere shaped /rerank, as pydantic v2 models (requests
+and answers)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,23 @@ class EmbeddingRequest(RequestModel):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     normalize: bool | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        return check_prompt_shapes(value, "input")
+
+    def inputs(self) -> list[str | list[int]]:
+        return prompt_list(self.input)
+
+
+class ClassificationRequest(RequestModel):
+    """POST /classify (and /v1/classify), vLLM's: each input's label probabilities."""
+
+    model: str | None = None
+    input: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT_SCHEMA]
+    user: str | None = None
     add_special_tokens: bool = True
 
     @field_validator("input", mode="before")
@@ -118,6 +136,22 @@ class EmbeddingResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable label's name (config.json's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("classify"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
     usage: PoolingUsage
 
 

@@ -48,6 +48,9 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         # Must be set before any process imports prometheus_client.
         multiproc_dir = tempfile.mkdtemp(prefix="splitserve-metrics-")
         os.environ[MULTIPROC_ENV] = multiproc_dir
+    batch_dir = None
+    if server_args.batch_files_dir is None:  # made here, so that every API worker shares it
+        batch_dir = server_args.batch_files_dir = tempfile.mkdtemp(prefix="splitserve-batches-")
     sock = bind_socket(server_args.host, server_args.port)
     metrics_sock = None
     if server_args.metrics_port not in (None, server_args.port):
@@ -94,8 +97,9 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
             if w.is_alive():
                 w.terminate()
         (supervisor.engine if supervisor is not None else engine).shutdown()
-        if multiproc_dir:
-            shutil.rmtree(multiproc_dir, ignore_errors=True)
+        for directory in (multiproc_dir, batch_dir):
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 def _engine_supervisor(engine, engine_args: EngineArgs, server_args: ServerArgs, config: EngineConfig):

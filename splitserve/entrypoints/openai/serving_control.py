@@ -1,6 +1,7 @@
-"""Admin routes that act on requests already running: /abort_requests, which aborts requests by
-the ids their clients gave them (the `X-Request-Id` header or the body's `request_id`), whichever
-API worker runs them. Behind the API key when one is set, like every route but /health."""
+"""Admin routes that act on the engine and the requests in it: /abort_requests, which aborts
+requests by the ids their clients gave them (the `X-Request-Id` header or the body's `request_id`),
+whichever API worker runs them; sleep mode (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache);
+/update_weights. Behind the API key when one is set, like every route but /health."""
 
 from __future__ import annotations
 
@@ -61,3 +62,41 @@ async def sleep_call(engine: AsyncLLM, op: str, level: int | str = 1) -> SleepSt
     if reply.error is not None:
         raise APIError(reply.error, param="level" if op == "sleep" else None)
     return SleepStatus(is_sleeping=reply.sleep_level > 0, level=reply.sleep_level)
+
+
+class UpdateWeightsBody(BaseModel):
+    """POST /update_weights (and SGLang's /update_weights_from_disk)."""
+
+    model_path: str = Field(min_length=1)
+    load_format: str = "auto"
+
+
+class UpdateWeightsResponse(BaseModel):
+    success: bool = True
+    message: str
+    model_path: str
+
+
+async def update_weights(engine: AsyncLLM, body: dict) -> UpdateWeightsResponse:
+    """Load a new checkpoint of the served model (engine/weight_update.py): a 400 that says why when
+    it is refused (another architecture or shape, requests running, asleep, no such path) or when
+    loading failed (the previous weights are then loaded again)."""
+    try:
+        req = UpdateWeightsBody.model_validate(body)
+    except ValidationError:
+        raise APIError(
+            'The body must be {"model_path": "/path/to/checkpoint"} (and optionally "load_format": '
+            '"auto", "safetensors", "pt" or "gguf").',
+            param="model_path",
+        ) from None
+    if req.load_format not in ("auto", "safetensors", "pt", "gguf"):
+        raise APIError(
+            f"load_format must be auto, safetensors, pt or gguf, got {req.load_format!r}.", param="load_format"
+        )
+    try:
+        reply = await engine.sleep_call("update_weights", model_path=req.model_path, load_format=req.load_format)
+    except EngineDeadError as exc:
+        raise APIError(str(exc), 503, "service_unavailable") from None
+    if reply.error is not None:
+        raise APIError(reply.error, param="model_path")
+    return UpdateWeightsResponse(message=f"Weights loaded from {req.model_path}.", model_path=req.model_path)

@@ -1,6 +1,8 @@
-"""/v1/embeddings, /score and /rerank: the pooling runner's routes (docs/pooling.md). Each input is
-one pooling request to the engine (its prompt pooled into an embedding); score and rerank are the
-cosine similarities of embeddings, as vLLM computes them for an embedding model."""
+"""/v1/embeddings, /score, /rerank and /classify: the pooling runner's routes (docs/pooling.md).
+Each input is one pooling request to the engine (its prompt pooled into an embedding, or, for a
+classification model, into its labels' logits). Score and rerank are the cosine similarities of
+embeddings for an embedding model, as vLLM computes them, and for a cross-encoder (a classifier of
+one label) the sigmoid of its logit for the (query, document) pair read together."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from fastapi.responses import JSONResponse
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai.pooling_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -31,7 +36,7 @@ from splitserve.entrypoints.openai.pooling_protocol import (
 from splitserve.entrypoints.openai.response_models import random_id
 from splitserve.entrypoints.openai.serving_base import OpenAIServing, json_response
 from splitserve.outputs import RequestOutput
-from splitserve.pooling_params import PoolingParams, cosine_similarity
+from splitserve.pooling_params import PoolingParams, classifier_activation, cosine_similarity, is_classifier
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -48,6 +53,10 @@ class OpenAIServingPooling(OpenAIServing):
                 "--runner pooling (or --task embed) to serve embeddings, score and rerank.",
                 400,
             )
+
+    @property
+    def classifier(self) -> bool:
+        return is_classifier(self.model_config.hf_config)
 
     async def _embed(
         self, inputs: list, pooling: PoolingParams, raw: Request, param: str, lora=None, add_special_tokens=True
@@ -80,6 +89,12 @@ class OpenAIServingPooling(OpenAIServing):
         req: EmbeddingRequest = self._parse(EmbeddingRequest.model_validate, body)
         lora = await self._check_model(req.model)
         self._check_runner("/v1/embeddings")
+        if self.classifier:
+            raise APIError(
+                "This server runs a classification model (a reranker or classifier): it answers /score, /rerank "
+                "and /classify, not embeddings.",
+                param="model",
+            )
         pooling = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         finals = await self._embed(req.inputs(), pooling, raw, "input", lora, req.add_special_tokens)
         data = [
@@ -97,6 +112,8 @@ class OpenAIServingPooling(OpenAIServing):
                 f"Score pairs the texts one to one, or one against many: got {len(queries)} and {len(documents)}.",
                 param=param,
             )
+        if self.classifier:
+            return await self._cross_encode(queries, documents, raw, param, lora)
         finals = await self._embed(queries + documents, PoolingParams(), raw, param, lora)
         first, second = finals[: len(queries)], finals[len(queries) :]
         if len(first) == 1:
@@ -133,6 +150,38 @@ class OpenAIServingPooling(OpenAIServing):
         ]
         usage = PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
         return json_response(RerankResponse(model=self._response_model(req), usage=usage, results=results))
+
+    async def _cross_encode(self, queries: list, documents: list, raw: Request, param: str, lora) -> tuple[list, int]:
+        """A cross-encoder's scores: each (query, document) pair read together, its one logit's sigmoid."""
+        num_labels = getattr(self.model_config.hf_config, "num_labels", 1)
+        if num_labels != 1:
+            raise APIError(
+                f"Scoring needs a cross-encoder of one label; this model has {num_labels}: use /classify.", param=param
+            )
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        pairs = await asyncio.to_thread(lambda: [self.processor.pair_prompt(q, d) for q, d in zip(queries, documents)])
+        finals = await self._embed([p["prompt_token_ids"] for p in pairs], PoolingParams(), raw, param, lora)
+        scores = [classifier_activation(out.pooled)[0] for out in finals]
+        return scores, sum(len(out.prompt_token_ids) for out in finals)
+
+    async def create_classify(self, body: dict, raw: Request) -> JSONResponse:
+        req: ClassificationRequest = self._parse(ClassificationRequest.model_validate, body)
+        lora = await self._check_model(req.model)
+        self._check_runner("/classify")
+        if not self.classifier:
+            raise APIError("/classify needs a classification model (*ForSequenceClassification).", param="model")
+        finals = await self._embed(req.inputs(), PoolingParams(), raw, "input", lora, req.add_special_tokens)
+        labels = getattr(self.model_config.hf_config, "id2label", None) or {}
+        data = []
+        for i, out in enumerate(finals):
+            probs = classifier_activation(out.pooled)
+            best = max(range(len(probs)), key=probs.__getitem__)
+            label = str(labels.get(best, labels.get(str(best), f"LABEL_{best}")))
+            data.append(ClassificationData(index=i, label=label, probs=probs, num_classes=len(probs)))
+        tokens = sum(len(out.prompt_token_ids) for out in finals)
+        usage = PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        return json_response(ClassificationResponse(model=self._response_model(req), data=data, usage=usage))
 
     def _text(self, document: str | list[int]) -> str:
         return document if isinstance(document, str) else self.tokenizer.decode(document)
