@@ -43,6 +43,8 @@ _ENGINE_HELP = {
     "the checkpoint's quantization_config says, and gguf for a quantized .gguf on CPU; weight_only_int8 and fp8 "
     "also quantize an unquantized model while loading; none runs a quantized .gguf dequantized to --dtype)",
     "kv_cache_ratio": "share of KV blocks new prompts may fill while others run (FastDeploy; 1.0: no reserve)",
+    "kv_events_config": "publish the prefix cache's changes (vLLM's KV events), as JSON: {\"enable_kv_cache_events\": "
+    'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
     "long_prefill_token_threshold": "most prompt tokens one request may compute in a step (0: no limit; with "
     "--scheduling-policy priority, only for prompts of a worse priority than the best seen)",
     "prompt_tail_tokens": "a prompt chunk that the step budget would cut short by at most N tokens (all such "

@@ -19,6 +19,7 @@ from splitserve.config import (
     resolve_device,
 )
 from splitserve.engine import startup
+from splitserve.engine.kv_events import KVEventsConfig
 from splitserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class EngineArgs:
     runner: str = "auto"  # generate or pooling (embeddings); auto: pooling for a bare *Model architecture
     task: str = "auto"  # vLLM's older name for the runner: generate, embed (embedding)
     pooler_config: dict | None = None  # PoolerConfig's keys: pooling_type, normalize, matryoshka_dimensions
+    kv_events_config: dict | None = None  # vLLM's KVEventsConfig keys (engine/kv_events.py)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -148,6 +150,7 @@ class EngineArgs:
             async_scheduling=self._async_scheduling(device, parallel_config, speculative),
             use_tqdm_on_load=self.use_tqdm_on_load,
             kv_transfer_config=kv_transfer_config,
+            kv_events_config=KVEventsConfig.from_value(self.kv_events_config),
             lora_config=self._lora_config(),
             speculative_config=speculative,
             batch_invariant=self.batch_invariant or envs.SPLITSERVE_BATCH_INVARIANT,

@@ -20,6 +20,7 @@ from splitserve import kernels
 from splitserve.config import EngineConfig
 from splitserve.engine import pd, startup
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_events import attach_events
 from splitserve.engine.lora_registry import LoRANotFoundError, LoRARegistry
 from splitserve.engine.messages import (
     EngineCoreOutput,
@@ -88,6 +89,7 @@ class EngineCore:
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = self._make_connector()
         self.sleeping = EngineSleep(self)  # sleep mode: engine/sleep_mode.py
+        self.kv_events = attach_events(self, config.kv_events_config)  # engine/kv_events.py; None: off
         if self.config.device.type == "cpu":
             with startup.phase("CPU kernels"):  # built once per machine, loaded from torch's cache after
                 kernels.cpu_ops()
@@ -360,6 +362,8 @@ class EngineCore:
                     logger.debug("MoE layer %d: tokens routed to each expert since start: %s", layer, counts)
             if self.connector is not None:
                 self.connector.shutdown()
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
         except Exception as exc:  # a dead rank cannot stop its connector; stop the ranks regardless
             logger.warning("KV connector shutdown failed: %s", exc)
         finally:

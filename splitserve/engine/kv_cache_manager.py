@@ -48,6 +48,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, KVBlock] = {}
+        self.events = None  # a kv_events.KVEventRecorder when KV cache events are published
 
     @property
     def num_blocks(self) -> int:
@@ -82,11 +83,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Make a full block findable by its hash (the first block with a given content wins)."""
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Make a full block findable by its hash (the first block with a given content wins);
+        True when this block became findable."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -94,6 +98,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -104,6 +110,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_invariants(self) -> None:
@@ -203,9 +211,24 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = update_block_hashes(request, self.block_size)
-        for i in range(done, num_full):
-            self.pool.cache(blocks[i], hashes[i])
+        stored = [i for i in range(done, num_full) if self.pool.cache(blocks[i], hashes[i])]
         self.num_cached_blocks[request.request_id] = num_full
+        if self.pool.events is not None and stored:
+            self._record_stored(request, hashes, stored)
+
+    def _record_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """BlockStored events for the blocks that became findable: one per run of consecutive blocks."""
+        bs, tokens = self.block_size, request.all_token_ids
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            parent = hashes[run[0] - 1] if run[0] else None
+            ids = list(tokens[run[0] * bs : (run[-1] + 1) * bs])
+            self.pool.events.stored([hashes[i] for i in run], parent, ids, request.lora_int_id)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so the least shareable blocks are reused first

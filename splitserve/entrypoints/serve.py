@@ -78,6 +78,11 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
     from splitserve.disagg import launch
 
     num_prefill, num_decode = launch.parse_pd_spec(spec)
+    if engine_args.kv_events_config:
+        raise ValueError(
+            "serve --pd gives every instance the same flags, so their KV events would share one endpoint: start the "
+            "instances by hand (--pd-role), each with its own --kv-events-config endpoint."
+        )
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     instances: list[launch.LocalInstance] = []
     keeper = None
