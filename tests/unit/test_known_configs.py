@@ -310,8 +310,25 @@ def test_throughput_benchmark_runs_both_backends_on_dummy_weights(tmp_path, smol
     assert "random weights" in out
     # --profile: splitserve's run under torch.profiler, a summary and a Chrome trace
     assert "Profiled run:" in out and "Self CPU time total" in out
+    assert "where the time went" in out and "matmuls" in out and "outside operators" in out  # the CPU breakdown
     (trace,) = (tmp_path / "profile").iterdir()
     assert trace.name.endswith(".json") and trace.stat().st_size > 0
+
+
+def test_the_cpu_breakdown_sorts_operators_into_categories():
+    from splitserve.benchmarks.profiling import categorize, cpu_breakdown
+
+    assert categorize("aten::addmm") == categorize("mkldnn::_linear_pointwise") == "matmuls"
+    assert categorize("aten::_weight_int8pack_mm") == categorize("splitserve_cpu::gguf_mm") == "matmuls"
+    assert categorize("splitserve_cpu::decode_attention") == "attention"
+    assert categorize("splitserve_cpu::write_kv") == "KV-cache writes"
+    assert categorize("splitserve_cpu::add_rms_norm") == "norms and rotary"
+    assert categorize("splitserve_cpu::decode_stack_forward").startswith("fused decode stack")
+    assert categorize("aten::empty_strided") == categorize("aten::clamp_min") == "other operators"
+    table = cpu_breakdown({"aten::addmm": 2.0, "splitserve_cpu::rotary": 0.5, "aten::copy_": 0.5}, wall=4.0)
+    lines = table.splitlines()
+    assert lines[1].startswith("matmuls") and lines[1].endswith("50.0%")
+    assert any(line.startswith("outside operators") and line.endswith("25.0%") for line in lines)
 
 
 def test_busy_seconds_is_the_union_of_intervals():
