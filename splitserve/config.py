@@ -133,6 +133,9 @@ class SchedulerConfig:
     # "fcfs": requests in arrival order; "priority": by each request's priority (lower first, then
     # arrival), and under memory pressure the lowest-priority running request is preempted (vLLM's).
     policy: str = "fcfs"
+    # FastDeploy's LocalScheduler TTL: a request still waiting (never scheduled) after this many
+    # seconds is dropped with an error (0: requests wait as long as it takes).
+    waiting_ttl: float = 0.0
 
     def verify(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -141,6 +144,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
         if self.delay_factor < 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.delay_factor}.")
+        if self.waiting_ttl < 0:
+            raise ValueError(f"scheduler_ttl must be >= 0 seconds, got {self.waiting_ttl}.")
         if not 0.0 < self.kv_cache_ratio <= 1.0:
             raise ValueError(f"kv_cache_ratio must be in (0, 1], got {self.kv_cache_ratio}.")
         if self.max_num_seqs < 1:

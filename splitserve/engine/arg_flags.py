@@ -80,6 +80,8 @@ _ENGINE_HELP = {
     "instead of a slice of every expert (docs/moe.md)",
     "batch_invariant": "every row of a step computed as it would be alone: greedy output that does not depend on the "
     "batch, chunking, prefix hits or the deployment (CPU; also SPLITSERVE_BATCH_INVARIANT=1; docs/determinism.md)",
+    "scheduler_ttl": "FastDeploy's LocalScheduler TTL: a request that has waited this many seconds without "
+    "running is dropped with a 503 (0, the default: no limit; FastDeploy's own default is 900)",
     "scheduling_policy": "fcfs (arrival order) or priority (a request's `priority` field, lower first; the "
     "lowest priority is preempted first)",
     "served_model_name": 'the name requests give as `model` (default: the model\'s name; "default" is always accepted)',

@@ -73,6 +73,7 @@ class EngineArgs:
     swap_space: float = 0.0  # GiB of host memory per rank for swapped-out KV (preemption_mode "swap")
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
+    scheduler_ttl: float = 0.0  # FastDeploy's: seconds a request may wait before it first runs (0: no limit)
     num_cpu_blocks: int | None = None  # exact host blocks, instead of swap_space (LMDeploy's num_cpu_blocks)
     pd_role: str = "mixed"
     kv_host: str = "127.0.0.1"
@@ -128,6 +129,7 @@ class EngineArgs:
             delay_factor=self.scheduler_delay_factor,
             preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,
+            waiting_ttl=self.scheduler_ttl,
         )
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and speculative.method == "draft_model":

@@ -246,6 +246,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return None
         sched = self.scheduler.schedule()
+        for request in sched.expired:
+            ttl = self.config.scheduler_config.waiting_ttl
+            message = f"The request waited in the queue more than {ttl:g} s (--scheduler-ttl) and was dropped."
+            self._pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason="abort", error=message, error_status=503)
+            )
         for request, first_block, dest in sched.kv_pulls:
             self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
         return None if sched.is_empty else sched

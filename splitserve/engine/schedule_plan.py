@@ -34,6 +34,8 @@ class SchedulePlan:
     # Speculative decoding: the draft tokens each request verifies in this step (its scheduled count
     # includes them, after its last token).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests dropped before they ever ran: they waited longer than SchedulerConfig.waiting_ttl.
+    expired: list[Request] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -110,6 +110,8 @@ class Scheduler(PDSchedulingMixin):
     # --- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
         out = SchedulePlan()
+        if self.config.waiting_ttl > 0 and self.waiting:
+            self._expire_waiting(out)
         self._tail_left = self.config.prompt_tail_tokens if self.config.enable_chunked_prefill else 0
         if self.config.policy == "priority":  # the back of the list is preempted first (stable: ties keep their order)
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
@@ -123,6 +125,15 @@ class Scheduler(PDSchedulingMixin):
             self._schedule_waiting(out, budget)
             self._prev_had_prompts = len(out.scheduled) > num_running
         return out
+
+    def _expire_waiting(self, out: SchedulePlan) -> None:
+        """Requests that never ran and waited past waiting_ttl leave the queue (FastDeploy's TTL)."""
+        deadline = self.clock() - self.config.waiting_ttl
+        for request in [r for r in self.waiting if r.arrival_time < deadline and r.first_scheduled_time is None]:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            out.expired.append(request)
 
     def _passed_delay(self) -> bool:
         """With a delay factor, waiting prompts are admitted only once the oldest has waited

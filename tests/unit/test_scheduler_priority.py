@@ -125,3 +125,27 @@ def test_the_prefill_threshold_chunks_only_prompts_worse_than_the_best_priority(
     fcfs = _sched("fcfs", budget=64, threshold=8, max_model_len=64)
     add(fcfs, req("a", range(100, 120), priority=0, max_tokens=2))
     assert plan(step(fcfs)) == [("a", 8)]  # first come, first served: every prompt is chunked
+
+
+def test_waiting_requests_expire_after_the_scheduler_ttl():
+    """FastDeploy's LocalScheduler TTL: a request that has waited longer without ever running leaves
+    the queue (the engine answers it with an error); running and younger requests stay."""
+    sched = _sched("fcfs", max_num_seqs=1)
+    sched.config.waiting_ttl = 10.0
+    now = [100.0]
+    sched.clock = lambda: now[0]
+    running, old, young = req("running", [5, 6], max_tokens=20), req("old", [7, 8]), req("young", [9])
+    running.arrival_time, old.arrival_time = 99.0, 95.0
+    add(sched, running, old)
+    step(sched)  # `running` takes the only seat
+    now[0] = 104.0  # old has waited 9 s
+    young.arrival_time = 103.0
+    add(sched, young)
+    assert step(sched).expired == [] and [r.request_id for r in sched.waiting] == ["old", "young"]
+    now[0] = 106.0  # old 11 s, young 3 s
+    out = step(sched)
+    assert [r.request_id for r in out.expired] == ["old"] and old.is_finished()
+    assert "old" not in sched.requests and [r.request_id for r in sched.waiting] == ["young"]
+    now[0] = 120.0  # running arrived 21 s ago, but it runs: only requests that never ran expire
+    assert [r.request_id for r in step(sched).expired] == ["young"]
+    assert running.status == RequestStatus.RUNNING

@@ -42,6 +42,8 @@ class ServerArgs:
     uvicorn_log_level: str = "warning"
     metrics_prefix: str = "splitserve"
     otlp_traces_endpoint: str | None = None
+    scheduler_name: str = "local"
+    scheduler_max_size: int = -1
     batch_files_dir: str | None = None  # None: a temporary directory of this server's (server.py)
     batch_max_file_mb: int = 200
     batch_max_concurrency: int = 8
@@ -71,6 +73,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default="splitserve",
         help="the metrics' name prefix: vllm gives vLLM's own names (vllm:num_requests_running ...), for vLLM's "
         "Grafana dashboards and the routers that read them",
+    )
+    g.add_argument(
+        "--scheduler-name",
+        default="local",
+        help="FastDeploy's scheduler: local (the engine's own queue, with --scheduler-max-size and --scheduler-ttl); "
+        "global and splitwise (Redis) are refused: not built",
+    )
+    g.add_argument(
+        "--scheduler-max-size",
+        type=int,
+        default=-1,
+        help="FastDeploy's LocalScheduler queue length: answer 429 when this many requests wait (-1: no limit; "
+        "the same as --max-queued-requests)",
     )
     g.add_argument(
         "--otlp-traces-endpoint",
@@ -225,9 +240,28 @@ def check_server_args(args: ServerArgs) -> None:
         raise ValueError("--batch-max-file-mb and --batch-max-concurrency must be >= 1.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0.")
+    _check_scheduler(args)
     check_endpoint(args.otlp_traces_endpoint)
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)
+
+
+def _check_scheduler(args: ServerArgs) -> None:
+    """FastDeploy's scheduler flags: the local scheduler is the engine's own queue; its size limit
+    is --max-queued-requests under FastDeploy's name."""
+    if args.scheduler_name in ("global", "splitwise"):
+        raise ValueError(
+            f"--scheduler-name {args.scheduler_name} (FastDeploy's Redis-backed scheduler) is not built: use local "
+            "(the default), or several instances behind `splitserve router` (docs/pd.md)."
+        )
+    if args.scheduler_name != "local":
+        raise ValueError(f"--scheduler-name must be local, global or splitwise, got {args.scheduler_name!r}.")
+    if args.scheduler_max_size < -1:
+        raise ValueError(f"--scheduler-max-size must be -1 (no limit) or >= 0, got {args.scheduler_max_size}.")
+    if args.scheduler_max_size >= 0:
+        if args.max_queued_requests not in (None, args.scheduler_max_size):
+            raise ValueError("--scheduler-max-size and --max-queued-requests are one limit: give one of them.")
+        args.max_queued_requests = args.scheduler_max_size
 
 
 def load_chat_template(value: str) -> str:
