@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-POLICIES = ("round_robin", "least_load", "prefix_aware")
+POLICIES = ("round_robin", "least_load", "prefix_aware", "cache_aware")
 PREFIX_CHARS = 512  # how much of the prompt prefix_aware hashes
 _LOAD_METRICS = {  # by name after the prefix (splitserve:, or vllm: with --metrics-prefix vllm)
     "num_requests_running": "running",
@@ -44,6 +44,10 @@ class Upstream:
     down_reason: str | None = None
     in_flight: int = 0  # requests this router has open on it right now
     load: InstanceLoad | None = None  # its own report, when its /metrics could be read
+    # cache_aware: the block hashes its prefix cache holds, from its KV cache events (None: it
+    # publishes none), and its block size (entrypoints/router/kv_index.py)
+    cached: set[bytes] | None = None
+    block_size: int | None = None
 
 
 def parse_instance_load(text: str) -> InstanceLoad | None:
@@ -73,7 +77,8 @@ class Policy(ABC):
     name = ""
 
     @abstractmethod
-    def choose(self, instances: Sequence[Upstream], request_body: dict) -> Upstream: ...
+    def choose(self, instances: Sequence[Upstream], request_body: dict, hashes: list[bytes] | None = None) -> Upstream:
+        """`hashes`: the prompt's block hashes (cache_aware only; the others ignore them)."""
 
 
 class RoundRobinPolicy(Policy):
@@ -84,7 +89,7 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, instances: Sequence[Upstream], request_body: dict) -> Upstream:
+    def choose(self, instances: Sequence[Upstream], request_body: dict, hashes=None) -> Upstream:
         return instances[next(self._counter) % len(instances)]
 
 
@@ -99,7 +104,7 @@ class LeastLoadPolicy(Policy):
     def __init__(self) -> None:
         self._rr = RoundRobinPolicy()
 
-    def choose(self, instances: Sequence[Upstream], request_body: dict) -> Upstream:
+    def choose(self, instances: Sequence[Upstream], request_body: dict, hashes=None) -> Upstream:
         fewest = min(i.in_flight for i in instances)
         ties = [i for i in instances if i.in_flight == fewest]
         if len(ties) > 1 and all(i.load is not None for i in ties):
@@ -140,7 +145,7 @@ class PrefixAwarePolicy(Policy):
         self.skew_factor = skew_factor
         self._least = LeastLoadPolicy()
 
-    def choose(self, instances: Sequence[Upstream], request_body: dict) -> Upstream:
+    def choose(self, instances: Sequence[Upstream], request_body: dict, hashes=None) -> Upstream:
         key = prompt_prefix(request_body)
         chosen = max(instances, key=lambda i: (_rendezvous_weight(i.url, key), i.url))
         fewest = min(i.in_flight for i in instances)
@@ -149,7 +154,44 @@ class PrefixAwarePolicy(Policy):
         return chosen
 
 
-_POLICY_CLASSES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobinPolicy, LeastLoadPolicy, PrefixAwarePolicy)}
+def cached_prefix_blocks(inst: Upstream, hashes: Sequence[bytes]) -> int:
+    """How many of the prompt's leading blocks the instance holds (its KV cache events say)."""
+    if inst.cached is None:
+        return 0
+    count = 0
+    for block_hash in hashes:
+        if block_hash not in inst.cached:
+            break
+        count += 1
+    return count
+
+
+class CacheAwarePolicy(Policy):
+    """The instance that holds the longest cached prefix of the prompt, exactly (from the instances'
+    own KV cache events: entrypoints/router/kv_index.py), least loaded among equals; the least
+    loaded instance when none holds any of it, or when the best one has more than `skew_factor`
+    times the in-flight requests of the least loaded one (a hot prefix must not pile up)."""
+
+    name = "cache_aware"
+
+    def __init__(self, skew_factor: float = 2.0) -> None:
+        self.skew_factor = skew_factor
+        self._least = LeastLoadPolicy()
+
+    def choose(self, instances: Sequence[Upstream], request_body: dict, hashes=None) -> Upstream:
+        scores = [cached_prefix_blocks(i, hashes) for i in instances] if hashes else [0] * len(instances)
+        best = max(scores)
+        if best == 0:
+            return self._least.choose(instances, request_body)
+        chosen = self._least.choose([i for i, s in zip(instances, scores) if s == best], request_body)
+        if chosen.in_flight > self.skew_factor * max(min(i.in_flight for i in instances), 1):
+            return self._least.choose(instances, request_body)
+        return chosen
+
+
+_POLICY_CLASSES: dict[str, type[Policy]] = {
+    p.name: p for p in (RoundRobinPolicy, LeastLoadPolicy, PrefixAwarePolicy, CacheAwarePolicy)
+}
 
 
 def make_policy(name: str) -> Policy:

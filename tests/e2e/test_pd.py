@@ -153,24 +153,55 @@ def _check_trace(url: str, collector: OtlpCollector) -> None:
 
 
 # --- instances started by hand, with a separate router ----------------------------------------
+def _cluster(model: str, prefill_flags: list[list[str]], router_flags: list[str]):
+    """Two prefill instances (each with its own extra flags), one decode instance, and a router."""
+    prefill = [RemoteServer(model, *COMMON, "--pd-role", "prefill", *flags) for flags in prefill_flags]
+    decode = RemoteServer(model, *COMMON, "--pd-role", "decode")
+    router_args = [*sum((["--prefill", p.url] for p in prefill), []), "--decode", decode.url]
+    router = RemoteServer(None, "router", *router_args, "--health-interval", "0.5", *router_flags)
+    return prefill, decode, router
+
+
 @pytest.fixture
 def pd_cluster(tiny_chat_model):
     """Two prefill instances, one decode instance (short leases), and a router."""
-    prefill = [
-        RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "prefill", "--kv-lease-seconds", "3") for _ in range(2)
-    ]
-    decode = RemoteServer(tiny_chat_model, *COMMON, "--pd-role", "decode")
-    router = RemoteServer(
-        None,
-        "router",
-        *sum((["--prefill", p.url] for p in prefill), []),
-        "--decode",
-        decode.url,
-        "--health-interval",
-        "0.5",
-    )
+    prefill, decode, router = _cluster(tiny_chat_model, [["--kv-lease-seconds", "3"]] * 2, [])
     try:
         yield prefill, decode, router
+    finally:
+        for server in (router, decode, *prefill):
+            server.close()
+
+
+def test_cache_aware_routing_follows_the_instances_kv_events(tiny_chat_model):
+    """--policy cache_aware: each prefill instance publishes its KV cache events; a prompt whose
+    blocks one instance holds goes there every time (its prefix-cache hits grow, the other's do
+    not), a chat prompt too (tokenized by an instance's /tokenize), and a new prompt goes by load."""
+    events = [
+        ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": f"tcp://*:{free_port()}"})]
+        for _ in range(2)
+    ]  # fmt: skip
+    prefill, decode, router = _cluster(tiny_chat_model, events, ["--policy", "cache_aware"])
+    try:
+        wait_for(lambda: httpx.get(f"{router.url}/health", timeout=5).status_code == 200, what="the router")
+        time.sleep(1.0)  # the router subscribes to the events at its first health checks
+        prompt = list(range(10, 10 + 80))  # five full blocks of 16
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).status_code == 200
+        time.sleep(0.5)  # the instance's BlockStored reaches the router
+        hits = [metric(p, "splitserve:prefix_cache_hits_total") for p in prefill]
+        for _ in range(4):  # round robin would alternate; the blocks are on one instance
+            assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).status_code == 200
+        gained = [metric(p, "splitserve:prefix_cache_hits_total") - h for p, h in zip(prefill, hits)]
+        assert sorted(gained) == [0, 4 * 64], gained  # 4 of the 5 blocks: the last token is always computed
+        chat = {"messages": [{"role": "user", "content": "Tell me a long story about a dragon " * 6}], "max_tokens": 2}
+        assert httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+        time.sleep(0.5)
+        hits = [metric(p, "splitserve:prefix_cache_hits_total") for p in prefill]
+        assert httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+        gained = [metric(p, "splitserve:prefix_cache_hits_total") - h for p, h in zip(prefill, hits)]
+        assert min(gained) == 0 and max(gained) >= 16, gained
     finally:
         for server in (router, decode, *prefill):
             server.close()

@@ -163,8 +163,13 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
 
     @app.get("/pd_role")
     async def pd_role():
-        """Which PD role this instance has: the router checks that it lists it under that role."""
-        return {"pd_role": config.kv_transfer_config.pd_role}
+        """Which PD role this instance has (the router checks that it lists it under that role), and
+        where it publishes its KV cache events, if it does (the router's cache_aware policy reads them)."""
+        answer = {"pd_role": config.kv_transfer_config.pd_role, "block_size": config.cache_config.block_size}
+        events = config.kv_events_config
+        if events is not None and events.publisher == "zmq":
+            answer["kv_events_endpoint"], answer["kv_events_topic"] = events.endpoint, events.topic
+        return answer
 
     @app.post("/kv_transfer/release")
     async def release_kv(request: Request):

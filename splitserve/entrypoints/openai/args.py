@@ -168,7 +168,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--policy",
         default="round_robin",
-        choices=["round_robin", "least_load", "prefix_aware"],
+        choices=["round_robin", "least_load", "prefix_aware", "cache_aware"],
         help="how the PD router picks instances",
     )
     g.add_argument("--uvicorn-log-level", default="warning")

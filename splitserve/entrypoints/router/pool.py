@@ -4,6 +4,7 @@ request, and one HTTP exchange with an instance over the router's shared session
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Sequence
 
@@ -12,6 +13,7 @@ from fastapi import Request
 
 from splitserve.disagg.policies import InstanceLoad, Policy, Upstream, make_policy, parse_instance_load
 from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES, RouterConfig
+from splitserve.entrypoints.router.kv_index import KVEventIndex, prompt_block_hashes
 from splitserve.entrypoints.router.metrics import RouterMetrics
 from splitserve.entrypoints.router.relay import (
     UPSTREAM_ERRORS,
@@ -41,6 +43,7 @@ class UpstreamPool:
             self.metrics.instance_healthy.labels(instance=inst.url, role=inst.role).set(1)
         self.session: aiohttp.ClientSession | None = None
         self.tracing = tracing_for(config.otlp_traces_endpoint, "splitserve-router")
+        self.kv_index = KVEventIndex() if config.policy == "cache_aware" else None
         self._health_task: asyncio.Task | None = None
 
     def all_instances(self) -> list[Upstream]:
@@ -49,7 +52,9 @@ class UpstreamPool:
     def healthy(self, role: str) -> list[Upstream]:
         return [i for i in self.instances[role] if i.healthy]
 
-    def pick(self, role: str, request_body: dict, exclude: Sequence[Upstream] = ()) -> Upstream | None:
+    def pick(
+        self, role: str, request_body: dict, exclude: Sequence[Upstream] = (), hashes: list[bytes] | None = None
+    ) -> Upstream | None:
         """The policy's choice among the up instances not tried yet for this request. With no decode
         instance up, the down ones are tried anyway: a health mark is a hint (a busy instance can miss
         a check), and a failed attempt costs less than refusing the request; prefill has its fallback."""
@@ -58,7 +63,7 @@ class UpstreamPool:
             candidates = [
                 i for i in self.instances[role] if i not in exclude and ROLE_RULE not in (i.down_reason or "")
             ]
-        return self.policies[role].choose(candidates, request_body) if candidates else None
+        return self.policies[role].choose(candidates, request_body, hashes) if candidates else None
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,6 +95,8 @@ class UpstreamPool:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.kv_index is not None:
+            await self.kv_index.stop()
 
     # --- health ------------------------------------------------------------------------------
     def _headers(
@@ -139,7 +146,8 @@ class UpstreamPool:
         if status != 200:
             self.mark_down(inst, "/health " + status_reason(status, data))
             return
-        role = await self._fetch_role(inst, timeout)
+        info = await self._fetch_role(inst, timeout)
+        role = info.get("pd_role") if info is not None else None
         if role is not None and role != inst.role:
             self.mark_down(
                 inst,
@@ -149,18 +157,21 @@ class UpstreamPool:
             )
             return
         self.mark_up(inst)
+        if self.kv_index is not None and info is not None:
+            self.kv_index.watch(inst, info)
         inst.load = await self._fetch_load(inst, timeout)
 
-    async def _fetch_role(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> str | None:
-        """The instance's own PD role (GET /pd_role); None when it does not say (an older server)."""
+    async def _fetch_role(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> dict | None:
+        """The instance's /pd_role answer: its PD role, block size and where it publishes its KV
+        cache events; None when it does not say (an older server)."""
         try:
             async with self.session.get(inst.url + "/pd_role", headers=self._headers(), timeout=timeout) as resp:
                 if resp.status != 200:
                     return None
-                role = (await resp.json(content_type=None)).get("pd_role")
+                info = await resp.json(content_type=None)
         except (*UPSTREAM_ERRORS, ValueError, AttributeError):
             return None
-        return role if isinstance(role, str) else None
+        return info if isinstance(info, dict) and isinstance(info.get("pd_role"), str) else None
 
     async def _fetch_load(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> InstanceLoad | None:
         """None when the metrics cannot be had (a separate --metrics-port, a metrics key): the
@@ -181,6 +192,35 @@ class UpstreamPool:
                 await self.check_all()
             except Exception:  # a bug here must not stop the checks for good
                 logger.exception("Health check round failed")
+
+    # --- cache_aware ---------------------------------------------------------------------------
+    async def prompt_hashes(self, body: dict) -> list[bytes] | None:
+        """The prompt's block hashes for the cache_aware policy: token-id prompts as they are, texts
+        and chat messages tokenized by an instance's /tokenize (its chat template, the generation
+        prompt added, as the request will be); None when they cannot be had (the policy then goes
+        by load)."""
+        sizes = [i.block_size for i in self.all_instances() if i.block_size]
+        prompt = body.get("prompt")
+        if not sizes:
+            return None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt_block_hashes(prompt, sizes[0])
+        fields = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt")
+        if isinstance(prompt, str):
+            query: dict = {"prompt": prompt}
+        elif isinstance(body.get("messages"), list):
+            query = {"add_generation_prompt": True, **{k: body[k] for k in fields if k in body}}
+        else:
+            return None
+        inst = next((i for i in self.all_instances() if i.healthy), None)
+        if inst is None:
+            return None
+        try:
+            status, data, _ = await self._exchange(None, inst, "POST", "/tokenize", json_body=query)
+            tokens = json.loads(data).get("tokens") if status == 200 else None
+        except (*UPSTREAM_ERRORS, ValueError, AttributeError):
+            return None
+        return prompt_block_hashes(tokens, sizes[0]) if isinstance(tokens, list) else None
 
     # --- one upstream exchange ---------------------------------------------------------------
     async def _open(

@@ -25,6 +25,7 @@ class RoutedRequest:
     retries: int = 0
     fallback: str | None = None
     notes: list[str] = field(default_factory=list)
+    hashes: list[bytes] | None = None  # the prompt's block hashes (the cache_aware policy)
     tracing: Tracing | None = None
     span: Any = None  # the router's span of this request, until it ends
     calls: list = field(default_factory=list)  # the spans of calls to instances still open

@@ -99,6 +99,8 @@ class Router(UpstreamPool):
         # The client's id (header, else body) goes to both instances as X-Request-Id: /abort_requests names it.
         trace = RoutedRequest(request.headers.get("x-request-id") or client_id or uuid.uuid4().hex, path)
         trace.start_span(self.tracing, request.headers)
+        if self.kv_index is not None:
+            trace.hashes = await self.prompt_hashes(body)
         prefilled = None
         try:
             if is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
@@ -160,7 +162,7 @@ class Router(UpstreamPool):
         each tried once; for completions (with a trace) every attempt after the first counts as a retry."""
         tried: list[Upstream] = []
         for attempt in range(self.config.max_retries + 1):
-            inst = self.pick(role, body, exclude=tried)
+            inst = self.pick(role, body, exclude=tried, hashes=trace.hashes if trace is not None else None)
             if inst is None:
                 return
             if attempt and trace is not None:
