@@ -24,16 +24,17 @@ that changed the cache; off (the default) costs nothing: no events are recorded.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from splitserve.json_config import config_from_json
 
 logger = logging.getLogger(__name__)
 
@@ -93,18 +94,7 @@ class KVEventsConfig:
         if value is None or isinstance(value, KVEventsConfig):
             config = value
         else:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"--kv-events-config must be a JSON object, got {value!r}.")
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"--kv-events-config takes {sorted(known)}; got unknown keys {unknown}.")
-            config = cls(**value)
+            config = config_from_json(cls, value, "--kv-events-config")
         if config is None or not config.enable_kv_cache_events:
             return None
         if config.publisher not in ("zmq", "null"):

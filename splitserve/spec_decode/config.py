@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from splitserve.json_config import config_from_json
 
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -36,18 +37,7 @@ class SpeculativeConfig:
         are refused by name."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}.")
-        config = cls(**value)
+        config = config_from_json(cls, value, "speculative_config")
         config.verify()
         return config
 

@@ -100,7 +100,7 @@ def test_bad_configs_are_refused():
         KVEventsConfig.from_value({"enable_kv_cache_events": True, "endpoint_typo": "x"})
     with pytest.raises(ValueError, match="publisher"):
         KVEventsConfig.from_value({"enable_kv_cache_events": True, "publisher": "kafka"})
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(ValueError, match="must be a JSON object"):
         KVEventsConfig.from_value("{nope")
 
 

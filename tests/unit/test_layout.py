@@ -24,6 +24,7 @@ LEAVES = {
     "version",
     "spec_decode",
     "tracing",
+    "json_config",
 }
 # The layers each layer imports besides the leaves, top to bottom (DESIGN.md's table): exactly the
 # edges the code uses (test_allowed_edges_are_used), none both ways (test_no_layer_pair_both_ways).

@@ -28,41 +28,33 @@ def _texts(value: Any, name: str) -> list:
     return prompt_list(check_prompt_shapes(value, name))
 
 
-class EmbeddingRequest(RequestModel):
+class _InputsRequest(RequestModel):
+    """A body whose `input` is one text, texts, token ids or lists of them, one pooling request each."""
+
+    model: str | None = None
+    input: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT_SCHEMA]
+    user: str | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        return check_prompt_shapes(value, "input")
+
+    def inputs(self) -> list[str | list[int]]:
+        return prompt_list(self.input)
+
+
+class EmbeddingRequest(_InputsRequest):
     """POST /v1/embeddings: OpenAI's fields, plus vLLM's `normalize` and `add_special_tokens`."""
 
-    model: str | None = None
-    input: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT_SCHEMA]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
     normalize: bool | None = None
-    add_special_tokens: bool = True
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _check_input(cls, value: Any) -> Any:
-        return check_prompt_shapes(value, "input")
-
-    def inputs(self) -> list[str | list[int]]:
-        return prompt_list(self.input)
 
 
-class ClassificationRequest(RequestModel):
+class ClassificationRequest(_InputsRequest):
     """POST /classify (and /v1/classify), vLLM's: each input's label probabilities."""
-
-    model: str | None = None
-    input: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT_SCHEMA]
-    user: str | None = None
-    add_special_tokens: bool = True
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _check_input(cls, value: Any) -> Any:
-        return check_prompt_shapes(value, "input")
-
-    def inputs(self) -> list[str | list[int]]:
-        return prompt_list(self.input)
 
 
 class ScoreRequest(RequestModel):
