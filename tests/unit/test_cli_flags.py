@@ -67,3 +67,17 @@ def test_flags_that_cannot_be_honoured_are_refused(flags, message):
 def test_disable_async_output_proc_turns_overlap_off():
     args = _parse("--disable-async-output-proc")
     assert args._async_scheduling(torch.device("cuda"), None, None) is False
+
+
+def test_fastdeploy_scheduler_flags():
+    from splitserve.entrypoints.openai.args import ServerArgs, check_server_args
+
+    args = ServerArgs(scheduler_max_size=3)
+    check_server_args(args)
+    assert args.max_queued_requests == 3  # FastDeploy's name for the same limit
+    with pytest.raises(ValueError, match="one limit"):
+        check_server_args(ServerArgs(scheduler_max_size=3, max_queued_requests=5))
+    with pytest.raises(ValueError, match="Redis-backed"):
+        check_server_args(ServerArgs(scheduler_name="splitwise"))
+    with pytest.raises(ValueError, match="must be local"):
+        check_server_args(ServerArgs(scheduler_name="nope"))
