@@ -56,13 +56,15 @@ class EngineSleep:
         if busy:
             raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before {action}.")
 
-    def wake_up(self) -> None:
+    def wake_up(self, weights: tuple[str, str] | None = None) -> None:
+        """`weights` (path, load format), after level 2: the checkpoint to read instead of the
+        model's own (engine/weight_update.py)."""
         core = self.core
         if not self.level:
             return
         start = time.perf_counter()
         cc = core.config.cache_config
-        core.executor.wake_up(cc.num_gpu_blocks, cc.num_cpu_blocks)
+        core.executor.wake_up(cc.num_gpu_blocks, cc.num_cpu_blocks, weights)
         core.executor.capture_cuda_graphs()
         if self.level == 2:
             for lora in core.loras.list():

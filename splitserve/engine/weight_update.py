@@ -80,28 +80,18 @@ def update_weights(core, path: str, load_format: str = "auto") -> float:
     mc = core.config.model_config
     fmt = check_compatible(mc.hf_config, path, load_format, mc.trust_remote_code)
     start = time.perf_counter()
-    cc = core.config.cache_config
     previous = (mc.model, mc.load_format)
-    core.executor.sleep(2)
-    core.kv_manager.pool.reset_prefix_cache()
+    sleeping.sleep(2)  # every rank drops its runner; the prefix cache is emptied
     try:
-        core.executor.wake_up(cc.num_gpu_blocks, cc.num_cpu_blocks, (path, fmt))
+        sleeping.wake_up((path, fmt))
     except Exception as exc:
         logger.error("Loading weights from %s failed (%s): loading %s again", path, exc, previous[0])
-        core.executor.sleep(2)
-        core.executor.wake_up(cc.num_gpu_blocks, cc.num_cpu_blocks, previous)
-        _after_new_runner(core)
+        core.executor.sleep(2)  # the ranks that built the new runner drop it (still asleep at level 2)
+        sleeping.wake_up(previous)
         raise ValueError(
             f"Loading the weights of {path} failed: {exc}. The previous weights were loaded again."
         ) from exc
     mc.model, mc.load_format = path, fmt
-    _after_new_runner(core)
     seconds = time.perf_counter() - start
     logger.info("Weights updated from %s (%s) in %.2f s; prefix cache emptied", path, fmt, seconds)
     return seconds
-
-
-def _after_new_runner(core) -> None:
-    core.executor.capture_cuda_graphs()
-    for lora in core.loras.list():
-        core.executor.add_lora(lora)

@@ -19,12 +19,12 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
+from functools import partial
 
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 from splitserve.entrypoints.openai.args import ServerArgs
-from splitserve.entrypoints.openai.batch_runner import run_line
+from splitserve.entrypoints.openai.batch_runner import count_lines, numbered_lines, run_line, run_lines
 
 logger = logging.getLogger("splitserve.run_batch")
 
@@ -68,11 +68,6 @@ def main(ns: argparse.Namespace) -> None:
     )
 
 
-def _count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
 async def _run(ns: argparse.Namespace, engine_args, server_args: ServerArgs) -> dict:
     from tqdm import tqdm
 
@@ -97,37 +92,18 @@ async def _run(ns: argparse.Namespace, engine_args, server_args: ServerArgs) -> 
             "/v1/completions": OpenAIServingCompletion(engine, config, server_args, metrics).create_completion,
             "/v1/chat/completions": OpenAIServingChat(engine, config, server_args, metrics).create_chat_completion,
         }
-        counts = {"lines": 0, "ok": 0, "errors": 0}
+        counts = {"ok": 0, "errors": 0}
         out = stack.enter_context(open(ns.output_file, "w"))
-        bar = stack.enter_context(tqdm(total=_count_lines(ns.input_file), desc="Batch requests", unit="req"))
-        slots = asyncio.Semaphore(ns.max_concurrency)
-        pending: set[asyncio.Task] = set()
+        bar = stack.enter_context(tqdm(total=count_lines(ns.input_file), desc="Batch requests", unit="req"))
 
-        async def one(number: int, line: str) -> None:
-            try:
-                result = await run_line(number, line, handlers)
-            finally:
-                slots.release()
+        def done(result: dict) -> None:
             out.write(json.dumps(result) + "\n")
             counts["ok" if result["response"]["status_code"] == 200 else "errors"] += 1
             bar.update(1)
 
-        for number, line in _lines(ns.input_file):
-            counts["lines"] += 1
-            await slots.acquire()
-            task = asyncio.ensure_future(one(number, line))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        await asyncio.gather(*pending)
-    return counts | {"seconds": time.monotonic() - started}
-
-
-def _lines(path: str) -> Iterator[tuple[int, str]]:
-    """The file's non-blank lines with their numbers, read one at a time."""
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield number, line
+        with open(ns.input_file) as f:
+            await run_lines(numbered_lines(f), partial(run_line, handlers=handlers), done, ns.max_concurrency)
+    return counts | {"lines": counts["ok"] + counts["errors"], "seconds": time.monotonic() - started}
 
 
 if __name__ == "__main__":  # python -m splitserve.entrypoints.run_batch
