@@ -52,6 +52,7 @@ class ModelConfig:
     sampling_defaults: dict = field(default_factory=dict)  # what they give (set by create_engine_config)
     runner_type: str = "generate"  # "pooling": requests ask for embeddings (pooling_params.py)
     pooler_config: object | None = None  # pooling_params.PoolerConfig, with the pooling runner
+    limit_mm_per_prompt: dict = field(default_factory=dict)  # most images per prompt ({"image": N}; none: 999)
 
     @property
     def architecture(self) -> str:
@@ -59,22 +60,37 @@ class ModelConfig:
         return archs[0] if archs else ""
 
     @property
+    def hf_text_config(self):
+        """The language model's config: a vision-language model's text_config, else hf_config itself."""
+        return text_config(self.hf_config)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.hf_text_config is not self.hf_config
+
+    @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_text_config.vocab_size
 
     @property
     def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.hf_text_config.num_hidden_layers
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def text_config(hf_config):
+    """The config of a model's language model (vLLM's hf_text_config): the text_config of a
+    vision-language model's config, the config itself otherwise."""
+    return getattr(hf_config, "text_config", None) or hf_config
 
 
 # int8 / fp8 / int4: quantized with a scale per token and KV head (splitserve/quantization/kv_cache.py).

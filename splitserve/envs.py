@@ -172,6 +172,13 @@ _DECLARED = [
     ),
     # serving
     EnvVar("SPLITSERVE_API_KEY", _optional_str, "", "Default for --api-key.", "serving"),
+    EnvVar(
+        "SPLITSERVE_IMAGE_FETCH_TIMEOUT",
+        float,
+        "5",
+        "Seconds an image_url fetched over http(s) may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT).",
+        "serving",
+    ),
     # diagnostics
     EnvVar(
         "SPLITSERVE_STARTUP_REPORT",

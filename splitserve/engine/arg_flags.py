@@ -63,7 +63,9 @@ _ENGINE_HELP = {
     "scheduler_delay_factor": "hold new prompts back until the oldest has waited this many times the last "
     "prompt step's latency (0: no delay), so that prompts arriving close together are batched",
     "tokenizer_extension_path": "AIAK's tokenizer extension module: refused (use --tokenizer)",
-    "enable_mm": "multimodal input: refused (not supported yet)",
+    "enable_mm": "multimodal input (FastDeploy's flag): accepted for a vision-language model, which takes images "
+    "without it (docs/multimodal.md); refused for a text-only model",
+    "limit_mm_per_prompt": 'most images one prompt may carry, as JSON: {"image": N} (default 999; vLLM\'s flag)',
     "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
     "CUDA, off for CPU, where the forward runs on the host's own cores)",
     "kv_lease_seconds": "a prefill instance frees KV blocks no decode instance pulled after this long",

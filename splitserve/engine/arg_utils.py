@@ -90,6 +90,7 @@ class EngineArgs:
     task: str = "auto"  # vLLM's older name for the runner: generate, embed (embedding)
     pooler_config: dict | None = None  # PoolerConfig's keys: pooling_type, normalize, matryoshka_dimensions
     kv_events_config: dict | None = None  # vLLM's KVEventsConfig keys (engine/kv_events.py)
+    limit_mm_per_prompt: dict | None = None  # vLLM's: most items per prompt by modality, {"image": N}
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -105,6 +106,7 @@ class EngineArgs:
             model_config = load_model_config(self, device)
             model_config.sampling_defaults = sampling_defaults(model_config)
             self._resolve_runner(model_config)
+            self._resolve_multimodal(model_config)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -139,7 +141,7 @@ class EngineArgs:
         kv_transfer_config = KVTransferConfig(self.pd_role, self.kv_host, self.kv_port, self.kv_lease_seconds)
         kv_transfer_config.verify()
         parallel_config = self._parallel_config(device)
-        parallel_config.verify_with_model(model_config.hf_config)
+        parallel_config.verify_with_model(model_config.hf_text_config)
         return EngineConfig(
             model_config,
             cache_config,
@@ -187,6 +189,22 @@ class EngineArgs:
         elif self.pooler_config:
             raise ValueError("--pooler-config is for the pooling runner: add --runner pooling.")
         model_config.runner_type = runner
+
+    def _resolve_multimodal(self, model_config) -> None:
+        """Image input: a vision-language model takes it without a flag (--enable-mm, FastDeploy's, is
+        accepted for one); --limit-mm-per-prompt caps the images of a prompt."""
+        limits = self.limit_mm_per_prompt
+        if not model_config.is_multimodal:
+            if self.enable_mm or limits:
+                raise ValueError(
+                    f"--enable-mm / --limit-mm-per-prompt: {model_config.architecture} has no vision encoder, "
+                    "so it takes no images. Serve a vision-language model (LLaVA, docs/multimodal.md)."
+                )
+            return
+        for key, value in (limits or {}).items():
+            if key != "image" or not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f'--limit-mm-per-prompt takes {{"image": N}} with N >= 0; got {key!r}: {value!r}.')
+        model_config.limit_mm_per_prompt = dict(limits or {})
 
     def _draft_model_config(self, speculative: SpeculativeConfig | None, target, device: torch.device):
         """The draft model of speculative decoding, loaded as any model is, sharing the target's vocabulary."""
@@ -274,8 +292,6 @@ class EngineArgs:
                 "tokenizers with transformers. Give a tokenizer directory with --tokenizer (and "
                 "--trust-remote-code for a custom tokenizer class)."
             )
-        if self.enable_mm:
-            raise ValueError("--enable-mm: multimodal input is not supported yet; splitserve serves text models.")
         if self.max_seq_len_to_capture < 1:
             raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}.")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):

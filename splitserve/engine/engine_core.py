@@ -52,7 +52,7 @@ class EngineCore:
         one; an engine process loads its own on the first guided request)."""
         self.config = config
         self._tokenizer = tokenizer
-        hf_config = config.model_config.hf_config
+        hf_config = config.model_config.hf_text_config
         # Dynamic NTK rope: prompts longer than this rotate their keys by their own length.
         self._ntk_length = hf_config.max_position_embeddings if is_dynamic_ntk(hf_config) else None
         with startup.phase("weights"):

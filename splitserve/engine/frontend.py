@@ -75,6 +75,7 @@ class FrontEnd:
                     priority,
                     request.pooling,
                     request.client_request_id,
+                    request.mm_features,
                 )
             )
         state = RequestState(

@@ -29,7 +29,9 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     hashes, tokens = request.block_hashes, request.all_token_ids
     for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, tokens[start : start + block_size], request.block_hash_salt))
+        hashes.append(
+            hash_block_tokens(parent, tokens[start : start + block_size], request.block_extra_keys(start, block_size))
+        )
     return hashes
 
 

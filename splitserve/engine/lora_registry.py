@@ -27,7 +27,7 @@ class LoRARegistry:
     def __init__(self, config: EngineConfig, executor):
         self.config = config.lora_config
         self.executor = executor
-        self.shapes = BaseModelShapes.from_hf_config(config.model_config.hf_config) if self.enabled else None
+        self.shapes = BaseModelShapes.from_hf_config(config.model_config.hf_text_config) if self.enabled else None
         self.by_id: dict[int, LoRARequest] = {}
         self.version = 0
         self._next_id = 1  # ids are never reused: the prefix cache keys KV blocks by them

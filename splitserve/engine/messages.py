@@ -11,6 +11,7 @@ import msgspec
 from splitserve.distributed.kv_transfer.stats import KVTransferStats
 from splitserve.executor.step_input import TokenLogprobs
 from splitserve.lora.request import LoRARequest
+from splitserve.multimodal.inputs import MultiModalFeature
 from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
@@ -52,6 +53,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     priority: int = 0  # with the priority scheduling policy: lower runs first
     pooling_params: PoolingParams | None = None  # a pooling request: its prompt's embedding, no tokens
     client_request_id: str | None = None  # the id its client gave (X-Request-Id, request_id): /abort_requests
+    mm_features: list[MultiModalFeature] = []  # its images (multimodal/inputs.py)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

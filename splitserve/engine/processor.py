@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.config import ModelConfig
 from splitserve.engine.errors import InvalidRequestError
@@ -29,6 +29,7 @@ class ProcessedRequest:
     params: SamplingParams
     pooling: PoolingParams | None = None  # a pooling request (params then asks for its one ignored token)
     client_request_id: str | None = None  # the id its client gave (X-Request-Id, request_id), set by the server
+    mm_features: list = field(default_factory=list)  # its images (multimodal/inputs.py MultiModalFeature)
 
 
 class Processor:
@@ -44,6 +45,11 @@ class Processor:
             self.eos_token_id = tokenizer.eos_token_id
             self.extra_eos_ids = _generation_config_eos_ids(model_config) - {self.eos_token_id}
         self._guides = None  # structured output's GuideCompiler, made on the first guided request
+        self.multimodal = None  # a vision-language model's MultiModalProcessor (multimodal/processing.py)
+        if model_config.is_multimodal:
+            from splitserve.multimodal.processing import MultiModalProcessor
+
+            self.multimodal = MultiModalProcessor(model_config, model_config.limit_mm_per_prompt)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
@@ -80,7 +86,7 @@ class Processor:
                 "dimensions",
             )
         if pooling.dimensions is not None:
-            why = pooler.allows_dimensions(pooling.dimensions, self.model_config.hf_config.hidden_size)
+            why = pooler.allows_dimensions(pooling.dimensions, self.model_config.hf_text_config.hidden_size)
             if why is not None:
                 raise InvalidRequestError(why, "dimensions")
         text, ids = self._tokenized(prompt, add_special_tokens)
@@ -153,13 +159,45 @@ class Processor:
         """Tokenize and validate a prompt for `params` (as process_params left them, so that a batch
         of prompts shares one processing of its params). `param` names the prompt in errors;
         `max_tokens_must_fit` is the API server's rule: prompt + max_tokens must fit the context."""
-        text, ids = self._tokenized(prompt, add_special_tokens)
+        text, ids, features = self._inputs(prompt, add_special_tokens, param)
         self._check_prompt(ids, param)
         if max_tokens_must_fit:
             self._check_context(len(ids), params.max_tokens, param)
         else:
             self._check_room(len(ids), param)
-        return ProcessedRequest(text, ids, params)
+        return ProcessedRequest(text, ids, params, mm_features=features)
+
+    def _inputs(self, prompt: PromptType, add_special_tokens: bool, param: str) -> tuple[str | None, list[int], list]:
+        """(text, token ids, images as MultiModalFeatures) of a prompt, with or without multi_modal_data."""
+        if not (isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None):
+            text, ids = self._tokenized(prompt, add_special_tokens)
+            if self.multimodal is not None:
+                self._checked(self.multimodal.check_image_tokens, param, ids)
+            return text, ids, []
+        if self.multimodal is None:
+            raise InvalidRequestError(
+                f"{self.model_config.architecture or 'This model'} has no vision encoder: it takes no images.", param
+            )
+        if not isinstance(prompt.get("prompt"), str) or "prompt_token_ids" in prompt:
+            raise InvalidRequestError(
+                "A prompt with images is a text with one image placeholder per image, as {'prompt': text, "
+                "'multi_modal_data': {'image': ...}}; token ids are not taken with images.",
+                param,
+            )
+        from splitserve.multimodal.processing import images_of
+
+        images = self._checked(images_of, param, prompt["multi_modal_data"])
+        add_special_tokens = prompt.get("add_special_tokens", add_special_tokens)  # False: a rendered chat
+        ids, features = self._checked(self.multimodal.process, param, prompt["prompt"], images, add_special_tokens)
+        return prompt["prompt"], ids, features
+
+    @staticmethod
+    def _checked(function, param: str, *args):
+        """function(*args), its ValueError (bad images, placeholders that do not match) the caller's."""
+        try:
+            return function(*args)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param) from None
 
     def make_request(
         self,
@@ -172,6 +210,7 @@ class Processor:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         client_request_id: str | None = None,
+        mm_features: list | None = None,
     ) -> EngineCoreRequest:
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -187,11 +226,14 @@ class Processor:
             priority,
             pooling,
             client_request_id,
+            mm_features or [],
         )
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt, add_special_tokens)
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            raise InvalidRequestError("Images are not taken here: only generation requests take multi_modal_data.")
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt, Mapping) and "prompt" in prompt:

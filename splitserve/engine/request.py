@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from splitserve.multimodal.inputs import block_extra_keys
 from splitserve.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class Request:
     new_token_ids: list[int] = field(default_factory=list)  # what the last step appended
     pooling_params: object = None  # PoolingParams: a pooling request (one step's token, ignored)
     client_request_id: str | None = None  # the id its client gave, for /abort_requests
+    mm_features: list = field(default_factory=list)  # its images (multimodal/inputs.py MultiModalFeature)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -91,6 +93,7 @@ class Request:
             priority=req.priority,
             pooling_params=req.pooling_params,
             client_request_id=req.client_request_id,
+            mm_features=list(req.mm_features),
         )
 
     @property
@@ -104,6 +107,13 @@ class Request:
         lora = self.lora_request
         salt = b"" if lora is None else b"lora:%d:%s" % (lora.lora_int_id, lora.lora_path.encode())
         return salt + (b"ntk:%d" % self.rope_scaling_len if self.rope_scaling_len else b"")
+
+    def block_extra_keys(self, start: int, block_size: int) -> bytes:
+        """The extra keys of its block over tokens start .. start + block_size - 1: the salt, and the
+        identifiers of the images whose placeholder tokens lie there."""
+        if not self.mm_features:
+            return self.block_hash_salt
+        return self.block_hash_salt + block_extra_keys(self.mm_features, start, start + block_size)
 
     @property
     def wants_remote_prefill(self) -> bool:

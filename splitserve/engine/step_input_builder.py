@@ -69,6 +69,7 @@ def _new_request_data(request: Request) -> NewRequestData:
         sorted(request.stop_token_set),
         request.lora_request,
         request.pooling_params,
+        request.mm_features,
     )
 
 

@@ -15,6 +15,7 @@ from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
 from splitserve.engine.weight_update import update_weights
 from splitserve.lora.request import LoRARequest
+from splitserve.multimodal import chat as chat_images
 from splitserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -105,12 +106,21 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
+            conversation, images = self._chat_images(conversation, chat_template)
             text = apply_chat_template(
                 tokenizer, conversation, chat_template, add_generation_prompt, **(chat_template_kwargs or {})
             )
+            if images:  # the processor tokenizes it with its images
+                prompts.append(chat_images.rendered_prompt(text, images))
+                continue
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def _chat_images(self, conversation: list[dict], chat_template: str | None) -> tuple[list[dict], list]:
+        """The conversation as the template renders it, and its images (image parts; multimodal/chat.py)."""
+        template = chat_template or self.get_tokenizer().chat_template
+        return chat_images.split_for_template(conversation, self.llm_engine.processor.multimodal, template)
 
     def embed(
         self,

@@ -9,8 +9,9 @@ LMDeploy scripts run on splitserve's engine with only the import changed:
 Both backend configs (`PytorchEngineConfig`, `TurbomindEngineConfig`) map onto the same
 `EngineArgs`; a field whose feature splitserve lacks raises ValueError when set to anything but
 its default, instead of being silently ignored. Text generation, with LoRA adapters
-(`PytorchEngineConfig(adapters=...)`, `adapter_name=`), is offered: LMDeploy's `chat`, `session`,
-`get_ppl` and vision inputs are not.
+(`PytorchEngineConfig(adapters=...)`, `adapter_name=`), and images for vision-language models
+(`pipe((prompt, image))`, image_url parts in conversations) are offered: LMDeploy's `chat`, `session`
+and `get_ppl` are not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import gc
 import itertools
 import logging
 import threading
-import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +38,8 @@ from splitserve.entrypoints.lmdeploy_chat_template import (
     template_by_model_name,
 )
 from splitserve.entrypoints.lmdeploy_config import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
+from splitserve.entrypoints.lmdeploy_legacy import gen_config_from_call
+from splitserve.multimodal import chat
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
@@ -61,36 +63,6 @@ class Response:
 
 
 # --- prompts ---------------------------------------------------------------------------------
-_LEGACY_CALL_ARGS = {  # LMDeploy's deprecated call-level arguments and the defaults its document gives
-    "request_output_len": ("max_new_tokens", 512),
-    "top_k": ("top_k", 40),
-    "top_p": ("top_p", 0.8),
-    "temperature": ("temperature", 0.8),
-    "repetition_penalty": ("repetition_penalty", 1.0),
-    "ignore_eos": ("ignore_eos", False),
-}
-
-
-def _gen_config_from_call(gen_config, legacy: dict):
-    """gen_config, or one built from the deprecated call-level arguments (request_output_len,
-    top_k, ...) with the defaults LMDeploy's document gives them."""
-    if not legacy:
-        return gen_config
-    unknown = sorted(set(legacy) - set(_LEGACY_CALL_ARGS))
-    if unknown:
-        raise TypeError(f"Unexpected keyword arguments {unknown}; sampling settings go in gen_config.")
-    if gen_config is not None:
-        raise ValueError(f"Give gen_config or the deprecated {sorted(legacy)}, not both.")
-    warnings.warn(
-        f"{sorted(legacy)} are deprecated (as in LMDeploy): pass gen_config=GenerationConfig(...).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return GenerationConfig(
-        **{field: legacy.get(name, default) for name, (field, default) in _LEGACY_CALL_ARGS.items()}
-    )
-
-
 def _is_conversation(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
 
@@ -143,7 +115,7 @@ class Pipeline:
         """Generate for every prompt and return the finished Responses in the prompts' order.
         `legacy`: LMDeploy's deprecated request_output_len, top_k, top_p, temperature,
         repetition_penalty and ignore_eos, instead of gen_config."""
-        gen_config = _gen_config_from_call(gen_config, legacy)
+        gen_config = gen_config_from_call(gen_config, legacy)
         single, inputs, params, lora = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
         results: list[Response | None] = [None] * len(inputs)
         with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
@@ -164,7 +136,7 @@ class Pipeline:
         """Responses carrying what is new, as it is generated, with `index` naming the prompt; each
         prompt's last one has its finish_reason. Prompts and configs are checked now, not on the
         first `next()`. Closing the generator early aborts the prompts that are still running."""
-        gen_config = _gen_config_from_call(gen_config, legacy)
+        gen_config = gen_config_from_call(gen_config, legacy)
         _, inputs, params, lora = self._prepare(prompts, gen_config, do_preprocess, adapter_name)
         return self._stream(inputs, params, lora)
 
@@ -206,7 +178,7 @@ class Pipeline:
                     f"adapter_name={adapter_name!r} is not one of this pipeline's adapters "
                     f"({', '.join(known) or 'none: give PytorchEngineConfig(adapters={name: path})'})."
                 )
-        single = isinstance(prompts, str) or _is_conversation(prompts)
+        single = isinstance(prompts, str) or _is_conversation(prompts) or chat.is_image_prompt(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise ValueError("No prompts were given.")
@@ -221,6 +193,8 @@ class Pipeline:
         otherwise it becomes a user message. Conversations are rendered by the chat template and
         tokenized without special tokens, the template having placed them; with do_preprocess False
         their contents are joined, as LMDeploy's plain 'base' template does."""
+        if chat.is_image_prompt(prompt):
+            prompt = chat.image_prompt_messages(*prompt)
         if isinstance(prompt, str):
             if not do_preprocess:
                 return prompt
@@ -235,10 +209,15 @@ class Pipeline:
             if not all(isinstance(c, str) for c in contents):
                 raise ValueError("Without do_preprocess every message content must be a str.")
             return "".join(contents)
-        if isinstance(self.chat_template, NamedChatTemplate):
-            text = self.chat_template.render(list(prompt))
+        named = isinstance(self.chat_template, NamedChatTemplate)  # LMDeploy's own: string contents
+        template = None if named else self.chat_template or self.tokenizer.chat_template
+        prompt, images = chat.split_for_template(list(prompt), self.engine.processor.multimodal, template)
+        if named:
+            text = self.chat_template.render(prompt)
         else:
-            text = apply_chat_template(self.tokenizer, list(prompt), self.chat_template)
+            text = apply_chat_template(self.tokenizer, prompt, self.chat_template)
+        if images:
+            return chat.rendered_prompt(text, images)
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
 
     @staticmethod

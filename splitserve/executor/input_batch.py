@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.executor.attention.backend import AttentionMetadata
+from splitserve.executor.encoder_cache import MultiModalSpan
 from splitserve.executor.host import to_device
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest
 from splitserve.lora.request import LoRARequest
@@ -33,12 +34,14 @@ class CachedRequestState:
     lora_request: LoRARequest | None = None
     pooling: PoolingParams | None = None  # a pooling request
     pool: object = None  # its pooling so far, over the prompt chunks computed (executor/pooler.py)
+    mm_features: list = field(default_factory=list)  # its images (multimodal/inputs.py MultiModalFeature)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
         state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, set(data.stop_token_ids))
         state.lora_request = data.lora_request
         state.pooling = data.pooling
+        state.mm_features = data.mm_features
         return state
 
     @property
@@ -160,6 +163,7 @@ class InputBatch:
     drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
     pooling_spans: list[PoolingSpan] = field(default_factory=list)
+    mm_spans: list[MultiModalSpan] = field(default_factory=list)  # image embeddings the step's tokens take
     # (index in input_ids, request id) of tokens that the step in flight is still sampling
     pending_inputs: list[tuple[int, str]] = field(default_factory=list)
 
@@ -192,6 +196,10 @@ class InputBatch:
         self.query_start_loc.append(self.query_start_loc[-1] + n)
         self.seq_lens.append(end)
         self.block_tables.append(blocks)
+        for feature in state.mm_features if start < state.num_prompt_tokens else ():
+            if (part := feature.overlap(start, end)) is not None:
+                dst = self.query_start_loc[-2] + feature.offset + part[0] - start
+                self.mm_spans.append(MultiModalSpan(feature, part[0], part[1], dst))
         if state.pooling is not None:  # pools instead of sampling
             self.pooling_spans.append(PoolingSpan(state, self.query_start_loc[-2], start, n, row.samples))
         elif row.samples:

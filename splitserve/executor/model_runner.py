@@ -13,13 +13,15 @@ from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
+from splitserve.executor.encoder_cache import EncoderCache
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.in_flight import InFlightStep, collect_pooled, collect_samples
-from splitserve.executor.input_batch import CachedRequestState, InputBatch, PromptLogprobSpan
+from splitserve.executor.input_batch import CachedRequestState, InputBatch
 from splitserve.executor.kv_memory import kv_memory_use, kv_zeros
 from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.pooler import pool_step
+from splitserve.executor.prompt_logprobs import prompt_logprobs
 from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
@@ -31,8 +33,6 @@ from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logprobs exist at once
 
 
 class ModelRunner:
@@ -56,7 +56,7 @@ class ModelRunner:
                 )
             batch_invariant.enable(self.model, self.device)
         self.backend = get_attention_backend(self.device, config.cache_config.cache_dtype)
-        self.uses_rope_lengths = is_dynamic_ntk(config.model_config.hf_config)  # AttentionMetadata.rope_lengths
+        self.uses_rope_lengths = is_dynamic_ntk(config.model_config.hf_text_config)  # AttentionMetadata.rope_lengths
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the runner's own view of each live request
         self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)
@@ -67,6 +67,9 @@ class ModelRunner:
         self.decode_stack: CPUDecodeStack | None = None  # CPU decode steps in one C++ call, once the KV is bound
         self.lora_manager = self._lora_manager()
         self.draft = self._draft_proposer()
+        # A vision-language model's image embeddings, on the stage that embeds the prompt's tokens.
+        multimodal = config.model_config.is_multimodal and self.rank.is_first_stage
+        self.encoder_cache = EncoderCache(self.device) if multimodal else None
         self.use_cuda_graphs = self._use_cuda_graphs()
         self.num_steps = 0
 
@@ -106,7 +109,7 @@ class ModelRunner:
         from splitserve.executor.lora_manager import LoRAManager
 
         mc = self.config.model_config
-        return LoRAManager(self.model, mc.hf_config, self.config.lora_config, self.device, mc.dtype)
+        return LoRAManager(self.model, mc.hf_text_config, self.config.lora_config, self.device, mc.dtype)
 
     def add_lora(self, lora) -> None:
         self.lora_manager.add_adapter(lora)
@@ -279,7 +282,10 @@ class ModelRunner:
         meta = self._attention_metadata(batch)
         input_ids = self._input_ids(batch, previous)
         positions = to_device(batch.positions, torch.long, self.device)
-        if self._replays(batch):
+        if batch.mm_spans and self.encoder_cache is not None:  # images: the step starts from embeddings
+            embeds = self.encoder_cache.inputs_embeds(self.model, input_ids, batch.mm_spans)
+            hidden = self._forward(input_ids, positions, meta, inputs_embeds=embeds)
+        elif self._replays(batch):
             hidden = self.graph_runner.run(
                 input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor, meta.block_tables, meta.rope_lengths
             )
@@ -302,7 +308,7 @@ class ModelRunner:
             step.pooled_host[request_id] = start_host_copy(vector)
         for span in batch.prompt_logprob_spans:
             request = batch.requests[span.row]
-            tensors = self._prompt_logprobs(request, hidden, span)
+            tensors = prompt_logprobs(self.model, request, hidden, span)
             step.prompt_host[request.request_id] = [start_host_copy(t) for t in tensors]
         step.ready = StepReady(self.device)
         return step
@@ -329,20 +335,21 @@ class ModelRunner:
         bitmask = torch.frombuffer(bytearray(words), dtype=torch.int32).view(len(rows), -1)
         apply_token_bitmask(logits, to_device(rows, torch.long, self.device), move(bitmask, self.device))
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, **embeds):
         """This rank's part of the forward: the final hidden states on the last pipeline stage, None
-        on the others (which hand their (hidden, residual) to the next stage)."""
-        if self.decode_stack is not None and self.decode_stack.takes(meta, positions.shape[0]):
+        on the others (which hand their (hidden, residual) to the next stage). `inputs_embeds`: the
+        input embeddings with images placed, instead of the ids' (a vision-language model's prompt)."""
+        if not embeds and self.decode_stack is not None and self.decode_stack.takes(meta, positions.shape[0]):
             return self.decode_stack.forward(input_ids, positions, meta)
         with batch_invariant.step_rows(positions.shape[0], meta.num_decodes):
-            return self._forward_layers(input_ids, positions, meta)
+            return self._forward_layers(input_ids, positions, meta, **embeds)
 
-    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, **embeds):
         intermediate = None
         if not self.rank.is_first_stage:
-            shape = (positions.shape[0], self.config.model_config.hf_config.hidden_size)
+            shape = (positions.shape[0], self.config.model_config.hf_text_config.hidden_size)
             intermediate = pp_recv([shape, shape], self.config.model_config.dtype, self.device)
-        out = self.model(input_ids, positions, meta, intermediate)
+        out = self.model(input_ids, positions, meta, intermediate, **embeds)
         if self.rank.is_last_stage:
             return out
         pp_send(list(out))
@@ -375,26 +382,3 @@ class ModelRunner:
             and batch.num_decodes <= self.graph_runner.max_batch_size
             and max(batch.seq_lens, default=0) <= self.config.max_seq_len_to_capture
         )
-
-    def _prompt_logprobs(
-        self, request: CachedRequestState, hidden: torch.Tensor, span: PromptLogprobSpan
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For prompt positions scored this step (hidden rows first_index.., each scoring the next
-        prompt token): ids and logprobs [count, 1 + k] (the prompt token, then the top k) and the
-        prompt token's rank [count], on the device. Computed PROMPT_LOGPROBS_CHUNK rows at a time:
-        a whole 8192-token chunk's float32 logits over a 150k vocabulary would take ~10 GB."""
-        first, count = span.first_index, span.count
-        targets = to_device(request.prompt_token_ids[span.start + 1 : span.start + 1 + count], torch.long, self.device)
-        k = request.sampling_params.prompt_logprobs or 0
-        ids = torch.empty(count, 1 + k, dtype=torch.long, device=self.device)
-        lps = torch.empty(count, 1 + k, dtype=torch.float32, device=self.device)
-        ranks = torch.empty(count, dtype=torch.long, device=self.device)
-        for lo in range(0, count, PROMPT_LOGPROBS_CHUNK):
-            hi = min(lo + PROMPT_LOGPROBS_CHUNK, count)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]).float(), dim=-1)
-            ids[lo:hi, 0] = targets[lo:hi]
-            lps[lo:hi, :1] = logprobs.gather(-1, targets[lo:hi, None])
-            ranks[lo:hi] = (logprobs > lps[lo:hi, :1]).sum(-1) + 1
-            if k:
-                lps[lo:hi, 1:], ids[lo:hi, 1:] = logprobs.topk(k, dim=-1)
-        return ids, lps, ranks

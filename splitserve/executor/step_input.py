@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from splitserve.lora.request import LoRARequest
+from splitserve.multimodal.inputs import MultiModalFeature
 from splitserve.pooling_params import PoolingParams
 from splitserve.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_ids: list[int]  # eos and stop ids: what min_tokens holds back
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
     pooling: PoolingParams | None = None  # a pooling request: pool its prompt's hidden states
+    mm_features: list[MultiModalFeature] = []  # its images: encoder inputs and the prompt tokens they replace
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from splitserve.config import ModelConfig, resolve_dtype
+from splitserve.config import ModelConfig, resolve_dtype, text_config
 from splitserve.layers.rotary import is_dynamic_ntk, set_rope_scaling
 from splitserve.loader.gguf_cache import hf_dir_for_gguf, read_gguf_config
 from splitserve.loader.gguf_file import gguf_is_quantized
@@ -285,7 +285,7 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
     if args.tokenizer is not None:
         tokenizer = resolve_model_path(args.tokenizer, args.revision)
     elif dummy and not _has_tokenizer(path):
-        tokenizer = _dummy_tokenizer(args.model, path, builtin, hf_config.vocab_size)
+        tokenizer = _dummy_tokenizer(args.model, path, builtin, text_config(hf_config).vocab_size)
         substitute_tokenizer = builtin != DEFAULT_MODEL_HUB_ID
     else:
         tokenizer = path
@@ -296,8 +296,8 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         tokenizer=tokenizer,
         substitute_tokenizer=substitute_tokenizer,
         hf_config=hf_config,
-        dtype=resolve_dtype(args.dtype, _config_dtype(hf_config), device),
-        max_model_len=_max_model_len(hf_config, args.max_model_len),
+        dtype=resolve_dtype(args.dtype, _config_dtype(hf_config) or _config_dtype(text_config(hf_config)), device),
+        max_model_len=_max_model_len(text_config(hf_config), args.max_model_len),
         load_format=load_format,
         seed=args.seed,
         gguf_file=split_gguf(path)[1],

@@ -40,8 +40,7 @@ _STACKED = {
 
 
 def _sliding_window(config, layer_idx: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
     if not window:
         return None
     if layer_types is not None:
@@ -114,8 +113,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, k, encoding)
@@ -252,11 +250,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         meta,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ):
-        """The first stage starts from the token ids, the others from the previous stage's
-        (hidden, residual); the last returns the final hidden states, the others (hidden, residual)."""
+        """The first stage starts from the token ids (or their embeddings, images placed), the others from
+        the previous stage's (hidden, residual); the last returns the final hidden states, the others
+        (hidden, residual)."""
         if self.is_first_stage:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
             if self.embedding_multiplier != 1.0:
                 x = x * self.embedding_multiplier
         else:
@@ -287,10 +287,10 @@ class LlamaForCausalLM(nn.Module):
         if self.model.is_last_stage and not self.head_is_embedding:
             self.lm_head = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None, inputs_embeds=None):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (or, before the last pipeline
         stage, the (hidden, residual) to hand on)."""
-        return self.model(input_ids, positions, meta, intermediate)
+        return self.model(input_ids, positions, meta, intermediate, inputs_embeds)
 
     def compute_logits_embedding(self) -> Embedding | None:
         """The Embedding whose `logits` are the LM head's (None before the last pipeline stage)."""

@@ -9,6 +9,7 @@ from torch import nn
 from splitserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from splitserve.models.internlm import InternLM2ForCausalLM, internlm2_config, internlm_config
 from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.llava import LlavaForConditionalGeneration
 from splitserve.models.moe import (
     Ernie4_5_MoeForCausalLM,
     GraniteMoeForCausalLM,
@@ -34,6 +35,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    # Vision-language models (image inputs: splitserve/multimodal/)
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Cross-encoders and classifiers (the pooling runner): models/sequence_classification.py
     **{
         f"{name}ForSequenceClassification": LlamaForSequenceClassification

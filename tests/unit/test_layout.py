@@ -34,11 +34,13 @@ ALLOWED = {
     "splitserve": {"entrypoints"},
     "cli": {"benchmarks", "entrypoints", "engine"},
     "benchmarks": {"disagg", "engine", "entrypoints", "loader", "quantization", "tokenizer"},
-    "entrypoints": {"disagg", "engine", "loader", "quantization", "tokenizer"},
+    "entrypoints": {"disagg", "engine", "loader", "multimodal", "quantization", "tokenizer"},
     "disagg": {"executor"},
-    "engine": {"distributed", "executor", "layers", "loader", "tokenizer"},
+    "engine": {"distributed", "executor", "layers", "loader", "multimodal", "tokenizer"},
     "tokenizer": {"loader"},
-    "executor": {"distributed", "layers", "loader", "models", "quantization"},
+    "executor": {"distributed", "layers", "loader", "models", "multimodal", "quantization"},
+    "multimodal": set(),  # images in requests: loaded, processed, carried as data
+    "vl": {"multimodal"},  # LMDeploy's lmdeploy.vl (load_image)
     "loader": {"layers", "models", "quantization"},
     "quantization": {"layers"},
     "models": {"distributed", "layers"},

@@ -318,18 +318,19 @@ def test_min_tokens_above_max_tokens_raises_value_error():
 
 
 # --- chat messages ---------------------------------------------------------------------------
-def test_image_content_part_is_refused_naming_its_type():
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "what is this?"},
-                {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
-            ],
-        }
-    ]
-    message, param = rejected(validate(ChatCompletionRequest), messages=messages)
-    assert param == "messages.0.content" and "image_url" in message
+def test_image_url_parts_are_read_and_other_kinds_refused_naming_their_type():
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png", "detail": "low"}}
+    req = validate(ChatCompletionRequest)(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+    )
+    assert req.template_messages()[0]["content"] == [{"type": "text", "text": "hi"}, image]
+    assert req.messages[0].text() == "hi"
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
+    message, param = rejected(validate(ChatCompletionRequest), messages=audio)
+    assert param == "messages.0.content" and "input_audio" in message
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x/y.png"}]}]
+    message, param = rejected(validate(ChatCompletionRequest), messages=bad)
+    assert param == "messages.0.content" and "{'url': ...}" in message
 
 
 @pytest.mark.parametrize(

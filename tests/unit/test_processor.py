@@ -37,6 +37,8 @@ def processor() -> Processor:
         hf_config=SimpleNamespace(eos_token_id=[2, 7]),
         runner_type="generate",
         pooler_config=None,
+        is_multimodal=False,
+        architecture="TestForCausalLM",
     )
     return Processor(config, CharTokenizer())
 

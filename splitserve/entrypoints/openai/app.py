@@ -188,7 +188,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         return Response(body, media_type=content_type)
 
     add_batch_routes(app, batches)  # /v1/files, /v1/batches
-    document_routes(app, config.model_config.hf_config.vocab_size)
+    document_routes(app, config.model_config.vocab_size)
     app.add_middleware(RequestIdMiddleware)
     if tracing is not None:
         app.add_middleware(TraceContextMiddleware, tracing=tracing)

@@ -47,6 +47,8 @@ class ServerArgs:
     batch_files_dir: str | None = None  # None: a temporary directory of this server's (server.py)
     batch_max_file_mb: int = 200
     batch_max_concurrency: int = 8
+    allowed_local_media_path: str | None = None  # image files requests may name (file:// URLs), under this directory
+    allowed_media_domains: list[str] | None = None  # http(s) image URLs only to these hosts (None: any)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +97,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "needs splitserve[otel]",
     )
     g.add_argument("--chat-template", default=None, help="a jinja chat template: a file path or the template itself")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="let image_url parts name files (file:// URLs) under this directory (default: no local files)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="fetch http(s) image URLs only from these host names (default: any; the fetch times out after "
+        "$SPLITSERVE_IMAGE_FETCH_TIMEOUT s)",
+    )
     g.add_argument(
         "--max-queued-requests",
         type=int,

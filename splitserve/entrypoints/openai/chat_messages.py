@@ -1,5 +1,5 @@
-"""The messages and tools of a chat request: text content (parts of other kinds are refused by
-name), assistant messages that called tools and the tool messages that answer them, and the tools
+"""The messages and tools of a chat request: text and image content (parts of other kinds are refused
+by name), assistant messages that called tools and the tool messages that answer them, and the tools
 a request offers (OpenAI's function tools) with its tool choice."""
 
 from __future__ import annotations
@@ -19,19 +19,36 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str  # a data: URI, a file:// URL or path (--allowed-local-media-path), or an http(s) URL
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the model's processor decides the size
+
+
+class ImageURLContentPart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 def _check_content(value: Any) -> Any:
-    """Message content: a string or text parts. Checked by hand so that an image or audio part gets
-    an error naming its type instead of a list of failed union members."""
+    """Message content: a string, or text and image_url parts. Checked by hand so that an audio or
+    other part gets an error naming its type instead of a list of failed union members."""
     if isinstance(value, str) or value is None:
         return value
     if not isinstance(value, list):
         raise ValueError("message 'content' must be a string or a list of content parts.")
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            url = part.get("image_url")
+            if set(part) != {"type", "image_url"} or not isinstance(url, dict) or not isinstance(url.get("url"), str):
+                raise ValueError(
+                    "an 'image_url' content part must be {'type': 'image_url', 'image_url': {'url': ...}}."
+                )
+            continue
         if kind != "text":
             raise ValueError(
-                f"content part type {kind!r} is not supported: splitserve serves text only, "
-                "so only {'type': 'text', 'text': ...} parts are accepted."
+                f"content part type {kind!r} is not supported: only {{'type': 'text', 'text': ...}} and "
+                "{'type': 'image_url', 'image_url': {'url': ...}} parts are accepted."
             )
         if set(part) != {"type", "text"} or not isinstance(part["text"], str):
             raise ValueError("a 'text' content part must be exactly {'type': 'text', 'text': <string>}.")
@@ -76,7 +93,7 @@ class ChatMessageParam(RequestModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     tool_calls: list[ToolCallParam] | None = None  # before content: content's check reads it
-    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+    content: str | list[TextContentPart | ImageURLContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -97,17 +114,21 @@ class ChatMessageParam(RequestModel):
         return value
 
     def text(self) -> str:
-        """The content as one string: text parts joined with newlines."""
+        """The content as one string: text parts joined with newlines (images left out)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if part.type == "text")
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it. "developer" (OpenAI's newer name for the system
         role) becomes "system": templates know only the older name and many raise on unknown roles.
         Tool call arguments are given as objects, as the templates of tool-calling models read them
         (vLLM does the same)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        content = [part.model_dump(exclude_none=True) for part in self.content] if self.has_images() else self.text()
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:

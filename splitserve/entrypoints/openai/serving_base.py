@@ -27,6 +27,7 @@ from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import CLIENT_REQUEST_ID, APIError, ErrorResponse, error_body
+from splitserve.entrypoints.openai import chat_images
 from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
 from splitserve.entrypoints.openai.response_models import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
@@ -163,14 +164,19 @@ class OpenAIServing(PDServingMixin):
 
         return await asyncio.to_thread(process)
 
-    async def _render_chat(self, req) -> str:
-        """The messages of a chat request as its template renders them."""
+    async def _render_chat(self, req) -> PromptType:
+        """The messages of a chat request as its template renders them: the text, or with image parts a
+        prompt carrying the images (entrypoints/openai/chat_images.py)."""
         template = req.chat_template or self.server_args.chat_template
+        media = chat_images.media_config(self.server_args)
+        messages, images = await chat_images.split_images(
+            req.template_messages(), self.processor, template or self.tokenizer.chat_template, media
+        )
         try:
-            return await asyncio.to_thread(
+            text = await asyncio.to_thread(
                 apply_chat_template,
                 self.tokenizer,
-                req.template_messages(),
+                messages,
                 template,
                 req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -178,6 +184,7 @@ class OpenAIServing(PDServingMixin):
             )
         except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
             raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
+        return chat_images.chat_prompt(text, images)
 
     def _prompt_text(self, request: ProcessedRequest) -> str:
         return request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)

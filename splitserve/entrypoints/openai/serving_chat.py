@@ -3,7 +3,6 @@ tool calls read from it (tool_calling.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +11,7 @@ from fastapi import Request
 
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import APIError
+from splitserve.entrypoints.openai import chat_images
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser, parser_for_model
 from splitserve.entrypoints.openai.response_models import (
@@ -103,8 +103,8 @@ class OpenAIServingChat(OpenAIServing):
         count them (Anthropic's /v1/messages/count_tokens)."""
         req = self._parse(ChatCompletionRequest.model_validate, body)
         await self._check_model(req.model)
-        text = await self._render_chat(req)
-        return len(await asyncio.to_thread(self.processor.tokenize, text, False))
+        prompt = await self._render_chat(req)
+        return len(await chat_images.prompt_token_ids(self.processor, prompt, False))
 
     def _plan_tools(self, req, params) -> ToolPlan:
         """The request's tool choice; a required or named one becomes the request's guide."""

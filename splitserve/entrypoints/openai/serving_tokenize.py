@@ -8,6 +8,7 @@ import asyncio
 from fastapi.responses import JSONResponse
 
 from splitserve.entrypoints.http import APIError
+from splitserve.entrypoints.openai import chat_images
 from splitserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, parse_tokenize_request
 from splitserve.entrypoints.openai.response_models import DetokenizeResponse, TokenizeResponse
 from splitserve.entrypoints.openai.serving_base import OpenAIServing, json_response
@@ -17,8 +18,8 @@ class OpenAIServingTokenization(OpenAIServing):
     async def tokenize(self, body: dict) -> JSONResponse:
         req = self._parse(parse_tokenize_request, body)
         await self._check_model(req.model)
-        text = await self._render_chat(req) if isinstance(req, TokenizeChatRequest) else req.prompt
-        ids = await asyncio.to_thread(self.processor.tokenize, text, req.add_special_tokens)
+        prompt = await self._render_chat(req) if isinstance(req, TokenizeChatRequest) else req.prompt
+        ids = await chat_images.prompt_token_ids(self.processor, prompt, req.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return json_response(
             TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
