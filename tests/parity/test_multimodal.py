@@ -136,3 +136,32 @@ def test_a_text_model_refuses_images_and_enable_mm(tiny_models):
     engine = LLM(tiny_models["llama"], **COMMON)
     with pytest.raises(InvalidRequestError, match="no vision encoder"):
         engine.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+
+
+def test_lmdeploy_pipeline_takes_prompt_image_pairs(llava, llm, tmp_path):
+    """LMDeploy's VLM forms: pipe((prompt, image)), pipe([(prompt, [images])]), load_image from
+    splitserve.vl, and OpenAI-style image parts in a conversation, each the chat the pair stands for."""
+    from splitserve import GenerationConfig, PytorchEngineConfig, pipeline
+    from splitserve.vl import load_image
+
+    random_image(21).save(tmp_path / "a.png")
+    image, second = load_image(str(tmp_path / "a.png")), random_image(22)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def chat(text, images):
+        parts = [{"type": "image_pil", "image_pil": i} for i in images] + [{"type": "text", "text": text}]
+        return llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0].outputs[0].text
+
+    gen = GenerationConfig(max_new_tokens=MAX_TOKENS, top_k=1, ignore_eos=True)
+    with pipeline(llava, backend_config=PytorchEngineConfig(dtype="float32")) as pipe:
+        single = pipe(("describe this image", image), gen_config=gen)
+        batch = pipe([("compare them", [image, second]), ("describe this image", second)], gen_config=gen)
+        uri = encode_data_uri(second)
+        parts = [{"type": "text", "text": "describe this image"}, {"type": "image_url", "image_url": {"url": uri}}]
+        conversation = pipe([{"role": "user", "content": parts}], gen_config=gen)
+    assert single.text == chat("describe this image", [image])
+    assert [r.text for r in batch] == [chat("compare them", [image, second]), chat("describe this image", [second])]
+    offline = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0].outputs[0].text
+    assert conversation.text == offline  # image after the text, where its part is
+    with pytest.raises(ValueError, match="decoded"):
+        load_image(b"\x89PNG broken")

@@ -5,7 +5,7 @@ a request offers (OpenAI's function tools) with its tool choice."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
@@ -27,6 +27,10 @@ class ImageURL(RequestModel):
 class ImageURLContentPart(RequestModel):
     type: Literal["image_url"]
     image_url: ImageURL
+
+
+# Chosen by `type`, so that a part is validated (and its fields checked) only as its own kind.
+ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
 
 
 def _check_content(value: Any) -> Any:
@@ -93,7 +97,7 @@ class ChatMessageParam(RequestModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     tool_calls: list[ToolCallParam] | None = None  # before content: content's check reads it
-    content: str | list[TextContentPart | ImageURLContentPart] | None = Field(None, validate_default=True)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
 

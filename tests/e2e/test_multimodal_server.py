@@ -1,0 +1,142 @@
+"""Images through the OpenAI-compatible server, started as the FastDeploy document starts it
+(`python -m splitserve.entrypoints.openai.api_server --enable-mm`), on a tiny random LLaVA: the
+official `openai` client's image_url parts as data URIs, files under --allowed-local-media-path and
+http URLs give the offline engine's greedy answer, whole and streamed; /tokenize counts an image's
+tokens; and every bad image is a 400 naming its part, the server serving on after it."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+
+import httpx
+import openai
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.multimodal.media import encode_data_uri
+from tests.helpers.multimodal import LLAVA_IMAGE_TOKENS, make_tiny_llava, random_image
+from tests.helpers.server import RemoteServer
+
+pytestmark = pytest.mark.slow  # starts a server
+
+QUESTION = "What is in this picture?"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm_tokenizer) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("llava")), smollm_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("media")
+    random_image(11).save(directory / "eleven.png")
+    random_image(12).save(directory / "twelve.gif")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(llava, media_dir):
+    args = ["--enable-mm", "--dtype", "float32", "--max-num-batched-tokens", "32", "--disable-log-requests"]
+    args += ["--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", '{"image": 2}']
+    with RemoteServer(llava, *args, entry_point="api_server") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def image_server(media_dir):
+    """A loopback http server of the media directory."""
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(media_dir))  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def messages(*urls: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
+
+
+def ask(client, *urls: str, stream: bool = False) -> str:
+    out = client.chat.completions.create(
+        model="default", messages=messages(*urls), max_tokens=MAX_TOKENS, temperature=0.0, stream=stream
+    )
+    if not stream:
+        return out.choices[0].message.content
+    return "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
+
+
+@pytest.fixture(scope="module")
+def offline_answer(llava):
+    llm = LLM(llava, dtype="float32", use_tqdm_on_load=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    answer = llm.chat(messages(encode_data_uri(random_image(11))), params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    return answer
+
+
+def test_image_urls_of_every_kind_give_the_offline_answer(client, media_dir, image_server, offline_answer):
+    data_uri = encode_data_uri(random_image(11))
+    assert ask(client, data_uri) == offline_answer
+    assert ask(client, data_uri, stream=True) == offline_answer
+    assert ask(client, f"file://{media_dir / 'eleven.png'}") == offline_answer
+    assert ask(client, f"{image_server}/eleven.png") == offline_answer
+    other = ask(client, encode_data_uri(random_image(13)))
+    assert isinstance(other, str)
+
+
+def test_tokenize_counts_the_image_tokens(server):
+    body = {"model": "default", "messages": messages(encode_data_uri(random_image(11)))}
+    with_image = httpx.post(server.url + "/tokenize", json=body).json()
+    text_only = httpx.post(server.url + "/tokenize", json={**body, "messages": messages()}).json()
+    assert with_image["count"] - text_only["count"] == LLAVA_IMAGE_TOKENS + 1  # the image's tokens and its newline
+
+
+def _encoded(format: str, keep: int | None = None) -> str:
+    buffer = io.BytesIO()
+    random_image(3).save(buffer, format=format)
+    return f"data:image/{format.lower()};base64," + base64.b64encode(buffer.getvalue()[:keep]).decode()
+
+
+def _gif_uri() -> str:
+    return _encoded("GIF")
+
+
+def _truncated_png_uri() -> str:
+    return _encoded("PNG", keep=120)
+
+
+@pytest.mark.parametrize(
+    "urls, words",
+    [
+        ([_truncated_png_uri()], "decoded"),
+        (["data:image/png;base64,@@@"], "base64"),
+        ([_gif_uri()], "GIF is not supported"),
+        (["file:///etc/hostname"], "outside the allowed local media path"),
+        (["http://127.0.0.1:9/none.png"], "failed"),
+    ],
+)
+def test_a_bad_image_is_a_400_naming_its_part(client, server, urls, words, offline_answer):
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(client, *urls)
+    error = info.value.body
+    assert words in error["message"] and error["param"] == "messages[0].content[0]"
+    assert ask(client, encode_data_uri(random_image(11))) == offline_answer  # served on, unaffected
+
+
+def test_more_images_than_the_limit_and_a_missing_file(client, media_dir):
+    uri = encode_data_uri(random_image(1))
+    with pytest.raises(openai.BadRequestError, match="at most 2 per prompt"):
+        ask(client, uri, uri, uri)
+    with pytest.raises(openai.BadRequestError, match="cannot be read"):
+        ask(client, f"file://{media_dir / 'missing.png'}")
