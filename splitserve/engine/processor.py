@@ -49,7 +49,7 @@ class Processor:
         if model_config.is_multimodal:
             from splitserve.multimodal.processing import MultiModalProcessor
 
-            self.multimodal = MultiModalProcessor(model_config, model_config.limit_mm_per_prompt)
+            self.multimodal = MultiModalProcessor(model_config, tokenizer, model_config.limit_mm_per_prompt)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids

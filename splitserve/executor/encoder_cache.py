@@ -50,16 +50,15 @@ class EncoderCache:
         return embeds
 
     def embeddings(self, model, features: list[MultiModalFeature]) -> dict[str, torch.Tensor]:
-        """Each feature's whole embeddings [length, hidden], encoding the ones not cached (images of
-        one shape in one batch), then evicting the least recently used past the budget."""
+        """Each feature's whole embeddings [length, hidden], encoding the ones not cached (in one call:
+        the model batches them), then evicting the least recently used past the budget."""
         wanted = {f.identifier: f for f in features}
         missing = [f for key, f in wanted.items() if key not in self.entries]
         self.num_hits += len(wanted) - len(missing)
-        for group in _by_shape(missing):
-            pixels = torch.stack([torch.from_numpy(f.data["pixel_values"].to_array().copy()) for f in group])
-            encoded = model.embed_images(pixels.to(self.device))
-            self.num_encoded += len(group)
-            for feature, rows in zip(group, encoded):
+        if missing:
+            encoded = model.embed_images([self._inputs(f) for f in missing])
+            self.num_encoded += len(missing)
+            for feature, rows in zip(missing, encoded):
                 if rows.shape[0] != feature.length:
                     raise RuntimeError(
                         f"The vision encoder made {rows.shape[0]} embeddings of an image that has "
@@ -72,6 +71,9 @@ class EncoderCache:
         self._evict(keep=len(wanted))
         return found
 
+    def _inputs(self, feature: MultiModalFeature) -> dict[str, torch.Tensor]:
+        return {name: torch.from_numpy(t.to_array().copy()).to(self.device) for name, t in feature.data.items()}
+
     def _evict(self, keep: int) -> None:
         """Drop the least recently used entries past max_tokens, never the `keep` used last."""
         total = sum(rows.shape[0] for rows in self.entries.values())
@@ -81,10 +83,3 @@ class EncoderCache:
 
     def clear(self) -> None:
         self.entries.clear()
-
-
-def _by_shape(features: list[MultiModalFeature]) -> list[list[MultiModalFeature]]:
-    groups: dict[tuple, list[MultiModalFeature]] = {}
-    for feature in features:
-        groups.setdefault(tuple(feature.data["pixel_values"].shape), []).append(feature)
-    return list(groups.values())

@@ -35,6 +35,9 @@ class CachedRequestState:
     pooling: PoolingParams | None = None  # a pooling request
     pool: object = None  # its pooling so far, over the prompt chunks computed (executor/pooler.py)
     mm_features: list = field(default_factory=list)  # its images (multimodal/inputs.py MultiModalFeature)
+    # Multimodal rope (executor/mrope.py): its prompt's [3, L] rope positions, and its later tokens' offset
+    mrope_positions: object = None
+    mrope_delta: int = 0
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from splitserve import kernels
@@ -20,6 +21,7 @@ from splitserve.executor.in_flight import InFlightStep, collect_pooled, collect_
 from splitserve.executor.input_batch import CachedRequestState, InputBatch
 from splitserve.executor.kv_memory import kv_memory_use, kv_zeros
 from splitserve.executor.kv_swap import HostKVSwap
+from splitserve.executor.mrope import remember_prompt_positions, step_positions
 from splitserve.executor.pooler import pool_step
 from splitserve.executor.prompt_logprobs import prompt_logprobs
 from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
@@ -70,6 +72,7 @@ class ModelRunner:
         # A vision-language model's image embeddings, on the stage that embeds the prompt's tokens.
         multimodal = config.model_config.is_multimodal and self.rank.is_first_stage
         self.encoder_cache = EncoderCache(self.device) if multimodal else None
+        self.uses_mrope = hasattr(self.model, "mrope_positions")  # Qwen2-VL's rope positions (executor/mrope.py)
         self.use_cuda_graphs = self._use_cuda_graphs()
         self.num_steps = 0
 
@@ -254,7 +257,9 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in step.new_requests:
-            self.requests[data.request_id] = CachedRequestState.from_new(data)
+            state = self.requests[data.request_id] = CachedRequestState.from_new(data)
+            if self.uses_mrope:
+                remember_prompt_positions(self.model, state)
         rows = []
         for scheduled in step.scheduled:
             state = self.requests[scheduled.request_id]
@@ -281,7 +286,7 @@ class ModelRunner:
             self.lora_manager.prepare([r.lora_request for r in batch.requests], batch.query_start_loc, self.num_steps)
         meta = self._attention_metadata(batch)
         input_ids = self._input_ids(batch, previous)
-        positions = to_device(batch.positions, torch.long, self.device)
+        positions = self._positions(batch)
         if batch.mm_spans and self.encoder_cache is not None:  # images: the step starts from embeddings
             embeds = self.encoder_cache.inputs_embeds(self.model, input_ids, batch.mm_spans)
             hidden = self._forward(input_ids, positions, meta, inputs_embeds=embeds)
@@ -339,21 +344,29 @@ class ModelRunner:
         """This rank's part of the forward: the final hidden states on the last pipeline stage, None
         on the others (which hand their (hidden, residual) to the next stage). `inputs_embeds`: the
         input embeddings with images placed, instead of the ids' (a vision-language model's prompt)."""
-        if not embeds and self.decode_stack is not None and self.decode_stack.takes(meta, positions.shape[0]):
+        num_tokens = input_ids.shape[0]
+        if not embeds and self.decode_stack is not None and self.decode_stack.takes(meta, num_tokens):
             return self.decode_stack.forward(input_ids, positions, meta)
-        with batch_invariant.step_rows(positions.shape[0], meta.num_decodes):
+        with batch_invariant.step_rows(num_tokens, meta.num_decodes):
             return self._forward_layers(input_ids, positions, meta, **embeds)
 
     def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, **embeds):
         intermediate = None
         if not self.rank.is_first_stage:
-            shape = (positions.shape[0], self.config.model_config.hf_text_config.hidden_size)
+            shape = (input_ids.shape[0], self.config.model_config.hf_text_config.hidden_size)
             intermediate = pp_recv([shape, shape], self.config.model_config.dtype, self.device)
         out = self.model(input_ids, positions, meta, intermediate, **embeds)
         if self.rank.is_last_stage:
             return out
         pp_send(list(out))
         return None
+
+    def _positions(self, batch: InputBatch) -> torch.Tensor:
+        """The rope positions of the step's tokens: their indices, or a multimodal rope's ([3, T] or [T])."""
+        rope = step_positions(batch) if self.uses_mrope else None
+        if rope is None:
+            return to_device(batch.positions, torch.long, self.device)
+        return torch.from_numpy(np.ascontiguousarray(rope)).to(self.device)
 
     def _sampled_rows(self, hidden: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         """The hidden states of the tokens that sample. Indexing with a host list would copy it to

@@ -121,11 +121,36 @@ class DynamicNTKRotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rope (M-RoPE): a token has three positions (time, height, width; equal
+    for text tokens) and each section of the rotary frequencies (`mrope_section`, e.g. [16, 24, 24]
+    of head_dim / 2) turns by one of them. Positions [3, T] for a step with images' tokens; [T]
+    (text and decodes, where the three are equal) is the plain rope of the same table."""
+
+    def __init__(self, config, head_dim: int, max_position: int):
+        super().__init__(config, head_dim, max_position)
+        sections = rope_parameters(config)["mrope_section"]
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} does not cover head_dim / 2 = {head_dim // 2}.")
+        component = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)])
+        self.register_buffer("component", torch.cat((component, component)), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, lengths: torch.Tensor | None = None):
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        index = self.component[None, :, None].expand(positions.shape[1], -1, 1)
+        cos = self.cos_cache[positions].permute(1, 2, 0).gather(-1, index)  # [T, D, 1]: component d's angle
+        sin = self.sin_cache[positions].permute(1, 2, 0).gather(-1, index)
+        return cos.to(dtype).transpose(1, 2).contiguous(), sin.to(dtype).transpose(1, 2).contiguous()
+
+
 def rotary_embedding(config, head_dim: int, max_position: int) -> RotaryEmbedding | DynamicNTKRotaryEmbedding:
     """The fixed table for position-only schedules; the per-token computation only for dynamic NTK,
     so that the other models keep their one table lookup per forward."""
     if is_dynamic_ntk(config):
         return DynamicNTKRotaryEmbedding(config, head_dim)
+    if "mrope_section" in rope_parameters(config):
+        return MRotaryEmbedding(config, head_dim, max_position)
     return RotaryEmbedding(config, head_dim, max_position)
 
 

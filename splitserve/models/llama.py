@@ -29,6 +29,7 @@ from splitserve.layers.rotary import (
     rotary_embedding,
 )
 
+_QKV_BIASED = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # model types with q/k/v biases
 # checkpoint projection name -> (fused module name, shard index)
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -103,7 +104,7 @@ class LlamaAttention(nn.Module):
     def biases(config) -> tuple[bool, bool]:
         """(q/k/v, o) biases: Llama's attention_bias covers all four projections, Qwen2 biases q/k/v."""
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))  # Qwen2-MoE names it
+        qkv_bias = config.model_type in _QKV_BIASED or bool(getattr(config, "qkv_bias", False))  # Qwen2-MoE names it
         return qkv_bias or attention_bias, attention_bias
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, encoding: PositionEncoding):
@@ -193,8 +194,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
-    """The layers of pipeline stage `pp_rank`: contiguous, as even as possible, the earlier stages
-    taking the extra ones (the last stage also runs the LM head)."""
+    """The layers of pipeline stage `pp_rank`: contiguous, as even as possible, earlier stages first."""
     if num_layers < pp_size:
         raise ValueError(f"{num_layers} layers cannot be split over {pp_size} pipeline stages.")
     base, extra = divmod(num_layers, pp_size)

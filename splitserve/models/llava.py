@@ -19,7 +19,7 @@ from torch import nn
 
 from splitserve.layers.basic import Linear
 from splitserve.models.llama import LlamaForCausalLM
-from splitserve.models.vision import VisionTransformer, activation, layers_for_feature_layer
+from splitserve.models.vision import VisionTransformer, activation, layers_for_feature_layer, load_exact
 
 # Checkpoint prefixes: transformers >= 4.52 saves model.{vision_tower,multi_modal_projector,language_model}
 # and lm_head; older checkpoints (the hub's llava-hf models) have them at the top, the LM's as language_model.model.
@@ -63,14 +63,15 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             self.vision_tower = VisionTransformer(vision, num_layers, dtype)
             self.multi_modal_projector = LlavaProjector(config, dtype)
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [images, 3, size, size] -> the images' token embeddings [images, tokens, hidden]."""
-        features = self.vision_tower(pixel_values)
+    def embed_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's token embeddings [tokens, hidden], from its pixel_values [3, size, size] (the
+        processor makes every image one size: one batch)."""
+        features = self.vision_tower(torch.stack([image["pixel_values"] for image in images]))
         if self.drops_class_token:
             features = features[:, 1:]
-        images, tokens, width = features.shape
-        embeddings = self.multi_modal_projector(features.reshape(images * tokens, width))
-        return embeddings.view(images, tokens, -1)
+        count, tokens, width = features.shape
+        embeddings = self.multi_modal_projector(features.reshape(count * tokens, width))
+        return list(embeddings.view(count, tokens, -1))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -92,7 +93,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         super().load_weights(language_model_weights())
         if self.model.is_first_stage:
             self.vision_tower.load_weights(vision["vision_tower"])
-            _load_projector(self.multi_modal_projector, vision["multi_modal_projector"])
+            load_exact(self.multi_modal_projector, vision["multi_modal_projector"], "projector")
 
     def _load_keys(self, param_name: str) -> list[str]:
         if param_name.startswith(("vision_tower.", "multi_modal_projector.")):
@@ -105,15 +106,3 @@ def _local_name(name: str) -> str:
         if name.startswith(prefix):
             return local + name[len(prefix) :]
     return name
-
-
-def _load_projector(projector: LlavaProjector, weights: dict[str, torch.Tensor]) -> None:
-    params = dict(projector.named_parameters())
-    if set(weights) != set(params):
-        raise ValueError(f"The projector's tensors {sorted(weights)} are not the model's {sorted(params)}.")
-    for name, tensor in weights.items():
-        if params[name].shape != tensor.shape:
-            raise ValueError(
-                f"Projector tensor {name!r} has shape {tuple(tensor.shape)}, not {tuple(params[name].shape)}."
-            )
-        params[name].data.copy_(tensor)

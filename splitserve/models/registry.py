@@ -17,6 +17,7 @@ from splitserve.models.moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from splitserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from splitserve.models.sequence_classification import LlamaForSequenceClassification
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -37,6 +38,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     # Vision-language models (image inputs: splitserve/multimodal/)
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     # Cross-encoders and classifiers (the pooling runner): models/sequence_classification.py
     **{
         f"{name}ForSequenceClassification": LlamaForSequenceClassification

@@ -188,3 +188,17 @@ def _unused(name: str, num_layers: int) -> bool:
     if name.startswith("encoder.layers."):
         return int(name.split(".")[2]) >= num_layers
     return name.startswith(("post_layernorm.", "head.")) or name.endswith("position_ids")
+
+
+def load_exact(module: nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
+    """Checkpoint tensors named as `module`'s parameters, every one of them and no other."""
+    params = dict(module.named_parameters())
+    unknown, missing = sorted(set(weights) - set(params)), sorted(set(params) - set(weights))
+    if unknown or missing:
+        raise ValueError(f"The {what}'s tensors do not match the model: unknown {unknown[:5]}, missing {missing[:5]}.")
+    for name, tensor in weights.items():
+        if params[name].shape != tensor.shape:
+            raise ValueError(
+                f"{what} tensor {name!r} has shape {tuple(tensor.shape)}, not {tuple(params[name].shape)}."
+            )
+        params[name].data.copy_(tensor)

@@ -84,3 +84,67 @@ def random_image(seed: int, size: tuple[int, int] = (64, 48)):
 
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels, "RGB")
+
+
+# A Qwen2-VL: 4 x 4 patches merged 2 x 2, so a 64 x 48 image is a 16 x 12 grid of 48 tokens.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def make_tiny_qwen2_vl(directory: str, tokenizer, *, seed: int = 0) -> str:
+    """Qwen2VLForConditionalGeneration (ViT with 2D rotary, 2 x 2 patch merger, Qwen2 with M-RoPE) with
+    the SmolLM2 vocabulary plus Qwen2-VL's vision tokens, saved with its image processor."""
+    import copy
+
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.helpers.models import TINY_CONFIG
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
+    ids = dict(zip(QWEN2_VL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN2_VL_TOKENS)))
+    text = {
+        **TINY_CONFIG,
+        "vocab_size": len(tokenizer),
+        "head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    vision = dict(depth=2, embed_dim=32, hidden_size=TINY_CONFIG["hidden_size"], num_heads=2, mlp_ratio=2)
+    vision.update(patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=96 * 96
+    )
+    processor.save_pretrained(directory)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory

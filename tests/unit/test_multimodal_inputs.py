@@ -75,9 +75,9 @@ class FakeEncoder:
     def __init__(self):
         self.calls = 0
 
-    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+    def embed_images(self, images: list[dict]) -> list[torch.Tensor]:
         self.calls += 1
-        return pixels[:, :1, :1].expand(-1, 4, 3).clone()
+        return [image["pixel_values"][:1, :1].expand(4, 3).clone() for image in images]
 
     def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(len(ids), 3)
