@@ -97,3 +97,16 @@ def test_chat_image_parts(llm):
     direct = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
     assert chat.prompt_token_ids == direct.prompt_token_ids
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+@pytest.mark.slow  # starts worker processes
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel(qwen2_vl, tp, pp):
+    """tp: each rank runs the whole tower on the images and its share of the language model; pp: the
+    first stage embeds the images, every stage rotates by the same M-RoPE positions."""
+    expected = hf_greedy(qwen2_vl, PROMPTS[:2])
+    engine = LLM(qwen2_vl, tensor_parallel_size=tp, pipeline_parallel_size=pp, **COMMON)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([request(text, spec) for text, spec in PROMPTS[:2]], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    engine.llm_engine.engine_core.shutdown()
