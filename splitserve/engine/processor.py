@@ -169,6 +169,8 @@ class Processor:
 
     def _inputs(self, prompt: PromptType, add_special_tokens: bool, param: str) -> tuple[str | None, list[int], list]:
         """(text, token ids, images as MultiModalFeatures) of a prompt, with or without multi_modal_data."""
+        if isinstance(prompt, Mapping) and prompt.get("mm_placements") is not None:
+            return self._placed_inputs(prompt, param)
         if not (isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None):
             text, ids = self._tokenized(prompt, add_special_tokens)
             if self.multimodal is not None:
@@ -190,6 +192,14 @@ class Processor:
         add_special_tokens = prompt.get("add_special_tokens", add_special_tokens)  # False: a rendered chat
         ids, features = self._checked(self.multimodal.process, param, prompt["prompt"], images, add_special_tokens)
         return prompt["prompt"], ids, features
+
+    def _placed_inputs(self, prompt: Mapping, param: str) -> tuple[str | None, list[int], list]:
+        """A PD decode instance's prompt: token ids and where its images lie (their pixels stayed with
+        the prefill instance, which encoded them; multimodal/inputs.py placement)."""
+        if self.multimodal is None:
+            raise InvalidRequestError("This model has no vision encoder: it takes no image placements.", param)
+        text, ids = self._tokenized({"prompt_token_ids": prompt["prompt_token_ids"]}, False)
+        return text, ids, self._checked(self.multimodal.placed_features, param, ids, prompt["mm_placements"])
 
     @staticmethod
     def _checked(function, param: str, *args):

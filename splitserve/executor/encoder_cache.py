@@ -72,6 +72,11 @@ class EncoderCache:
         return found
 
     def _inputs(self, feature: MultiModalFeature) -> dict[str, torch.Tensor]:
+        if "pixel_values" not in feature.data:
+            raise RuntimeError(
+                f"Image {feature.identifier[:12]} has no pixels here (its KV came from a prefill instance), yet "
+                "the step computes its tokens."
+            )
         return {name: torch.from_numpy(t.to_array().copy()).to(self.device) for name, t in feature.data.items()}
 
     def _evict(self, keep: int) -> None:

@@ -54,3 +54,27 @@ def block_extra_keys(features: list[MultiModalFeature], start: int, end: int) ->
     identifiers of the images whose tokens it holds, with where they begin."""
     keys = [f"{f.identifier}@{f.offset}" for f in features if f.overlap(start, end) is not None]
     return ";".join(keys).encode() if keys else b""
+
+
+def placement(feature: MultiModalFeature) -> dict:
+    """Where an image lies in its prompt, as JSON, without its pixels: what a prefill instance tells
+    the decode instance (which pulls the prompt's KV, so it never encodes the image), so that it keys
+    the image's blocks by the image and gives the tokens after it their rope positions (M-RoPE)."""
+    grids = {name: t.to_array().tolist() for name, t in feature.data.items() if name != "pixel_values"}
+    return {"identifier": feature.identifier, "offset": feature.offset, "length": feature.length, **grids}
+
+
+def feature_from_placement(value) -> MultiModalFeature:
+    """The MultiModalFeature of a placement (no pixels); ValueError for one that is malformed."""
+    if not isinstance(value, dict) or not isinstance(value.get("identifier"), str):
+        raise ValueError("an image placement must be an object with identifier, offset and length.")
+    offset, length = value.get("offset"), value.get("length")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)) or not length:
+        raise ValueError("an image placement's offset and length must be integers, length >= 1.")
+    grid = value.get("image_grid_thw")
+    data = {}
+    if grid is not None:
+        if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(v, int) and v > 0 for v in grid)):
+            raise ValueError("an image placement's image_grid_thw must be three positive integers.")
+        data["image_grid_thw"] = TensorData.from_array(np.asarray(grid, dtype=np.int64))
+    return MultiModalFeature("image", value["identifier"], offset, length, data)

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from splitserve.config import ModelConfig
-from splitserve.multimodal.inputs import MultiModalFeature, TensorData
+from splitserve.multimodal.inputs import MultiModalFeature, TensorData, feature_from_placement
 from splitserve.multimodal.media import MediaConfig, image_hash, load_image
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,17 @@ class MultiModalProcessor:
             encoded = {name: TensorData.from_array(array) for name, array in tensors.items()}
             features.append(MultiModalFeature("image", image_hash(image), offset, length, encoded))
             first += length
+        return features
+
+    def placed_features(self, ids: list[int], placements) -> list[MultiModalFeature]:
+        """The images of a token-id prompt whose images were processed elsewhere (a decode instance's
+        prompt, from its prefill instance): each placement must cover image tokens exactly."""
+        if not isinstance(placements, list):
+            raise ValueError("mm_placements must be a list of image placements.")
+        features = sorted((feature_from_placement(p) for p in placements), key=lambda f: f.offset)
+        covered = [i for f in features for i in range(f.offset, f.end)]
+        if covered != [i for i, t in enumerate(ids) if t == self.image_token_id]:
+            raise ValueError("The image placements do not cover the prompt's image tokens exactly.")
         return features
 
     def check_image_tokens(self, ids: list[int]) -> None:

@@ -140,3 +140,24 @@ def test_more_images_than_the_limit_and_a_missing_file(client, media_dir):
         ask(client, uri, uri, uri)
     with pytest.raises(openai.BadRequestError, match="cannot be read"):
         ask(client, f"file://{media_dir / 'missing.png'}")
+
+
+def test_pd_1p1d_gives_the_mixed_answer(tmp_path_factory, smollm_tokenizer):
+    """`serve --pd 1p1d` with Qwen2-VL: the prefill instance loads and encodes the image and tells the
+    decode instance where it lies (no pixels); the decode instance pulls the KV and continues with
+    M-RoPE's offset, answering as one instance does."""
+    from tests.e2e.test_pd import COMMON as PD_COMMON
+    from tests.helpers.multimodal import make_tiny_qwen2_vl
+
+    model = make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")), smollm_tokenizer)
+    urls = [encode_data_uri(random_image(31)), encode_data_uri(random_image(32, (40, 40)))]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    llm = LLM(model, dtype="float32", use_tqdm_on_load=False)
+    expected = [llm.chat(messages(url), params, use_tqdm=False)[0].outputs[0].text for url in urls]
+    del llm
+    with RemoteServer(model, *PD_COMMON, "--pd", "1p1d") as router:
+        pd_client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+        assert [ask(pd_client, url) for url in urls] == expected
+        assert ask(pd_client, urls[0], stream=True) == expected[0]
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert "splitserve_router:fallbacks_total 0.0" in metrics

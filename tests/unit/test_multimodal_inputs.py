@@ -9,7 +9,13 @@ import torch
 
 from splitserve.executor.encoder_cache import EncoderCache, MultiModalSpan
 from splitserve.multimodal import chat
-from splitserve.multimodal.inputs import MultiModalFeature, TensorData, block_extra_keys
+from splitserve.multimodal.inputs import (
+    MultiModalFeature,
+    TensorData,
+    block_extra_keys,
+    feature_from_placement,
+    placement,
+)
 from tests.helpers.multimodal import LLAVA_CHAT_TEMPLATE
 
 STRING_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -94,3 +100,24 @@ def test_encoder_cache_places_rows_and_evicts_least_recently_used():
     assert list(cache.entries) == ["b", "c"]
     cache.embeddings(model, [a, b, c])  # all three needed at once: kept while this step needs them
     assert cache.num_encoded == 4 and len(cache.entries) == 3
+
+
+def test_a_placement_carries_everything_but_the_pixels():
+    grid = TensorData.from_array(np.array([1, 4, 6], dtype=np.int64))
+    full = MultiModalFeature(
+        "image", "abc", 5, 6, {"pixel_values": TensorData.from_array(np.zeros(3)), "image_grid_thw": grid}
+    )
+    placed = feature_from_placement(placement(full))
+    assert (placed.identifier, placed.offset, placed.length) == ("abc", 5, 6) and "pixel_values" not in placed.data
+    assert placed.data["image_grid_thw"].to_array().tolist() == [1, 4, 6]
+    for bad in (
+        {"offset": 1, "length": 2},
+        {"identifier": "x", "offset": -1, "length": 2},
+        {"identifier": "x", "offset": 0, "length": 0},
+        {"identifier": "x", "offset": 0, "length": 2, "image_grid_thw": [1, 2]},
+        "x",
+    ):
+        with pytest.raises(ValueError):
+            feature_from_placement(bad)
+    with pytest.raises(RuntimeError, match="no pixels here"):
+        EncoderCache(torch.device("cpu")).embeddings(FakeEncoder(), [placed])

@@ -11,6 +11,7 @@ from splitserve.engine.async_llm import EngineDeadError
 from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError
+from splitserve.multimodal.inputs import placement
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tracing import REQUEST_TRACE
@@ -99,10 +100,14 @@ class PDServingMixin:
             raise APIError(
                 "kv_transfer_params.prompt_token_ids must be a list of token ids.", param="kv_transfer_params"
             )
-        return {"prompt_token_ids": ids}
+        placements = req.kv_transfer_params.get("mm_placements")  # its images, encoded by the prefill instance
+        return {"prompt_token_ids": ids, "mm_placements": placements} if placements else {"prompt_token_ids": ids}
 
     @staticmethod
     def _kv_answer(kv: KVTransferParams | None, request: ProcessedRequest, output: RequestOutput) -> dict | None:
         if kv is None or not kv.do_remote_decode or output.kv_transfer_params is None:
             return None
-        return {**output.kv_transfer_params, "prompt_token_ids": request.prompt_token_ids}
+        answer = {**output.kv_transfer_params, "prompt_token_ids": request.prompt_token_ids}
+        if request.mm_features:
+            answer["mm_placements"] = [placement(feature) for feature in request.mm_features]
+        return answer
