@@ -79,7 +79,7 @@ def _add_quantize(qt: argparse.ArgumentParser) -> None:
 
 def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from splitserve.benchmarks import pd, quant, serve, soak, spec, startup, throughput
+    from splitserve.benchmarks import multimodal, pd, quant, serve, soak, spec, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput (vLLM's `bench throughput` workload)")
     add_engine_args(tp)
@@ -107,6 +107,13 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
     add_engine_args(sp)
     spec.add_arguments(sp)
     sp.set_defaults(func=lambda ns: spec.main(ns, engine_args_from(ns)))
+
+    mm = bench_sub.add_parser(
+        "mm", help="image requests (a vision-language model) against transformers: time to first token, throughput"
+    )
+    add_engine_args(mm)
+    multimodal.add_arguments(mm)
+    mm.set_defaults(func=lambda ns: multimodal.main(ns, engine_args_from(ns)))
 
     pdb = bench_sub.add_parser("pd", help="a PD deployment against one mixed instance, same workload, one run")
     pd.add_arguments(pdb)

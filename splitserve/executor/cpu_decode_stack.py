@@ -116,7 +116,8 @@ def _unsupported(model, backend, rank, lora_enabled: bool) -> str | None:
         return "tensor or pipeline parallelism splits the layers between processes"
     if lora_enabled:
         return "LoRA adapters add their deltas to the linears in Python"
-    if type(model) is not LlamaForCausalLM or type(model.model) is not LlamaModel:
+    plain = type(model) is LlamaForCausalLM or getattr(type(model), "decodes_as_llama", False)
+    if not plain or type(model.model) is not LlamaModel:
         return f"{type(model).__name__} is not one of the Llama-family models the stack knows"
     inner = model.model
     layers = inner.local_layers()

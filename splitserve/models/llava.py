@@ -48,6 +48,8 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
+    decodes_as_llama = True  # a decode step is its language model's alone: the CPU decode stack runs it
+
     def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
         super().__init__(config.text_config, dtype, max_position, quant_config)
         self.hf_config = config

@@ -12,6 +12,7 @@ positions (executor/mrope.py); `embed_images` the images' embeddings (executor/e
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import numpy as np
@@ -29,33 +30,51 @@ _PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
 
 
 class VisionBlock(nn.Module):
+    """Qwen2-VL's: LayerNorms and a GELU MLP (fc1, fc2); Qwen2.5-VL's subclass changes both."""
+
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
-        dim = config.embed_dim
+        dim = vision_width(config)
         self.num_heads, self.head_dim = config.num_heads, dim // config.num_heads
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6, dtype=dtype)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6, dtype=dtype)
+        self.norm1, self.norm2 = self._norm(dim, dtype), self._norm(dim, dtype)
         self.attn = nn.Module()
         self.attn.qkv = Linear(dim, [3 * dim], bias=True, dtype=dtype)
         self.attn.proj = Linear(dim, [dim], bias=True, dtype=dtype)
-        self.mlp = nn.Module()
-        self.mlp.fc1 = Linear(dim, [int(dim * config.mlp_ratio)], bias=True, dtype=dtype)
-        self.mlp.fc2 = Linear(int(dim * config.mlp_ratio), [dim], bias=True, dtype=dtype)
+        self.mlp = self._mlp_layers(config, dim, dtype)
         self.act = activation(config.hidden_act)
+
+    @staticmethod
+    def _norm(dim: int, dtype: torch.dtype) -> nn.Module:
+        return nn.LayerNorm(dim, eps=1e-6, dtype=dtype)
+
+    @staticmethod
+    def _mlp_layers(config, dim: int, dtype: torch.dtype) -> nn.Module:
+        mlp, hidden = nn.Module(), int(dim * config.mlp_ratio)
+        mlp.fc1, mlp.fc2 = Linear(dim, [hidden], bias=True, dtype=dtype), Linear(hidden, [dim], bias=True, dtype=dtype)
+        return mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = x + self.attn.proj(self._attention(self.norm1(x), cos, sin, lengths))
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+        return x + self._mlp(self.norm2(x))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp.fc2(self.act(self.mlp.fc1(x)))
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Every patch attends to the patches of its own frame (segments of `lengths`)."""
+        """Every patch attends to the patches of its own frame (segments of `lengths`). 4-d inputs: the
+        fused (flash) CPU kernel takes them, where 3-d ones fall back to the unfused math path."""
         q, k, v = self.attn.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = [
-            F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)).transpose(0, 1)
+            F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qs, ks, vs)))[0].transpose(0, 1)
             for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))
         ]
         return torch.cat(out).reshape(x.shape[0], -1)
+
+
+def vision_width(config) -> int:
+    """The tower's hidden size: Qwen2-VL's embed_dim, Qwen2.5-VL's hidden_size (its out_hidden_size is the LM's)."""
+    return config.hidden_size if hasattr(config, "out_hidden_size") else config.embed_dim
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,12 +85,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, config, dtype: torch.dtype):
+    """Each 2 x 2 window of patches (consecutive in the processor's order) into one token of the LM."""
+
+    def __init__(self, config, dtype: torch.dtype, norm: nn.Module, out_dim: int):
         super().__init__()
-        width = config.embed_dim * config.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6, dtype=dtype)
+        width = vision_width(config) * config.spatial_merge_size**2
+        self.ln_q = norm
         self.mlp = nn.Sequential(
-            Linear(width, [width], bias=True, dtype=dtype), nn.GELU(), Linear(width, [config.hidden_size], True, dtype)
+            Linear(width, [width], bias=True, dtype=dtype), nn.GELU(), Linear(width, [out_dim], True, dtype)
         )
         self.width = width
 
@@ -80,30 +101,35 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2VisionTransformer(nn.Module):
+    block_cls = VisionBlock
+
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
-        self.merge = config.spatial_merge_size
+        self.merge, width = config.spatial_merge_size, vision_width(config)
         self.patch_embed = nn.Module()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.patch_embed.proj = nn.Conv3d(
-            config.in_channels, config.embed_dim, kernel, stride=kernel, bias=False, dtype=dtype
-        )
+        self.patch_embed.proj = nn.Conv3d(config.in_channels, width, kernel, stride=kernel, bias=False, dtype=dtype)
         self.kernel, self.channels = kernel, config.in_channels
-        self.blocks = nn.ModuleList(VisionBlock(config, dtype) for _ in range(config.depth))
-        self.merger = PatchMerger(config, dtype)
-        head_dim = config.embed_dim // config.num_heads
+        self.blocks = nn.ModuleList(self.block_cls(config, dtype) for _ in range(config.depth))
+        self.merger = self._merger(config, dtype)
+        head_dim = width // config.num_heads
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         spatial = head_dim // 2
         self.register_buffer(
             "inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False
         )
 
+    def _merger(self, config, dtype: torch.dtype) -> PatchMerger:
+        return PatchMerger(config, dtype, nn.LayerNorm(config.embed_dim, eps=1e-6, dtype=dtype), config.hidden_size)
+
+    def _embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.patch_embed.proj.weight
+        x = self.patch_embed.proj(pixels.to(weight.dtype).view(-1, self.channels, *self.kernel))
+        return x.view(pixels.shape[0], -1)
+
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels [patches, channels * t * p * p] of several images, grids their (t, h, w) -> [tokens, hidden]."""
-        weight = self.patch_embed.proj.weight
-        x = self.patch_embed.proj(pixels.to(weight.dtype).view(-1, self.channels, *self.kernel)).view(
-            pixels.shape[0], -1
-        )
+        x = self._embed_patches(pixels)
         angles = self._angles(grids)
         cos, sin = angles.cos(), angles.sin()
         lengths = [h * w for t, h, w in grids for _ in range(t)]
@@ -129,11 +155,16 @@ class Qwen2VisionTransformer(nn.Module):
 
 
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+    vision_cls = Qwen2VisionTransformer
+    decodes_as_llama = True  # a decode step is its language model's alone (1D rope): the CPU decode stack runs it
+
     def __init__(self, config, dtype: torch.dtype, max_position: int, quant_config=None):
-        super().__init__(config.text_config, dtype, max_position, quant_config)
+        text = copy.copy(config.text_config)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))  # the outer config's (2B ties)
+        super().__init__(text, dtype, max_position, quant_config)
         self.merge = config.vision_config.spatial_merge_size
         if self.model.is_first_stage:
-            self.visual = Qwen2VisionTransformer(config.vision_config, dtype)
+            self.visual = self.vision_cls(config.vision_config, dtype)
 
     def embed_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's token embeddings [t * h * w / merge^2, hidden], all images in one pass."""

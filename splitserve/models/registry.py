@@ -17,6 +17,7 @@ from splitserve.models.moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from splitserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from splitserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from splitserve.models.sequence_classification import LlamaForSequenceClassification
 
@@ -39,6 +40,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     # Vision-language models (image inputs: splitserve/multimodal/)
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Cross-encoders and classifiers (the pooling runner): models/sequence_classification.py
     **{
         f"{name}ForSequenceClassification": LlamaForSequenceClassification

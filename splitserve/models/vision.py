@@ -21,6 +21,7 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
 }
 
 

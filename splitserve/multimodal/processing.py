@@ -45,7 +45,8 @@ class MultiModalProcessor:
             self.image_token_id = getattr(config, "image_token_index", None)
         if self.image_token_id is None:
             raise ValueError(f"{model_config.architecture} names no image token: it cannot take images.")
-        family = _Qwen2VLInputs if model_config.architecture.startswith("Qwen2VL") else _LlavaInputs
+        qwen = model_config.architecture.startswith(("Qwen2VL", "Qwen2_5_VL"))
+        family = _Qwen2VLInputs if qwen else _LlavaInputs
         self.inputs = family(model_config, tokenizer)
         self.placeholder = self.inputs.placeholder
         self.limit = (limit_per_prompt or {}).get("image", DEFAULT_LIMIT_PER_PROMPT)

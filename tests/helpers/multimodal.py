@@ -99,9 +99,11 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_tiny_qwen2_vl(directory: str, tokenizer, *, seed: int = 0) -> str:
+def make_tiny_qwen2_vl(directory: str, tokenizer, *, seed: int = 0, version: str = "2") -> str:
     """Qwen2VLForConditionalGeneration (ViT with 2D rotary, 2 x 2 patch merger, Qwen2 with M-RoPE) with
-    the SmolLM2 vocabulary plus Qwen2-VL's vision tokens, saved with its image processor."""
+    the SmolLM2 vocabulary plus Qwen2-VL's vision tokens, saved with its image processor. version "2.5":
+    Qwen2.5-VL, whose tower has RMSNorms, gated MLPs and attention in windows of 2 x 2 merged tokens
+    (layers 1 and 3 over the whole image)."""
     import copy
 
     import torch
@@ -122,18 +124,27 @@ def make_tiny_qwen2_vl(directory: str, tokenizer, *, seed: int = 0) -> str:
         "eos_token_id": 2,
     }
     vision = dict(depth=2, embed_dim=32, hidden_size=TINY_CONFIG["hidden_size"], num_heads=2, mlp_ratio=2)
+    if version == "2.5":
+        vision = dict(depth=4, hidden_size=32, intermediate_size=48, out_hidden_size=TINY_CONFIG["hidden_size"])
+        vision.update(num_heads=2, hidden_act="silu", window_size=16, fullatt_block_indexes=[1, 3])
     vision.update(patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    config = transformers.Qwen2VLConfig(
+    config_cls = transformers.Qwen2_5_VLConfig if version == "2.5" else transformers.Qwen2VLConfig
+    model_cls = (
+        transformers.Qwen2_5_VLForConditionalGeneration
+        if version == "2.5"
+        else transformers.Qwen2VLForConditionalGeneration
+    )
+    config = config_cls(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,  # as Qwen2-VL-2B: the flag is the outer config's, not text_config's
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "ln_q" in name:

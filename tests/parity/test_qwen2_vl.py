@@ -1,4 +1,4 @@
-"""Qwen2-VL on a tiny random model against transformers' own Qwen2VLForConditionalGeneration on the
+"""Qwen2-VL and Qwen2.5-VL on tiny random models against transformers' own Qwen2VLForConditionalGeneration on the
 same pixels: images of different sizes (their own grids and token counts), two in one prompt, text
 alone, batched and chunked through the images' tokens, then decoding past them with M-RoPE's offset
 (through the CPU decode stack); a prefix-cache hit on a repeated image; chat image parts."""
@@ -44,7 +44,7 @@ def hf_greedy(directory: str, prompts) -> list[list[int]]:
     """transformers' generate, each placeholder expanded to its image's grid / 4 tokens."""
     image_processor = transformers.AutoImageProcessor.from_pretrained(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32)
     out = []
     for text, spec in prompts:
         kwargs = {}
@@ -110,3 +110,18 @@ def test_tensor_and_pipeline_parallel(qwen2_vl, tp, pp):
     outputs = engine.generate([request(text, spec) for text, spec in PROMPTS[:2]], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory, smollm_tokenizer) -> str:
+    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")), smollm_tokenizer, version="2.5")
+
+
+def test_qwen2_5_vl_windowed_tower_matches_transformers(qwen2_5_vl):
+    """Qwen2.5-VL: grids that windows divide (64 x 48: 3 x 4 windows) and do not (40 x 72, 64 x 64's
+    4 x 4 units in 2 x 2 windows, 96 x 32), batched and chunked."""
+    expected = hf_greedy(qwen2_5_vl, PROMPTS)
+    engine = LLM(qwen2_5_vl, **COMMON)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([request(text, spec) for text, spec in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected

@@ -35,6 +35,8 @@ PUBLISHED_PARAMS = {
     # Mixture-of-experts: every expert counted, not only the active ones
     "ibm-granite/granite-3.0-1b-a400m-instruct": 1.33e9,
     "Qwen/Qwen3-30B-A3B": 30.5e9,
+    # Vision-language: the vision tower (675M) included
+    "Qwen/Qwen2-VL-2B-Instruct": 2.21e9,
 }
 
 
@@ -94,6 +96,7 @@ def test_builtin_config_builds_the_published_model(model_id):
             "qwen3": "Qwen3Config",
             "granitemoe": "GraniteMoeConfig",
             "qwen3_moe": "Qwen3MoeConfig",
+            "qwen2_vl": "Qwen2VLConfig",
         }[raw["model_type"]]
     )
     assert raw["torch_dtype"] == "bfloat16" and config.dtype == torch.bfloat16
