@@ -95,6 +95,24 @@ def test_image_urls_of_every_kind_give_the_offline_answer(client, media_dir, ima
     assert isinstance(other, str)
 
 
+def test_responses_and_anthropic_messages_take_images(server, offline_answer):
+    uri = encode_data_uri(random_image(11))
+    content = [{"type": "input_image", "image_url": uri}, {"type": "input_text", "text": QUESTION}]
+    body = {"model": "default", "input": [{"role": "user", "content": content}], "max_output_tokens": MAX_TOKENS}
+    response = httpx.post(server.url + "/v1/responses", json={**body, "temperature": 0.0}, timeout=60).json()
+    assert response["output"][0]["content"][0]["text"] == offline_answer
+    source = {"type": "base64", "media_type": "image/png", "data": uri.split(",", 1)[1]}
+    blocks = [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]
+    body = {
+        "model": "default",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": blocks}],
+    }
+    message = httpx.post(server.url + "/v1/messages", json=body, timeout=60).json()
+    assert message["content"][0]["text"] == offline_answer
+
+
 def test_tokenize_counts_the_image_tokens(server):
     body = {"model": "default", "messages": messages(encode_data_uri(random_image(11)))}
     with_image = httpx.post(server.url + "/tokenize", json=body).json()

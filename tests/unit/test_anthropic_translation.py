@@ -74,13 +74,26 @@ def test_turns_blocks_and_tools_become_a_chat_request():
 @pytest.mark.parametrize(
     "content, message",
     [
-        ([{"type": "image", "source": {}}], "'image' are not supported"),
+        ([{"type": "document", "source": {}}], "'document' are not supported"),
+        ([{"type": "image", "source": {}}], "source must be base64"),
         ([{"type": "tool_result", "content": "x"}], "tool_use_id"),
     ],
 )
 def test_unsupported_blocks_are_refused_by_name(content, message):
     with pytest.raises(APIError, match=message):
         to_chat_body(_req(messages=[{"role": "user", "content": content}]))
+
+
+def test_image_blocks_become_image_url_parts_in_order():
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}
+    linked = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    content = [{"type": "text", "text": "Compare"}, image, linked]
+    body = to_chat_body(_req(messages=[{"role": "user", "content": content}]))
+    assert body["messages"][-1]["content"] == [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]
 
 
 def test_a_chat_answer_becomes_a_message():

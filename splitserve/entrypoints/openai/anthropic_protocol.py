@@ -118,11 +118,24 @@ def _text(blocks: str | list[_Block] | None, where: str) -> str:
     return "\n".join(parts)
 
 
+def _image_part(block: _Block, i: int) -> dict:
+    """An image block as a chat image_url part: a base64 source as a data URI, a url source as it is."""
+    source = getattr(block, "source", None)
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return {"type": "image_url", "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise APIError(
+        f"messages[{i}]: an image block's source must be base64 (media_type, data) or url.", param="messages"
+    )
+
+
 def _user_turn(content: str | list[_Block], i: int) -> list[dict]:
-    """A user turn: its tool results first (one tool message each), then its text."""
+    """A user turn: its tool results first (one tool message each), then its text and images."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    messages, texts = [], []
+    messages, texts, parts = [], [], []
     for block in content:
         if block.type == "tool_result":
             call_id = getattr(block, "tool_use_id", None)
@@ -138,12 +151,18 @@ def _user_turn(content: str | list[_Block], i: int) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(blocks, "tool_result")})
         elif block.type == "text" and isinstance(getattr(block, "text", None), str):
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            parts.append(_image_part(block, i))
         else:
             raise APIError(
-                f"messages[{i}]: content blocks of type {block.type!r} are not supported (text and tool_result are).",
+                f"messages[{i}]: content blocks of type {block.type!r} are not supported (text, image and "
+                "tool_result are).",
                 param="messages",
             )
-    if texts or not messages:
+    if len(parts) > len(texts):  # images: the parts in their order, for a vision-language model
+        messages.append({"role": "user", "content": parts})
+    elif texts or not messages:
         messages.append({"role": "user", "content": "\n".join(texts)})
     return messages
 

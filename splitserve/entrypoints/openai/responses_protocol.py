@@ -79,18 +79,29 @@ class ResponseObject(BaseModel):
 
 
 # --- request -> chat -----------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict]:
+    """A message's content as chat content: its text, or with input_image parts the parts in order."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(f"{where}: content parts of type {kind!r} are not supported (text only).", param="input")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise APIError(f"{where}: content must be a text or a list of text parts.", param="input")
+    if not isinstance(content, list):
+        raise APIError(f"{where}: content must be a text or a list of content parts.", param="input")
+    parts = [_part(part, where) for part in content]
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _part(part: Any, where: str) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if kind == "input_image" and isinstance(part.get("image_url"), str):
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+    if kind == "input_image":
+        raise APIError(f"{where}: an input_image part needs its image_url (file_id is not supported).", param="input")
+    raise APIError(
+        f"{where}: content parts of type {kind!r} are not supported (text and input_image are).", param="input"
+    )
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:
@@ -104,7 +115,7 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(f"input[{i}]: role must be user, assistant, system or developer.", param="input")
-            content = _content_text(item.get("content", ""), f"input[{i}]")
+            content = _content(item.get("content", ""), f"input[{i}]")
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             call = {"id": item.get("call_id") or item.get("id"), "type": "function"}
