@@ -1,18 +1,19 @@
-"""What the PD router is started with: RouterConfig, checked when it is made, and the `splitserve router`
-command-line flags that fill it."""
+"""What the router is started with: RouterConfig, checked when it is made, and the `splitserve router`
+command-line flags that fill it: a PD pool (prefill and decode instances) or plain replicas (mixed
+instances, each serving whole requests)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from splitserve.disagg.policies import POLICIES
 from splitserve.tracing import check_endpoint
 
-PREFILL, DECODE = "prefill", "decode"
-ROLES = (PREFILL, DECODE)
+PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+ROLES = (PREFILL, DECODE, MIXED)
 
 
 @dataclass
@@ -20,8 +21,9 @@ class RouterConfig:
     """What `splitserve router` is started with. Instance URLs are the base URLs of OpenAI servers
     (http://host:port, without /v1)."""
 
-    prefill_urls: list[str]
-    decode_urls: list[str]
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    mixed_urls: list[str] = field(default_factory=list)  # plain replicas: each request runs whole on one
     policy: str = "round_robin"
     api_key: str | None = None  # what clients must send (Authorization: Bearer ...)
     instance_api_key: str | None = None  # what the router sends to the instances
@@ -33,9 +35,19 @@ class RouterConfig:
     openai_api: bool = True  # False (USE_OPENAI=0): only vLLM's native /generate, no /v1 routes
     otlp_traces_endpoint: str | None = None  # an OTLP collector: spans of each request (splitserve/tracing.py)
 
+    @property
+    def serving_roles(self) -> tuple[str, ...]:
+        """The roles that serve requests: both PD roles, or the mixed replicas."""
+        return (MIXED,) if self.mixed_urls else (PREFILL, DECODE)
+
     def __post_init__(self) -> None:
-        self.prefill_urls = _check_urls(self.prefill_urls, "--prefill")
-        self.decode_urls = _check_urls(self.decode_urls, "--decode")
+        if self.mixed_urls and (self.prefill_urls or self.decode_urls):
+            raise ValueError("--mixed replicas and a --prefill/--decode pool cannot be routed by one router.")
+        if self.mixed_urls:
+            self.mixed_urls = _check_urls(self.mixed_urls, "--mixed")
+        else:
+            self.prefill_urls = _check_urls(self.prefill_urls, "--prefill (or --mixed replicas)")
+            self.decode_urls = _check_urls(self.decode_urls, "--decode (or --mixed replicas)")
         if self.policy not in POLICIES:
             raise ValueError(f"Unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
         if self.max_retries < 0:
@@ -68,20 +80,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
         help="base URL of a prefill instance, e.g. http://10.0.0.1:8000 (repeatable)",
     )
     parser.add_argument(
-        "--decode", action="append", required=True, metavar="URL", help="base URL of a decode instance (repeatable)"
+        "--decode", action="append", default=[], metavar="URL", help="base URL of a decode instance (repeatable)"
+    )
+    parser.add_argument(
+        "--mixed",
+        "--worker-urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="base URL of a plain (mixed) replica, instead of a PD pool: each request runs whole on one, chosen "
+        "by --policy (repeatable)",
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument(
         "--policy",
+        "--routing-policy",
         choices=POLICIES,
         default="round_robin",
-        help="how an instance is chosen within a role (default: round_robin)",
+        help="how an instance is chosen within a role (default: round_robin; cache_aware: where the prompt's "
+        "prefix is cached, from the instances' KV cache events)",
     )
     parser.add_argument("--api-key", default=None, help="key clients must send as 'Authorization: Bearer KEY'")
     parser.add_argument("--instance-api-key", default=None, help="key sent to the instances (their --api-key)")
@@ -107,6 +130,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill_urls=ns.prefill,
         decode_urls=ns.decode,
+        mixed_urls=ns.mixed,
         policy=ns.policy,
         api_key=ns.api_key,
         instance_api_key=ns.instance_api_key,

@@ -12,7 +12,7 @@ import aiohttp
 from fastapi import Request
 
 from splitserve.disagg.policies import InstanceLoad, Policy, Upstream, make_policy, parse_instance_load
-from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES, RouterConfig
+from splitserve.entrypoints.router.config import DECODE, MIXED, PREFILL, ROLES, RouterConfig
 from splitserve.entrypoints.router.kv_index import KVEventIndex, prompt_block_hashes
 from splitserve.entrypoints.router.metrics import RouterMetrics
 from splitserve.entrypoints.router.relay import (
@@ -36,7 +36,10 @@ class UpstreamPool:
         self.instances: dict[str, list[Upstream]] = {
             PREFILL: [Upstream(u, PREFILL) for u in config.prefill_urls],
             DECODE: [Upstream(u, DECODE) for u in config.decode_urls],
+            MIXED: [Upstream(u, MIXED) for u in config.mixed_urls],
         }
+        # Where a request's answer comes from: the decode instances, or the replicas.
+        self.answer_role = MIXED if config.mixed_urls else DECODE
         self.policies: dict[str, Policy] = {role: make_policy(config.policy) for role in ROLES}
         self.metrics = RouterMetrics()
         for inst in self.all_instances():
@@ -47,7 +50,7 @@ class UpstreamPool:
         self._health_task: asyncio.Task | None = None
 
     def all_instances(self) -> list[Upstream]:
-        return self.instances[PREFILL] + self.instances[DECODE]
+        return [inst for role in ROLES for inst in self.instances[role]]
 
     def healthy(self, role: str) -> list[Upstream]:
         return [i for i in self.instances[role] if i.healthy]
@@ -59,7 +62,7 @@ class UpstreamPool:
         instance up, the down ones are tried anyway: a health mark is a hint (a busy instance can miss
         a check), and a failed attempt costs less than refusing the request; prefill has its fallback."""
         candidates = [i for i in self.instances[role] if i.healthy and i not in exclude]
-        if not candidates and role == DECODE:  # never one in the wrong role: it would not decode
+        if not candidates and role == self.answer_role:  # never one in the wrong role: it would not decode
             candidates = [
                 i for i in self.instances[role] if i not in exclude and ROLE_RULE not in (i.down_reason or "")
             ]
@@ -79,7 +82,7 @@ class UpstreamPool:
         if wrong:
             await self.session.close()
             raise RuntimeError("; ".join(f"{i.url} {i.down_reason}" for i in wrong))
-        for role in ROLES:
+        for role in self.config.serving_roles:
             logger.info(
                 "Router: %d of %d %s instance(s) up: %s",
                 len(self.healthy(role)),
@@ -153,7 +156,7 @@ class UpstreamPool:
                 inst,
                 f"answers as a {role} instance but is listed among the {inst.role} instances. {ROLE_RULE}: the "
                 "prefill instances' ports first, then the decode instances', in the global rank table's order "
-                "(with --prefill/--decode, each URL under its own role)",
+                "(with --prefill/--decode/--mixed, each URL under its own role)",
             )
             return
         self.mark_up(inst)

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 
 from splitserve.disagg.policies import Upstream
 from splitserve.entrypoints.http import error_body, error_response, parse_json_object, read_body, read_json_body
-from splitserve.entrypoints.router.config import DECODE, PREFILL, ROLES
+from splitserve.entrypoints.router.config import DECODE, PREFILL
 from splitserve.entrypoints.router.pool import UpstreamPool
 from splitserve.entrypoints.router.relay import (
     UPSTREAM_ERRORS,
@@ -103,6 +103,8 @@ class Router(UpstreamPool):
             trace.hashes = await self.prompt_hashes(body)
         prefilled = None
         try:
+            if self.answer_role != DECODE:  # plain replicas: the request runs whole on one
+                return await self._decode(request, path, fallback_request_body(body), trace)
             if is_batch(body):  # PD moves one prompt's KV; a batch of prompts is decoded in one place
                 trace.fallback = "a batch of prompts is decoded without remote prefill"
                 prefilled = None
@@ -219,11 +221,11 @@ class Router(UpstreamPool):
         """The decode instance's answer: passed through as it comes. Failures before the first byte
         reached the client are retried on another decode instance; a 503 when none is left."""
         reasons: list[str] = []
-        for inst in self._attempts(DECODE, body, trace):
+        for inst in self._attempts(self.answer_role, body, trace):
             trace.decode = inst.url
             open_request = OpenRequest(inst)
             handed_over = False
-            span, trace_headers = trace.open_call(DECODE, inst.url)
+            span, trace_headers = trace.open_call(self.answer_role, inst.url)
             reason = None
             try:
                 resp = await self._open(
@@ -266,10 +268,10 @@ class Router(UpstreamPool):
             self._failed(inst, reason)
             reasons.append(f"{inst.url}: {reason}")
         if not reasons:
-            reasons = [f"{i.url}: {i.down_reason or 'down'}" for i in self.instances[DECODE]]
-            message = "No decode instance is up (" + "; ".join(reasons) + ")."
+            reasons = [f"{i.url}: {i.down_reason or 'down'}" for i in self.instances[self.answer_role]]
+            message = f"No {self.answer_role} instance is up (" + "; ".join(reasons) + ")."
         else:
-            message = "No decode instance could serve the request: " + "; ".join(reasons) + "."
+            message = f"No {self.answer_role} instance could serve the request: " + "; ".join(reasons) + "."
         trace.notes.append(message)
         return self._finish(trace, error_response(message, 503, "service_unavailable"))
 
@@ -309,7 +311,7 @@ class Router(UpstreamPool):
             parse_json_object(data)  # the same limits as the instances': refused here, as there
         content_type = request.headers.get("content-type") if method == "POST" else None
         reasons: list[str] = []
-        for inst in self._attempts(DECODE, {}):
+        for inst in self._attempts(self.answer_role, {}):
             try:
                 status, body, ctype = await self._exchange(
                     request, inst, method, path, data=data, content_type=content_type
@@ -325,7 +327,9 @@ class Router(UpstreamPool):
             self._failed(inst, reason)
             reasons.append(f"{inst.url}: {reason}")
         detail = "; ".join(reasons) or "none is up"
-        return error_response(f"No decode instance could answer {path}: {detail}.", 503, "service_unavailable")
+        return error_response(
+            f"No {self.answer_role} instance could answer {path}: {detail}.", 503, "service_unavailable"
+        )
 
     async def broadcast(self, request: Request, path: str) -> Response:
         """/v1/load_lora_adapter and /v1/unload_lora_adapter: every instance, prefill and decode, must
@@ -355,9 +359,10 @@ class Router(UpstreamPool):
         return Response(body, status_code=status, media_type=ctype)
 
     def health(self) -> Response:
-        """200 when both roles have an up instance; otherwise a 503 saying which role has none and why."""
-        missing = [role for role in ROLES if not self.healthy(role)]
+        """200 when every serving role has an up instance; otherwise a 503 saying which has none and why."""
+        roles = self.config.serving_roles
+        missing = [role for role in roles if not self.healthy(role)]
         if missing:
             why = "; ".join(f"{i.url}: {i.down_reason or 'down'}" for role in missing for i in self.instances[role])
             return error_response(f"No {' and no '.join(missing)} instance is up ({why}).", 503, "service_unavailable")
-        return JSONResponse({"status": "ok", **{role: len(self.healthy(role)) for role in ROLES}})
+        return JSONResponse({"status": "ok", **{role: len(self.healthy(role)) for role in roles}})
