@@ -24,6 +24,8 @@ from itertools import accumulate
 
 import numpy as np
 
+from splitserve.benchmarks import multi_turn
+from splitserve.benchmarks.serve_client import WORDS as _WORDS
 from splitserve.benchmarks.serve_client import Outcome, Request, fetch_model, send_request
 from splitserve.benchmarks.serve_report import (
     METRICS,
@@ -36,19 +38,9 @@ from splitserve.benchmarks.serve_report import (
     selected_percentiles,
 )
 
-DATASETS = ("random",)
+DATASETS = ("random", "multi-turn")  # multi-turn: benchmarks/multi_turn.py
 BACKENDS = ("openai", "vllm", "openai-chat")
 _FIT_ROUNDS = 4  # decode/re-encode rounds to bring a chat prompt to its token length
-# Frequent English words: each is one token (with its leading space) in the usual BPE vocabularies, so
-# that prompts made without a tokenizer still have roughly the requested length.
-_WORDS = (
-    "the of and to in is was for that on as with by he at from his it an were are which this be or "
-    "has had not first one their its new after but who they have her she two been other when there all "
-    "during into school time may years more most only over city some world would where later up such "
-    "used many can state about national out known university united then made team game people "
-    "under year last work part series between season film album river house music since three "
-    "while being both long well group name second home life family"
-).split()
 
 
 def _schema(text: str) -> dict:
@@ -107,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", help="only 'random' is supported")
+    data.add_argument("--dataset-name", default="random", help="random, or multi-turn (conversations, chat)")
+    multi_turn.add_arguments(data)
     data.add_argument(
         "--tokenizer",
         help="HF directory, hub id or .gguf file: exact prompt lengths and "
@@ -178,7 +171,7 @@ def check_arguments(ns: argparse.Namespace) -> None:
     """Refuse a bad configuration before loading a tokenizer or sending anything; ValueError is what the
     CLI turns into a one-line error."""
     if ns.dataset_name not in DATASETS:
-        raise ValueError(f"--dataset-name {ns.dataset_name!r} is not supported; only 'random' is")
+        raise ValueError(f"--dataset-name {ns.dataset_name!r} is not supported; choose from {', '.join(DATASETS)}")
     if ns.backend == "openai-chat" and not _is_chat(ns.endpoint):
         raise ValueError("--backend openai-chat needs --endpoint /v1/chat/completions")
     if ns.num_prompts < 1 or ns.random_input_len < 1 or ns.random_output_len < 1 or ns.random_prefix_len < 0:
@@ -371,6 +364,8 @@ async def _benchmark(ns: argparse.Namespace, requests: list[Request], base_url: 
 
 def main(ns: argparse.Namespace) -> dict:
     check_arguments(ns)
+    if ns.dataset_name == "multi-turn":
+        return multi_turn.main(ns)
     tokenizer = None
     if ns.tokenizer:
         from splitserve.tokenizer import get_tokenizer

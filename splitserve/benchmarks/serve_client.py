@@ -6,6 +6,17 @@ import json
 import time
 from dataclasses import dataclass, field
 
+# Frequent English words: each is one token (with its leading space) in the usual BPE vocabularies, so
+# that prompts made without a tokenizer still have roughly the requested length.
+WORDS = (
+    "the of and to in is was for that on as with by he at from his it an were are which this be or "
+    "has had not first one their its new after but who they have her she two been other when there all "
+    "during into school time may years more most only over city some world would where later up such "
+    "used many can state about national out known university united then made team game people "
+    "under year last work part series between season film album river house music since three "
+    "while being both long well group name second home life family"
+).split()
+
 
 @dataclass
 class Request:
@@ -29,6 +40,7 @@ class Outcome:
     chunks: int = 0
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache (usage details)
 
 
 class SSEBuffer:
@@ -102,6 +114,7 @@ class _Stream:
         if usage := event.get("usage"):
             outcome.prompt_tokens = usage.get("prompt_tokens")
             outcome.output_tokens = usage.get("completion_tokens")
+            outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if _event_has_output(event, self.chat):
             if outcome.chunks == 0:
                 outcome.ttft = now - self.start

@@ -328,7 +328,7 @@ def test_sse_buffer_joins_split_events():
 def test_argument_checks(monkeypatch):
     ns = build_parser().parse_args(["bench", "serve", "--dataset-name", "sharegpt"])
     assert not hasattr(ns, "max_model_len")  # a client: no engine arguments
-    with pytest.raises(ValueError, match="only 'random'"):
+    with pytest.raises(ValueError, match="choose from random, multi-turn"):
         serve.check_arguments(ns)
     for bad in (
         ["--percentile-metrics", "ttft,foo"],
@@ -402,3 +402,43 @@ def test_priority_fraction_marks_an_even_share_and_reports_it_apart(fake, capsys
     assert "priority -1 (2 requests)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--priority-fraction"):
         _small(fake.url, "--priority-fraction", "1.5")
+
+
+def test_multi_turn_sends_each_turn_with_its_history(fake, capsys):
+    args = ["--dataset-name", "multi-turn", "--num-conversations", "3", "--num-turns", "4", "--max-concurrency", "2"]
+    args += ["--random-prefix-len", "5", "--random-input-len", "7", "--turn-input-len", "3", "--random-output-len", "4"]
+    result = _bench("--base-url", fake.url, *args)
+    assert result["completed"] == 12 and result["failed"] == 0 and fake.peak <= 2
+    lengths = sorted(len(body["messages"]) for body in fake.bodies)
+    assert lengths == sorted([2, 4, 6, 8] * 3)  # system + (question, answer) per earlier turn + the question
+    last = max(fake.bodies, key=lambda body: len(body["messages"]))["messages"]
+    assert [m["role"] for m in last] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert last[2]["content"] == "ab"  # the answer streamed back, as the client saw it (its 2nd chunk is empty)
+    assert result["prefix_hit_rate"] == 0.0 and set(result["median_ttft_ms_by_turn"]) == {0, 1, 2, 3}
+    assert "median TTFT by turn" in capsys.readouterr().out
+
+
+def test_multi_turn_hit_rate_is_the_servers_cached_share():
+    from splitserve.benchmarks.multi_turn import summarize
+    from splitserve.benchmarks.serve_client import Outcome
+
+    done = [
+        Outcome(success=True, ttft=0.1 * (i + 1), prompt_tokens=100, cached_tokens=c, output_tokens=5)
+        for i, c in enumerate((0, 80, 96))
+    ]
+    result = summarize([(0, done[0]), (1, done[1]), (2, done[2]), (3, Outcome(error="HTTP 500"))], duration=2.0)
+    assert (
+        result["prefix_hit_rate"] == pytest.approx(176 / 300)
+        and result["failed"] == 1
+        and result["errors"] == ["HTTP 500"]
+    )
+    assert result["median_ttft_ms"] == pytest.approx(200.0) and result["output_throughput"] == pytest.approx(7.5)
