@@ -180,7 +180,7 @@ class OpenAIServing(PDServingMixin):
                 template,
                 req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                **_template_kwargs(req),
+                **template_kwargs(req),
             )
         except Exception as exc:  # jinja raises many kinds of errors for a template the messages break
             raise APIError(f"The chat template could not render these messages: {exc}", param="messages") from None
@@ -378,7 +378,7 @@ def _error_json(message: str, code: int, err_type: str) -> str:
     return ErrorResponse.model_validate(error_body(message, err_type, None, code)).model_dump_json()
 
 
-def _template_kwargs(req) -> dict:
+def template_kwargs(req) -> dict:
     """The request's chat_template_kwargs, and its tools (chat requests only) as templates read them."""
     kwargs = dict(req.chat_template_kwargs or {})
     tools = getattr(req, "tools", None)

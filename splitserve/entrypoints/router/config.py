@@ -34,6 +34,7 @@ class RouterConfig:
     connect_timeout: float = 10.0  # seconds to open a connection, so a dead host fails fast
     openai_api: bool = True  # False (USE_OPENAI=0): only vLLM's native /generate, no /v1 routes
     otlp_traces_endpoint: str | None = None  # an OTLP collector: spans of each request (splitserve/tracing.py)
+    tokenizer: str | None = None  # the model's tokenizer, for cache_aware: prompts tokenized here
 
     @property
     def serving_roles(self) -> tuple[str, ...]:
@@ -106,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how an instance is chosen within a role (default: round_robin; cache_aware: where the prompt's "
         "prefix is cached, from the instances' KV cache events)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the model's tokenizer (HF directory, hub id or .gguf file), for --policy cache_aware: the router "
+        "tokenizes prompts and chats itself instead of calling an instance's /tokenize for each request",
+    )
     parser.add_argument("--api-key", default=None, help="key clients must send as 'Authorization: Bearer KEY'")
     parser.add_argument("--instance-api-key", default=None, help="key sent to the instances (their --api-key)")
     parser.add_argument(
@@ -138,4 +145,5 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         health_interval=ns.health_interval,
         request_timeout=ns.request_timeout,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        tokenizer=ns.tokenizer,
     )

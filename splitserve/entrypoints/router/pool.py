@@ -47,6 +47,11 @@ class UpstreamPool:
         self.session: aiohttp.ClientSession | None = None
         self.tracing = tracing_for(config.otlp_traces_endpoint, "splitserve-router")
         self.kv_index = KVEventIndex() if config.policy == "cache_aware" else None
+        self.local_tokenizer = None  # the router's own (--tokenizer): no /tokenize call per request
+        if self.kv_index is not None and config.tokenizer is not None:
+            from splitserve.entrypoints.router.local_tokenizer import RouterTokenizer
+
+            self.local_tokenizer = RouterTokenizer(config.tokenizer)
         self._health_task: asyncio.Task | None = None
 
     def all_instances(self) -> list[Upstream]:
@@ -208,6 +213,9 @@ class UpstreamPool:
             return None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt_block_hashes(prompt, sizes[0])
+        if self.local_tokenizer is not None:
+            tokens = await asyncio.to_thread(self.local_tokenizer.prompt_ids, body)
+            return prompt_block_hashes(tokens, sizes[0]) if tokens else None
         fields = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt")
         if isinstance(prompt, str):
             query: dict = {"prompt": prompt}
