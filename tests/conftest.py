@@ -67,3 +67,19 @@ def tiny_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
 def tiny_moe_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
     """A tiny ERNIE 4.5 MoE with the whole SmolLM2 vocabulary and chat template (tests/helpers/models.py)."""
     return make_tiny_moe_chat_model(str(tmp_path_factory.mktemp("tiny_moe_chat_model")), smollm_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny LLaVA (CLIP tower, projector, Llama) with its processor (tests/helpers/multimodal.py)."""
+    from tests.helpers.multimodal import make_tiny_llava
+
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")), smollm_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny Qwen2-VL with its image processor (tests/helpers/multimodal.py)."""
+    from tests.helpers.multimodal import make_tiny_qwen2_vl
+
+    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny_qwen2_vl")), smollm_tokenizer)

@@ -39,7 +39,7 @@ def _fuzz(server, mode: str, tmp_path) -> dict:
     events = tmp_path / f"{mode}.ndjson"
     cmd = [
         *(sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json"),
-        *("--mode", mode, "--checks", CHECKS, "--max-examples", "10", "--seed", "7", "--max-time", "30"),
+        *("--mode", mode, "--checks", CHECKS, "--max-examples", "10", "--seed", "7", "--max-time", "20"),
         *("-H", f"Authorization: Bearer {KEY}", "--request-timeout", "60", "--no-color"),
         # Routes that change the server's state for every later request (adapters, sleep mode) have
         # tests of their own: fuzzed, a /sleep would leave the rest of the run answering 503.

@@ -17,18 +17,13 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.multimodal.media import encode_data_uri
-from tests.helpers.multimodal import LLAVA_IMAGE_TOKENS, make_tiny_llava, random_image
+from tests.helpers.multimodal import LLAVA_IMAGE_TOKENS, random_image
 from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow  # starts a server
 
 QUESTION = "What is in this picture?"
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory, smollm_tokenizer) -> str:
-    return make_tiny_llava(str(tmp_path_factory.mktemp("llava")), smollm_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +35,10 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llava, media_dir):
+def server(tiny_llava, media_dir):
     args = ["--enable-mm", "--dtype", "float32", "--max-num-batched-tokens", "32", "--disable-log-requests"]
     args += ["--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", '{"image": 2}']
-    with RemoteServer(llava, *args, entry_point="api_server") as s:
+    with RemoteServer(tiny_llava, *args, entry_point="api_server") as s:
         yield s
 
 
@@ -77,8 +72,8 @@ def ask(client, *urls: str, stream: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def offline_answer(llava):
-    llm = LLM(llava, dtype="float32", use_tqdm_on_load=False)
+def offline_answer(tiny_llava):
+    llm = LLM(tiny_llava, dtype="float32", use_tqdm_on_load=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     answer = llm.chat(messages(encode_data_uri(random_image(11))), params, use_tqdm=False)[0].outputs[0].text
     del llm
@@ -160,14 +155,13 @@ def test_more_images_than_the_limit_and_a_missing_file(client, media_dir):
         ask(client, f"file://{media_dir / 'missing.png'}")
 
 
-def test_pd_1p1d_gives_the_mixed_answer(tmp_path_factory, smollm_tokenizer):
+def test_pd_1p1d_gives_the_mixed_answer(tiny_qwen2_vl):
     """`serve --pd 1p1d` with Qwen2-VL: the prefill instance loads and encodes the image and tells the
     decode instance where it lies (no pixels); the decode instance pulls the KV and continues with
     M-RoPE's offset, answering as one instance does."""
-    from tests.e2e.test_pd import COMMON as PD_COMMON
-    from tests.helpers.multimodal import make_tiny_qwen2_vl
+    from tests.helpers.pd import COMMON as PD_COMMON
 
-    model = make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")), smollm_tokenizer)
+    model = tiny_qwen2_vl
     urls = [encode_data_uri(random_image(31)), encode_data_uri(random_image(32, (40, 40)))]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     llm = LLM(model, dtype="float32", use_tqdm_on_load=False)

@@ -7,11 +7,10 @@ import argparse
 
 from splitserve.benchmarks import multimodal
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
-from tests.helpers.multimodal import make_tiny_qwen2_vl
 
 
-def test_bench_mm_runs_both_engines(tmp_path, smollm_tokenizer, capsys):
-    model = make_tiny_qwen2_vl(str(tmp_path / "qwen2_vl"), smollm_tokenizer)
+def test_bench_mm_runs_both_engines(tiny_qwen2_vl, capsys):
+    model = tiny_qwen2_vl
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     multimodal.add_arguments(parser)

@@ -13,7 +13,7 @@ import transformers
 from splitserve import LLM, SamplingParams
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.multimodal.media import encode_data_uri
-from tests.helpers.multimodal import LLAVA_IMAGE_TOKENS, make_tiny_llava, random_image
+from tests.helpers.multimodal import LLAVA_IMAGE_TOKENS, random_image
 
 MAX_TOKENS = 10
 # 24 tokens a step: every image's 64 tokens are computed over three or four steps, split inside them.
@@ -27,15 +27,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory, smollm_tokenizer) -> str:
-    return make_tiny_llava(str(tmp_path_factory.mktemp("llava")), smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def llm(llava):
-    engine = LLM(llava, **COMMON)
-    yield engine
-    del engine
+def llm(tiny_llava):
+    return LLM(tiny_llava, **COMMON)
 
 
 def hf_greedy(directory: str, prompts) -> list[list[int]]:
@@ -59,8 +52,8 @@ def encoder_cache(llm):
     return llm.llm_engine.engine_core.executor.runner.encoder_cache
 
 
-def test_greedy_tokens_match_transformers_batched_and_chunked(llm, llava):
-    expected = hf_greedy(llava, PROMPTS)
+def test_greedy_tokens_match_transformers_batched_and_chunked(llm, tiny_llava):
+    expected = hf_greedy(tiny_llava, PROMPTS)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([request(text, seeds) for text, seeds in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
@@ -68,7 +61,7 @@ def test_greedy_tokens_match_transformers_batched_and_chunked(llm, llava):
     assert image_tokens == [LLAVA_IMAGE_TOKENS, 2 * LLAVA_IMAGE_TOKENS, 0, LLAVA_IMAGE_TOKENS]
 
 
-def test_an_image_is_encoded_once_and_its_blocks_are_keyed_by_it(llm, llava):
+def test_an_image_is_encoded_once_and_its_blocks_are_keyed_by_it(llm, tiny_llava):
     cache = encoder_cache(llm)
     text = "USER: <image>\nDescribe it in detail, please, with every colour you see.\nASSISTANT:"
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -81,7 +74,7 @@ def test_an_image_is_encoded_once_and_its_blocks_are_keyed_by_it(llm, llava):
     assert again.num_cached_tokens >= LLAVA_IMAGE_TOKENS  # the whole image's blocks came from the cache
     offset = first.prompt_token_ids.index(llm.llm_engine.processor.multimodal.image_token_id)
     assert other.num_cached_tokens <= offset  # same tokens, other pixels: no block holding the image is shared
-    assert other.outputs[0].token_ids == hf_greedy(llava, [(text, [8])])[0]
+    assert other.outputs[0].token_ids == hf_greedy(tiny_llava, [(text, [8])])[0]
 
 
 def test_chat_with_image_parts_is_the_rendered_prompt_with_its_image(llm):
@@ -124,8 +117,8 @@ def test_bad_input_is_refused_and_the_engine_goes_on(llm, prompt, match):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_limit_mm_per_prompt(llava):
-    engine = LLM(llava, limit_mm_per_prompt={"image": 1}, **COMMON)
+def test_limit_mm_per_prompt(tiny_llava):
+    engine = LLM(tiny_llava, limit_mm_per_prompt={"image": 1}, **COMMON)
     with pytest.raises(InvalidRequestError, match="at most 1 per prompt"):
         engine.generate(request(*PROMPTS[1]), SamplingParams(max_tokens=2), use_tqdm=False)
 
@@ -138,7 +131,7 @@ def test_a_text_model_refuses_images_and_enable_mm(tiny_models):
         engine.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
 
 
-def test_lmdeploy_pipeline_takes_prompt_image_pairs(llava, llm, tmp_path):
+def test_lmdeploy_pipeline_takes_prompt_image_pairs(tiny_llava, llm, tmp_path):
     """LMDeploy's VLM forms: pipe((prompt, image)), pipe([(prompt, [images])]), load_image from
     splitserve.vl, and OpenAI-style image parts in a conversation, each the chat the pair stands for."""
     from splitserve import GenerationConfig, PytorchEngineConfig, pipeline
@@ -153,7 +146,7 @@ def test_lmdeploy_pipeline_takes_prompt_image_pairs(llava, llm, tmp_path):
         return llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0].outputs[0].text
 
     gen = GenerationConfig(max_new_tokens=MAX_TOKENS, top_k=1, ignore_eos=True)
-    with pipeline(llava, backend_config=PytorchEngineConfig(dtype="float32")) as pipe:
+    with pipeline(tiny_llava, backend_config=PytorchEngineConfig(dtype="float32")) as pipe:
         single = pipe(("describe this image", image), gen_config=gen)
         batch = pipe([("compare them", [image, second]), ("describe this image", second)], gen_config=gen)
         uri = encode_data_uri(second)

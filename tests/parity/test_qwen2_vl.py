@@ -25,15 +25,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory, smollm_tokenizer) -> str:
-    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")), smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def llm(qwen2_vl):
-    engine = LLM(qwen2_vl, **COMMON)
-    yield engine
-    del engine
+def llm(tiny_qwen2_vl):
+    return LLM(tiny_qwen2_vl, **COMMON)
 
 
 def images(spec) -> list:
@@ -65,8 +58,8 @@ def request(text: str, spec) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images(spec)}} if spec else {"prompt": text}
 
 
-def test_greedy_tokens_match_transformers_batched_and_chunked(llm, qwen2_vl):
-    expected = hf_greedy(qwen2_vl, PROMPTS)
+def test_greedy_tokens_match_transformers_batched_and_chunked(llm, tiny_qwen2_vl):
+    expected = hf_greedy(tiny_qwen2_vl, PROMPTS)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([request(text, spec) for text, spec in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
@@ -79,13 +72,13 @@ def test_greedy_tokens_match_transformers_batched_and_chunked(llm, qwen2_vl):
     ]  # (w / 4) * (h / 4) / 4 each
 
 
-def test_a_repeated_image_hits_the_prefix_cache_with_its_positions(llm, qwen2_vl):
+def test_a_repeated_image_hits_the_prefix_cache_with_its_positions(llm, tiny_qwen2_vl):
     text, spec = PROMPTS[0][0].replace("picture", "image, in detail"), [(5, (64, 48))]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     first = llm.generate(request(text, spec), params, use_tqdm=False)[0]
     again = llm.generate(request(text, spec), params, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 48
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(qwen2_vl, [(text, spec)])[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(tiny_qwen2_vl, [(text, spec)])[0]
 
 
 def test_chat_image_parts(llm):
@@ -101,11 +94,11 @@ def test_chat_image_parts(llm):
 
 @pytest.mark.slow  # starts worker processes
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_tensor_and_pipeline_parallel(qwen2_vl, tp, pp):
+def test_tensor_and_pipeline_parallel(tiny_qwen2_vl, tp, pp):
     """tp: each rank runs the whole tower on the images and its share of the language model; pp: the
     first stage embeds the images, every stage rotates by the same M-RoPE positions."""
-    expected = hf_greedy(qwen2_vl, PROMPTS[:2])
-    engine = LLM(qwen2_vl, tensor_parallel_size=tp, pipeline_parallel_size=pp, **COMMON)
+    expected = hf_greedy(tiny_qwen2_vl, PROMPTS[:2])
+    engine = LLM(tiny_qwen2_vl, tensor_parallel_size=tp, pipeline_parallel_size=pp, **COMMON)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = engine.generate([request(text, spec) for text, spec in PROMPTS[:2]], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected

@@ -129,7 +129,7 @@ def test_frequency_and_presence_penalties_reduce_repeats(llm):
 
 @pytest.mark.parametrize("chunk", [512, 3])  # 3: the prompt's 8 scored positions in 3 pieces
 def test_logprobs_and_prompt_logprobs(llm, tiny_models, monkeypatch, chunk):
-    monkeypatch.setattr("splitserve.executor.model_runner.PROMPT_LOGPROBS_CHUNK", chunk)
+    monkeypatch.setattr("splitserve.executor.prompt_logprobs.PROMPT_LOGPROBS_CHUNK", chunk)
     out = _one(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2))
     completion = out.outputs[0]
     assert len(completion.logprobs) == 4
