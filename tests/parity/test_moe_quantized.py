@@ -98,7 +98,8 @@ def test_gguf_moe_in_its_blocks_and_dequantized(tmp_path, checkpoint, kind, qtyp
     path = write_gguf(checkpoint(kind), str(tmp_path / "moe.gguf"), qtype, default_model_path())
     types = tensor_types(path)
     assert types["blk.0.ffn_gate_exps.weight"] == qtype and types["blk.0.ffn_gate_inp.weight"] == "F32"
-    refs = [hf_greedy(_gguf_reference(path), p, MAX_TOKENS) for p in PROMPTS]
+    reference = _gguf_reference(path)  # read once: parsing the file's metadata (a whole vocabulary) takes seconds
+    refs = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
     dequantized = llm(path, quantization="none")
     _check(dequantized, refs)
     quantized = llm(path)  # --quantization gguf, the default for a quantized .gguf on CPU
@@ -120,7 +121,8 @@ def test_gguf_moe_in_its_blocks_and_dequantized(tmp_path, checkpoint, kind, qtyp
 @pytest.mark.slow
 def test_gguf_moe_with_expert_parallelism(tmp_path, checkpoint):
     path = write_gguf(checkpoint("qwen3_moe"), str(tmp_path / "moe.gguf"), "Q8_0", default_model_path())
-    refs = [hf_greedy(_gguf_reference(path), p, MAX_TOKENS) for p in PROMPTS]
+    reference = _gguf_reference(path)
+    refs = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
     _check_in_blocks(llm(path, tensor_parallel_size=2, enable_expert_parallel=True), refs)
 
 
