@@ -416,3 +416,21 @@ def test_beam_search_matches_transformers(tiny_models):
             end = next((i + 1 for i, t in enumerate(generated) if t == 2), len(generated))
             expected.append(prompt + generated[:end])
         assert [s.tokens for s in output.sequences] == expected
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_vision_language_models_match_transformers(tiny_llava, tiny_qwen2_vl, family):
+    """LLaVA and Qwen2-VL in float32 on the GPU (TF32 off on both sides), images chunked through and
+    M-RoPE decodes under CUDA graphs: the tokens transformers computes from the same pixels there."""
+    from tests.parity import test_multimodal, test_qwen2_vl
+
+    module, directory = (test_multimodal, tiny_llava) if family == "llava" else (test_qwen2_vl, tiny_qwen2_vl)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
+    try:
+        expected = module.hf_greedy(directory, module.PROMPTS, device=DEVICE)
+        llm = LLM(directory, **module.COMMON)
+        params = SamplingParams(max_tokens=module.MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([module.request(*p) for p in module.PROMPTS], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    finally:
+        torch.backends.cudnn.allow_tf32 = True

@@ -31,13 +31,13 @@ def llm(tiny_llava):
     return LLM(tiny_llava, **COMMON)
 
 
-def hf_greedy(directory: str, prompts) -> list[list[int]]:
+def hf_greedy(directory: str, prompts, device: str = "cpu") -> list[list[int]]:
     processor = transformers.AutoProcessor.from_pretrained(directory)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).to(device)
     out = []
     for text, seeds in prompts:
         images = [random_image(s) for s in seeds] or None
-        inputs = processor(text=text, images=images, return_tensors="pt")
+        inputs = processor(text=text, images=images, return_tensors="pt").to(device)
         ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
         out.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
     return out

@@ -33,11 +33,11 @@ def images(spec) -> list:
     return [random_image(seed, size) for seed, size in spec]
 
 
-def hf_greedy(directory: str, prompts) -> list[list[int]]:
+def hf_greedy(directory: str, prompts, device: str = "cpu") -> list[list[int]]:
     """transformers' generate, each placeholder expanded to its image's grid / 4 tokens."""
     image_processor = transformers.AutoImageProcessor.from_pretrained(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).to(device)
     out = []
     for text, spec in prompts:
         kwargs = {}
@@ -49,7 +49,8 @@ def hf_greedy(directory: str, prompts) -> list[list[int]]:
         ids = tokenizer(text, return_tensors="pt").input_ids
         if spec:  # which tokens are the image's: without it transformers gives them 1D positions
             kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
-        generated = model.generate(input_ids=ids, **kwargs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        kwargs = {name: value.to(device) for name, value in kwargs.items()}
+        generated = model.generate(input_ids=ids.to(device), **kwargs, max_new_tokens=MAX_TOKENS, do_sample=False)
         out.append(generated[0, ids.shape[1] :].tolist())
     return out
 
