@@ -19,7 +19,13 @@ from torch import nn
 
 from splitserve.layers.basic import Linear
 from splitserve.models.llama import LlamaForCausalLM
-from splitserve.models.vision import VisionTransformer, activation, layers_for_feature_layer, load_exact
+from splitserve.models.vision import (
+    VisionTransformer,
+    activation,
+    layers_for_feature_layer,
+    load_exact,
+    local_name,
+)
 
 # Checkpoint prefixes: transformers >= 4.52 saves model.{vision_tower,multi_modal_projector,language_model}
 # and lm_head; older checkpoints (the hub's llava-hf models) have them at the top, the LM's as language_model.model.
@@ -85,7 +91,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
         def language_model_weights():
             for name, tensor in weights:
-                local = _local_name(name)
+                local = local_name(name, _PREFIXES)
                 module, _, rest = local.partition(".")
                 if module in vision:
                     vision[module][rest] = tensor
@@ -101,10 +107,3 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if param_name.startswith(("vision_tower.", "multi_modal_projector.")):
             return []  # checked by their own loading
         return super()._load_keys(param_name)
-
-
-def _local_name(name: str) -> str:
-    for prefix, local in _PREFIXES:
-        if name.startswith(prefix):
-            return local + name[len(prefix) :]
-    return name

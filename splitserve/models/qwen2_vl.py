@@ -22,7 +22,7 @@ from torch import nn
 
 from splitserve.layers.basic import Linear
 from splitserve.models.llama import LlamaForCausalLM
-from splitserve.models.vision import activation, load_exact
+from splitserve.models.vision import activation, load_exact, local_name
 
 # Checkpoint prefixes: transformers >= 4.52 saves model.{visual,language_model} and lm_head; older
 # checkpoints (the hub's Qwen/Qwen2-VL-*) have visual.* and the language model's layers as model.*.
@@ -198,7 +198,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
         def language_model_weights():
             for name, tensor in weights:
-                local = _local_name(name)
+                local = local_name(name, _PREFIXES)
                 if local.startswith("visual."):
                     vision[local.removeprefix("visual.")] = tensor
                 else:
@@ -210,10 +210,3 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     def _load_keys(self, param_name: str) -> list[str]:
         return [] if param_name.startswith("visual.") else super()._load_keys(param_name)
-
-
-def _local_name(name: str) -> str:
-    for prefix, local in _PREFIXES:
-        if name.startswith(prefix):
-            return local + name[len(prefix) :]
-    return name

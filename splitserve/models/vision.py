@@ -203,3 +203,11 @@ def load_exact(module: nn.Module, weights: dict[str, torch.Tensor], what: str) -
                 f"{what} tensor {name!r} has shape {tuple(tensor.shape)}, not {tuple(params[name].shape)}."
             )
         params[name].data.copy_(tensor)
+
+
+def local_name(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint tensor's name with the first matching (checkpoint prefix, model prefix) swapped."""
+    for prefix, local in prefixes:
+        if name.startswith(prefix):
+            return local + name[len(prefix) :]
+    return name
