@@ -110,6 +110,16 @@ class CacheConfig:
     num_cpu_blocks_override: int | None = None
     swap_space_bytes: int = 0
     num_cpu_blocks: int = 0  # decided when the KV cache is allocated
+    # The KV offloading tier (engine/kv_offload.py): host memory per rank for prefix-cache blocks
+    # evicted from the device pool; a directory that keeps them on disk too, up to a size per rank.
+    kv_offloading_bytes: int = 0
+    kv_cache_dir: str | None = None
+    kv_cache_dir_bytes: int = 16 << 30
+    num_offload_blocks: int = 0  # host blocks of the tier, decided when the KV cache is allocated
+
+    @property
+    def offloads_kv(self) -> bool:
+        return self.kv_offloading_bytes > 0 or self.kv_cache_dir is not None
 
     def verify(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -118,6 +128,13 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap space must be >= 0 bytes, got {self.swap_space_bytes}.")
+        if self.kv_offloading_bytes < 0 or self.kv_cache_dir_bytes <= 0:
+            raise ValueError("kv_offloading_size must be >= 0 GiB and kv_cache_dir_size > 0 GiB.")
+        if self.offloads_kv and not self.enable_prefix_caching:
+            raise ValueError(
+                "KV offloading (--kv-offloading-size, --kv-cache-dir) keeps prefix-cache blocks: it needs "
+                "prefix caching, which is off (--no-enable-prefix-caching, or a pooling model that cannot cache)."
+            )
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (auto: the model's dtype; fp8 is "

@@ -72,6 +72,13 @@ _ENGINE_HELP = {
     "swap_space": "GiB of host memory per rank that preempted requests' KV is swapped to (with --preemption-mode swap)",
     "preemption_mode": "recompute (free a preempted request's KV and compute it again) or swap (copy it to host "
     "memory, --swap-space, and back)",
+    "kv_offloading_size": "GiB of host memory (all ranks together) that prefix-cache blocks evicted from the KV "
+    "cache are kept in and loaded back from, instead of computed again (docs/scaling.md)",
+    "kv_offloading_backend": "native: splitserve's own host tier (vLLM's flag; LMCache is not integrated)",
+    "kv_cache_dir": "also keep offloaded KV blocks as files in this directory: they survive a restart, and "
+    "instances of the same model on this host read one another's (docs/scaling.md)",
+    "kv_cache_dir_size": "GiB of files (all ranks together) --kv-cache-dir may hold; the least recently used "
+    "blocks are deleted past it",
     "enable_lora": "serve LoRA adapters (docs/lora.md): requests pick one by its name in the model field",
     "max_loras": "most LoRA adapters in one step (each takes a slot of memory in every LoRA layer)",
     "max_lora_rank": "highest LoRA rank an adapter may have (the slots are sized for it)",

@@ -75,6 +75,10 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     scheduler_ttl: float = 0.0  # FastDeploy's: seconds a request may wait before it first runs (0: no limit)
     num_cpu_blocks: int | None = None  # exact host blocks, instead of swap_space (LMDeploy's num_cpu_blocks)
+    kv_offloading_size: float | None = None  # GiB of host memory (all ranks together) for evicted prefix blocks
+    kv_offloading_backend: str | None = None  # native (vLLM's names; engine/kv_offload.py)
+    kv_cache_dir: str | None = None  # the offloaded blocks on disk too: survive restarts, shared on a host
+    kv_cache_dir_size: float = 16.0  # GiB of files (all ranks together) in kv_cache_dir
     pd_role: str = "mixed"
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
@@ -116,6 +120,9 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
             num_cpu_blocks_override=self.num_cpu_blocks,
             swap_space_bytes=int(self.swap_space * (1 << 30)),
+            kv_offloading_bytes=int((self.kv_offloading_size or 0) * (1 << 30) / self._world_size),
+            kv_cache_dir=self.kv_cache_dir,
+            kv_cache_dir_bytes=int(self.kv_cache_dir_size * (1 << 30) / self._world_size),
         )
         cache_config.verify()
         max_len = model_config.max_model_len
@@ -259,6 +266,10 @@ class EngineArgs:
             return False
         return _resolve_async_scheduling(self.async_scheduling, device, parallel)
 
+    @property
+    def _world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def _parallel_config(self, device: torch.device) -> ParallelConfig:
         config = ParallelConfig(
             self.tensor_parallel_size,
@@ -280,6 +291,13 @@ class EngineArgs:
             raise ValueError("--swap-space / num_cpu_blocks is host memory for --preemption-mode swap; set that too.")
         if self.preemption_mode == "swap" and not swap_memory:
             raise ValueError("--preemption-mode swap needs host memory: give --swap-space (GiB per rank).")
+        if self.kv_offloading_backend not in (None, "native"):
+            raise ValueError(
+                f"--kv-offloading-backend {self.kv_offloading_backend!r}: only 'native' is built (host memory, and "
+                "disk with --kv-cache-dir); LMCache is not integrated."
+            )
+        if self.kv_offloading_backend and not (self.kv_offloading_size or self.kv_cache_dir):
+            raise ValueError("--kv-offloading-backend needs --kv-offloading-size (GiB of host memory).")
         if self.num_scheduler_steps != 1:
             raise ValueError(
                 f"num_scheduler_steps={self.num_scheduler_steps}: multi-step decoding is not implemented; only 1 "

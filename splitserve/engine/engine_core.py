@@ -21,14 +21,9 @@ from splitserve.config import EngineConfig
 from splitserve.engine import pd, startup
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_events import attach_events
+from splitserve.engine.kv_offload import make_offload_tier
 from splitserve.engine.lora_registry import LoRANotFoundError, LoRARegistry
-from splitserve.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    LoRACall,
-    LoRAReply,
-    SchedulerStats,
-)
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, LoRACall, LoRAReply, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.schedule_plan import SchedulePlan
 from splitserve.engine.scheduler import Scheduler
@@ -72,11 +67,14 @@ class EngineCore:
         cc.num_cpu_blocks = self.executor.determine_num_cpu_blocks() if swapping else 0
         if swapping and cc.num_cpu_blocks < 1:
             raise ValueError("preemption_mode='swap' needs host memory for at least one block: raise --swap-space.")
+        offload = make_offload_tier(config, self.executor)  # None without --kv-offloading-size / --kv-cache-dir
         with startup.phase("KV cache"):
-            self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks)
+            self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks, cc.num_offload_blocks)
         self._kv_memory, self._kv_memory_at = (0, 0), -_KV_MEMORY_REFRESH_S
         self.executor.capture_cuda_graphs()
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.num_cpu_blocks)
+        self.kv_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, cc.num_cpu_blocks, offload
+        )
         lora_config = config.lora_config
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, lora_config and lora_config.max_loras)
         self.loras = LoRARegistry(config, self.executor)

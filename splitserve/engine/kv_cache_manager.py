@@ -4,6 +4,8 @@ A block holds `block_size` tokens of KV. Full blocks are named by a chained hash
 (parent block's hash, the block's token ids, extra keys); a block that is freed keeps its hash
 and stays findable until it is reused, least recently freed first. The hash is sha256 over a
 fixed byte encoding, so every process (prefill and decode instances too) computes the same one.
+With a KV offloading tier (engine/kv_offload.py), a hashed block that is reused is first kept
+there, and prefix lookups go on into the tier where the device pool misses.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from splitserve.engine.kv_offload import KVOffloadTier, TierHit
 from splitserve.engine.request import Request
+from splitserve.executor.step_input import KVOffloadOps
 
 _ROOT_HASH = hashlib.sha256(b"splitserve-prefix-cache-v1").digest()
 
@@ -51,6 +55,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, KVBlock] = {}
         self.events = None  # a kv_events.KVEventRecorder when KV cache events are published
+        self.tier: KVOffloadTier | None = None  # where reused blocks' KV is kept (None: dropped)
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +105,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.tier is not None:
+                self.tier.offload(block.block_id, block.block_hash)
             if self.events is not None:
                 self.events.removed(block.block_hash)
             block.block_hash = None
@@ -112,6 +119,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.tier is not None:
+            self.tier.reset()
         if self.events is not None:
             self.events.cleared()
         return True
@@ -128,11 +137,20 @@ class BlockPool:
 class KVCacheManager:
     """Which blocks each request holds; allocation, prefix-cache lookups and freeing."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
-        """`num_cpu_blocks`: blocks of host memory that preempted requests' KV may be swapped to."""
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        offload: KVOffloadTier | None = None,
+    ):
+        """`num_cpu_blocks`: blocks of host memory that preempted requests' KV may be swapped to;
+        `offload`: the tier that evicted prefix-cache blocks go to and come back from."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        self.pool.tier = offload if enable_caching else None
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids: read by every step
         self.num_cached_blocks: dict[str, int] = {}
@@ -151,26 +169,30 @@ class KVCacheManager:
         """The request's block ids, in order (the manager's own list: do not modify it)."""
         return self.req_to_block_ids.get(request_id, [])
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock | TierHit], int]:
         """The longest cached prefix of the request, in whole blocks, leaving at least its last
-        token to compute (the model must produce logits for it)."""
+        token to compute (the model must produce logits for it): device blocks, then, with an
+        offloading tier, blocks that tier holds (each loaded into a fresh device block)."""
         if not (self.enable_caching and request.uses_prefix_cache):
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
+        hits: list[KVBlock | TierHit] = []
+        tier = self.pool.tier
         for block_hash in hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
+            hit = self.pool.lookup(block_hash)
+            if hit is None and tier is not None:
+                hit = tier.lookup(block_hash)
+            if hit is None:
                 break
-            hits.append(block)
+            hits.append(hit)
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        computed_blocks: Sequence[KVBlock] = (),
+        computed_blocks: Sequence[KVBlock | TierHit] = (),
         keep_free: int = 0,
         register: bool = True,
     ) -> bool:
@@ -185,18 +207,38 @@ class KVCacheManager:
             if self.enable_caching and register:
                 self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
             return True
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # hits that currently sit in the free queue
-        if needed > self.pool.num_free_blocks - revived - keep_free:
+        on_device = [b for b in computed_blocks if isinstance(b, KVBlock)]
+        loaded = len(computed_blocks) - len(on_device)  # offloading-tier hits: each takes a fresh block
+        revived = sum(1 for b in on_device if b.ref_cnt == 0)  # hits that currently sit in the free queue
+        if max(needed, 0) + loaded > self.pool.num_free_blocks - revived - keep_free:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return False
-        self.pool.touch(computed_blocks)
-        new = list(computed_blocks) + self.pool.allocate(max(needed, 0))
+        self.pool.touch(on_device)
+        new = self._load_tier_hits(computed_blocks) if loaded else list(computed_blocks)
+        new += self.pool.allocate(max(needed, 0))
         blocks.extend(new)
         self.req_to_block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         if self.enable_caching and register:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
+
+    def _load_tier_hits(self, computed_blocks: Sequence[KVBlock | TierHit]) -> list[KVBlock]:
+        """The device blocks of a prefix: tier hits get fresh blocks, which the caller registers
+        (their KV is copied in before the step's forward, like any block registered when scheduled)."""
+        fresh = iter(self.pool.allocate(sum(1 for b in computed_blocks if isinstance(b, TierHit))))
+        out = []
+        for hit in computed_blocks:
+            if isinstance(hit, TierHit):
+                block = next(fresh)
+                self.pool.tier.load(hit, block.block_id)
+                hit = block
+            out.append(hit)
+        return out
+
+    def take_offload_ops(self) -> KVOffloadOps | None:
+        """The offloading tier's copies decided since the last call (None: none, or no tier)."""
+        return self.pool.tier.take_ops() if self.pool.tier is not None else None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make the full blocks among a request's first `num_tokens` tokens findable (once their KV

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.request import Request
+from splitserve.executor.step_input import KVOffloadOps
 
 
 @dataclass
@@ -34,6 +35,8 @@ class SchedulePlan:
     # Speculative decoding: the draft tokens each request verifies in this step (its scheduled count
     # includes them, after its last token).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Copies to and from the KV offloading tier that this step's allocations need (engine/kv_offload.py).
+    kv_offload: KVOffloadOps | None = None
     # Requests dropped before they ever ran: they waited longer than SchedulerConfig.waiting_ttl.
     expired: list[Request] = field(default_factory=list)
 
@@ -44,4 +47,4 @@ class SchedulePlan:
     @property
     def is_empty(self) -> bool:
         """Nothing to run and no blocks to copy."""
-        return not self.scheduled and not self.swap_out and not self.swap_in
+        return not self.scheduled and not self.swap_out and not self.swap_in and self.kv_offload is None

@@ -124,6 +124,7 @@ class Scheduler(PDSchedulingMixin):
             num_running = len(out.scheduled)
             self._schedule_waiting(out, budget)
             self._prev_had_prompts = len(out.scheduled) > num_running
+        out.kv_offload = self.kv.take_offload_ops()
         return out
 
     def _expire_waiting(self, out: SchedulePlan) -> None:

@@ -50,8 +50,10 @@ class EngineSleep:
         """Refuse (ValueError) to drop the runner while a request is in the engine, or where the
         engine holds more than its runner (a draft model, a PD KV connector)."""
         core = self.core
-        if core.config.speculative_config is not None or core.connector is not None:
-            raise ValueError(f"{action.capitalize()} does not cover speculative decoding or PD instances yet.")
+        if core.config.speculative_config is not None or core.connector is not None or core.kv_manager.pool.tier:
+            raise ValueError(
+                f"{action.capitalize()} does not cover speculative decoding, PD instances or KV offloading yet."
+            )
         busy = len(core.scheduler.requests) + len(core._compiling) + (core._in_flight is not None)
         if busy:
             raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before {action}.")

@@ -26,7 +26,12 @@ class StepInputBuilder:
             if request.request_id in self.num_blocks_sent:
                 self.num_blocks_sent[request.request_id] = 0
                 self.resumed.add(request.request_id)
-        step = StepInput(finished_request_ids=self.forgotten, swap_out=sched.swap_out, swap_in=sched.swap_in)
+        step = StepInput(
+            finished_request_ids=self.forgotten,
+            swap_out=sched.swap_out,
+            swap_in=sched.swap_in,
+            kv_offload=sched.kv_offload,
+        )
         self.forgotten = []
         for request, num_tokens in sched.scheduled:
             if request.request_id not in self.num_blocks_sent:

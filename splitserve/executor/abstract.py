@@ -30,11 +30,13 @@ class Executor(ABC):
         """KV-cache blocks every rank can hold (the smallest of the ranks' answers)."""
 
     @abstractmethod
-    def determine_num_cpu_blocks(self) -> int:
-        """Host blocks for swapped-out KV every rank can hold (0: no swapping)."""
+    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
+        """Host blocks every rank can hold in `nbytes` of host memory per rank (None: those for
+        swapped-out KV, 0 when not swapping)."""
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
+        """The device cache's blocks, host blocks for swapped-out KV and for the offloading tier."""
 
     @abstractmethod
     def kv_cache_memory(self) -> tuple[int, int]:

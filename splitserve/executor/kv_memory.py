@@ -21,6 +21,8 @@ import mmap
 import numpy as np
 import torch
 
+from splitserve.quantization.kv_cache import SCALE_DTYPE, KVCacheSpec
+
 
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on CPU, backed by lazily mapped zero pages (the tensor keeps the mapping)."""
@@ -29,6 +31,25 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=dtype).view(shape)
+
+
+def allocate_kv_cache(
+    layers: list, spec: KVCacheSpec, block_size: int, device: torch.device, num_blocks: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per attention layer: the cache [2, heads, blocks, block_size, packed head_dim] and, when
+    quantized, the scales; attached to the layers."""
+    # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
+    shape = (2, layers[0].num_kv_heads, num_blocks, block_size, spec.packed_head_dim(layers[0].head_dim))
+    caches = [kv_zeros(shape, spec.storage_dtype, device) for _ in layers]
+    scales = None
+    if spec.quantized:
+        # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
+        scale_shape = (*shape[:-1], spec.num_scale_fields)
+        scales = [kv_zeros(scale_shape, SCALE_DTYPE, device) for _ in layers]
+    for i, layer in enumerate(layers):
+        layer.kv_cache = caches[i]
+        layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
+    return caches, scales
 
 
 def kv_memory_use(tensors: list[torch.Tensor]) -> tuple[int, int]:

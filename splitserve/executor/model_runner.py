@@ -19,7 +19,8 @@ from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.in_flight import InFlightStep, collect_pooled, collect_samples
 from splitserve.executor.input_batch import CachedRequestState, InputBatch
-from splitserve.executor.kv_memory import kv_memory_use, kv_zeros
+from splitserve.executor.kv_memory import allocate_kv_cache, kv_memory_use
+from splitserve.executor.kv_offload import KVOffloadCopier
 from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.mrope import remember_prompt_positions, step_positions
 from splitserve.executor.pooler import pool_step
@@ -31,7 +32,7 @@ from splitserve.kernels import batch_invariant
 from splitserve.layers.moe import FusedMoE, expert_load
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
-from splitserve.quantization.kv_cache import SCALE_DTYPE, kv_cache_spec
+from splitserve.quantization.kv_cache import kv_cache_spec
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ModelRunner:
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
         self.graph_runner: CUDAGraphRunner | None = None
         self.swap: HostKVSwap | None = None  # host memory for swapped-out KV (preemption_mode "swap")
+        self.offload: KVOffloadCopier | None = None  # the KV offloading tier's host memory and files
         self.decode_stack: CPUDecodeStack | None = None  # CPU decode steps in one C++ call, once the KV is bound
         self.lora_manager = self._lora_manager()
         self.draft = self._draft_proposer()
@@ -145,28 +147,14 @@ class ModelRunner:
         useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         return min(budget // self.kv_bytes_per_block(), useful)
 
-    def determine_num_cpu_blocks(self) -> int:
+    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
         cc = self.config.cache_config
-        if cc.num_cpu_blocks_override is not None:
+        if nbytes is None and cc.num_cpu_blocks_override is not None:
             return cc.num_cpu_blocks_override
-        return cc.swap_space_bytes // self.kv_bytes_per_block()
+        return (cc.swap_space_bytes if nbytes is None else nbytes) // self.kv_bytes_per_block()
 
     def _allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Per layer: the cache [2, heads, blocks, block_size, packed head_dim] and, when quantized,
-        the scales; attached to the model's attention layers."""
-        spec, layers = self.kv_spec, self.model.attention_layers()
-        # Head-major: gathering a request's blocks gives [heads, tokens, head_dim] with no transposing copy.
-        shape = (2, layers[0].num_kv_heads, num_blocks, self.block_size, spec.packed_head_dim(layers[0].head_dim))
-        caches = [kv_zeros(shape, spec.storage_dtype, self.device) for _ in layers]
-        scales = None
-        if spec.quantized:
-            # Each cached vector's scale fields, in the same layout: [2, heads, blocks, block_size, fields].
-            scale_shape = (*shape[:-1], spec.num_scale_fields)
-            scales = [kv_zeros(scale_shape, SCALE_DTYPE, self.device) for _ in layers]
-        for i, layer in enumerate(layers):
-            layer.kv_cache = caches[i]
-            layer.kv_scales = scales[i] if scales is not None else None  # None: the unquantized path
-        return caches, scales
+        return allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.block_size, self.device, num_blocks)
 
     def expert_load(self) -> dict[int, list[int]]:
         return expert_load(self.model)
@@ -175,12 +163,15 @@ class ModelRunner:
         """(bytes allocated, bytes resident) of this rank's KV cache, values and scales."""
         return kv_memory_use(self.kv_caches + (self.kv_scales or []))
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
         """Blocks 0..num_blocks-1 are the block manager's; with CUDA graphs one more is allocated,
         block num_blocks, where padding rows write (see cuda_graph). `num_cpu_blocks`: host blocks
-        that preempted requests' KV is swapped to (kv_swap.py)."""
+        that preempted requests' KV is swapped to (kv_swap.py); `num_offload_blocks`: the KV
+        offloading tier's (kv_offload.py, on with --kv-offloading-size or --kv-cache-dir)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
+        if self.config.cache_config.offloads_kv:
+            self.offload = KVOffloadCopier(self.kv_caches, self.kv_scales, num_offload_blocks, self.rank.rank)
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks + self.use_cuda_graphs)
         if self.device.type == "cpu":  # deciding builds the CPU kernels: never on another device
@@ -275,6 +266,8 @@ class ModelRunner:
         it from previous.sampled.token_ids on the device. collect() reads the result."""
         if self.swap is not None:
             self.swap.apply(step_input.swap_out, step_input.swap_in)
+        if step_input.kv_offload is not None:
+            self.offload.apply(step_input.kv_offload)
         if self.draft is not None:
             self.draft.observe(step_input)
         if not step_input.scheduled:  # a step that only moved blocks to or from host memory

@@ -167,8 +167,8 @@ class RayDistributedExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return min(self._call("determine_num_blocks"))
 
-    def determine_num_cpu_blocks(self) -> int:
-        return min(self._call("determine_num_cpu_blocks"))
+    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
+        return min(self._call("determine_num_cpu_blocks", nbytes))
 
     def _rank_expert_load(self) -> list[dict[int, list[int]]]:
         return self._call("expert_load")
@@ -177,8 +177,8 @@ class RayDistributedExecutor(Executor):
         per_rank = self._call("kv_cache_memory")
         return sum(a for a, _ in per_rank), sum(r for _, r in per_rank)
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self._call("initialize_kv_cache", num_blocks, num_cpu_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
+        self._call("initialize_kv_cache", num_blocks, num_cpu_blocks, num_offload_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self._call("capture_cuda_graphs")

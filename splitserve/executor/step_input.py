@@ -52,6 +52,24 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         return len(self.token_ids) < self.num_tokens
 
 
+# KVOffloadOps' kinds of copy
+OFFLOAD_STORE, OFFLOAD_HOST_LOAD, OFFLOAD_DISK_LOAD = 0, 1, 2
+
+
+class KVOffloadOps(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step's block copies between the device KV cache and the offloading tier (engine/kv_offload.py),
+    made before its forward, in the order given: each reads what the ones before it wrote.
+
+    Each is (kind, source, destination, block hash in hex):
+    - OFFLOAD_STORE: a device block about to be reused -> a host slot (-1: none); with a hash, its
+      file in the disk tier is written too;
+    - OFFLOAD_HOST_LOAD: a host slot -> a device block;
+    - OFFLOAD_DISK_LOAD: the hash's file in the disk tier -> a device block (source -1)."""
+
+    copies: list[tuple[int, int, int, str]] = []
+    disk_dir: str = ""  # the disk tier's directory for this model and layout
+
+
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequestData] = []
     scheduled: list[ScheduledRequest] = []
@@ -61,6 +79,7 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Preemption by swapping, done before this step's forward: copies out first, then in.
     swap_out: list[tuple[int, int]] = []  # (device block, host block)
     swap_in: list[tuple[int, int]] = []  # (host block, device block)
+    kv_offload: KVOffloadOps | None = None  # to and from the KV offloading tier, before the forward too
 
     @property
     def total_num_tokens(self) -> int:

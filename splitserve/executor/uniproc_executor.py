@@ -23,8 +23,8 @@ class UniProcExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def determine_num_cpu_blocks(self) -> int:
-        return self.runner.determine_num_cpu_blocks()
+    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
+        return self.runner.determine_num_cpu_blocks(nbytes)
 
     def kv_cache_memory(self) -> tuple[int, int]:
         return self.runner.kv_cache_memory() if self.runner is not None else (0, 0)  # None: asleep, level 2
@@ -32,8 +32,8 @@ class UniProcExecutor(Executor):
     def _rank_expert_load(self) -> list[dict[int, list[int]]]:
         return [self.runner.expert_load() if self.runner is not None else {}]
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks, num_offload_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()

@@ -138,11 +138,11 @@ class Worker:
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def determine_num_cpu_blocks(self) -> int:
-        return self.runner.determine_num_cpu_blocks()
+    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
+        return self.runner.determine_num_cpu_blocks(nbytes)
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks, num_offload_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()

@@ -1,0 +1,111 @@
+"""The KV offloading tier (--kv-offloading-size, --kv-cache-dir): prefix blocks evicted from a small
+device pool come back from host memory or disk instead of being computed again, and the greedy
+tokens stay transformers' (float32 blocks are copied bit for bit)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
+from tests.helpers.parity import LOGPROB_ATOL
+
+MAX_TOKENS = 8
+# Four 40-token prompts sharing nothing: a 24-block pool of 4 tokens holds one at a time.
+PROMPTS = [[(7 * i + 13 * j) % 900 + 5 for j in range(40)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    model = load_hf_model(tiny_models["qwen3"])
+    return [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(
+        path,
+        dtype="float32",
+        use_tqdm_on_load=False,
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_model_len=64,
+        max_num_seqs=1,
+        **kwargs,
+    )
+
+
+def _run(llm: LLM, references) -> list:
+    """Each prompt twice in turn: the second pass finds its prefix evicted from the device."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = []
+    for _ in range(2):
+        for prompt, ref in zip(PROMPTS, references):
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            completion = out.outputs[0]
+            logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+            assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL)
+            outputs.append(out)
+    return outputs
+
+
+def _tier(llm: LLM):
+    return llm.llm_engine.engine_core.kv_manager.pool.tier
+
+
+def test_host_tier_serves_evicted_prefixes(tiny_models, references):
+    llm = _llm(tiny_models["qwen3"], kv_offloading_size=0.001)
+    outputs = _run(llm, references)
+    tier = _tier(llm)
+    assert tier.stats.stored_blocks > 0 and tier.stats.host_hit_blocks > 0
+    # The second pass computed only each prompt's last block: the rest came back from host memory.
+    assert [o.num_cached_tokens for o in outputs[4:]] == [36] * 4
+    without = _llm(tiny_models["qwen3"])
+    assert [o.num_cached_tokens for o in _run(without, references)[4:]] == [0] * 4
+
+
+def test_disk_tier_survives_a_restart(tiny_models, references, tmp_path):
+    first = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
+    _run(first, references)
+    assert _tier(first).stats.disk_hit_blocks > 0  # no host tier: every hit is read from disk
+    first.llm_engine.engine_core.executor.runner.offload.close()
+    del first
+    (directory,) = os.listdir(tmp_path)
+    files = os.listdir(tmp_path / directory)
+    assert files and all(f.endswith(".kv") for f in files)
+
+    second = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path), kv_offloading_size=0.001)
+    outputs = _run(second, references)
+    assert [o.num_cached_tokens for o in outputs[:4]] == [36] * 4  # the first pass after the restart hits
+    assert _tier(second).stats.disk_hit_blocks >= 4 * 9
+
+
+def test_corrupt_and_foreign_files_are_skipped(tiny_models, references, tmp_path):
+    first = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
+    _run(first, references)
+    first.llm_engine.engine_core.executor.runner.offload.close()
+    del first
+    (directory,) = os.listdir(tmp_path)
+    files = sorted(tmp_path.joinpath(directory).iterdir())
+    for path in files[::2]:  # flip a byte in the payload of every other file
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    # A model with other weights (layout key) never looks at these files at all.
+    other = _llm(tiny_models["llama"], kv_cache_dir=str(tmp_path))
+    assert _tier(other).disk.directory != str(tmp_path / directory)
+    del other
+
+    second = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
+    _run(second, references)  # tokens still transformers': the corrupt blocks were computed again
+    assert _tier(second).disk.num_skipped > 0
+
+
+def test_offloading_flags_are_checked(tiny_models):
+    with pytest.raises(ValueError, match="LMCache is not integrated"):
+        _llm(tiny_models["qwen3"], kv_offloading_size=1, kv_offloading_backend="lmcache")
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        _llm(tiny_models["qwen3"], kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        _llm(tiny_models["qwen3"], kv_offloading_size=1e-9)
