@@ -387,6 +387,7 @@ class EngineCore:
             self.loras.version,
             *self._kv_cache_memory(),
             spec_decoding=self.speculator.stats if self.speculator.enabled else None,
+            kv_offload=tier.snapshot_stats() if (tier := self.kv_manager.pool.tier) is not None else None,
         )
 
     def _kv_cache_memory(self) -> tuple[int, int]:

@@ -23,7 +23,10 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgspec
+
 from splitserve.engine.kv_disk_tier import DiskTierIndex
+from splitserve.engine.messages import KVOffloadStats
 from splitserve.executor.kv_tier_files import layout_key, tier_directory
 from splitserve.executor.step_input import OFFLOAD_DISK_LOAD, OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
 
@@ -38,13 +41,6 @@ class TierHit:
     host_slot: int  # -1: only on disk
 
 
-@dataclass
-class OffloadStats:
-    stored_blocks: int = 0  # offloaded from the device pool (copied to host memory or disk)
-    host_hit_blocks: int = 0  # loaded back from host memory
-    disk_hit_blocks: int = 0  # loaded back from disk
-
-
 class KVOffloadTier:
     def __init__(self, num_host_blocks: int, disk: DiskTierIndex | None = None, disk_dir: str = ""):
         assert num_host_blocks > 0 or disk is not None, "an offloading tier needs host blocks or a disk"
@@ -53,7 +49,7 @@ class KVOffloadTier:
         self.free_slots = list(range(num_host_blocks - 1, -1, -1))
         self.disk = disk
         self.disk_dir = disk_dir
-        self.stats = OffloadStats()
+        self.stats = KVOffloadStats()
         self._ops = KVOffloadOps()
 
     # --- what the block pool and the cache manager call ---------------------------------------
@@ -99,6 +95,10 @@ class KVOffloadTier:
         self._ops = KVOffloadOps()
         ops.disk_dir = self.disk_dir if self.disk is not None else ""
         return ops
+
+    def snapshot_stats(self) -> KVOffloadStats:
+        skipped = self.disk.num_skipped if self.disk is not None else 0
+        return msgspec.structs.replace(self.stats, disk_skipped_files=skipped)
 
     def reset(self) -> None:
         """Forget the host tier (the prefix cache was reset); the disk tier stays, keyed by model."""

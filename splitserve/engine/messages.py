@@ -177,6 +177,15 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
         )
 
 
+class KVOffloadStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The KV offloading tier's counters since start (engine/kv_offload.py), in blocks."""
+
+    stored_blocks: int = 0  # kept when their device block was reused (host memory and/or disk)
+    host_hit_blocks: int = 0  # loaded back from host memory
+    disk_hit_blocks: int = 0  # loaded back from disk
+    disk_skipped_files: int = 0  # disk-tier blocks refused: corrupt, cut short or another layout's
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The engine's state after a step; counters are cumulative since start."""
 
@@ -195,6 +204,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_blocks_held: int | None = None
     taken_at: float = 0.0  # Unix time at which the engine process took these stats
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
+    kv_offload: KVOffloadStats | None = None  # None: no KV offloading tier
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -58,5 +58,9 @@ class UniProcExecutor(Executor):
     def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
         self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks, weights)
 
+    def shutdown(self) -> None:
+        if self.runner is not None and self.runner.offload is not None:
+            self.runner.offload.close()  # the disk tier's queued writes, so that a restart finds them
+
     def call_kv_connector(self, method: str, *args) -> list:
         return [self.kv_transfer.handle(self.runner, method, list(args))]

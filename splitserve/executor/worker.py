@@ -68,6 +68,7 @@ _CALLS = (
     "remove_lora",
     "sleep",
     "wake_up",
+    "flush_kv_offload",
 )
 
 
@@ -165,6 +166,11 @@ class Worker:
 
     def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
         self.runner = self.sleeping.wake_up(self.runner, num_blocks, num_cpu_blocks, weights)
+
+    def flush_kv_offload(self) -> None:
+        """Wait for the disk tier's queued writes (before shutdown: a restart then finds them)."""
+        if self.runner is not None and self.runner.offload is not None:
+            self.runner.offload.close()
 
     def kv_connector(self, method: str, args: list):
         return self.kv_transfer.handle(self.runner, method, args)

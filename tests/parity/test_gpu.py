@@ -12,7 +12,8 @@ models keep the whole of `pytest -m gpu` within a couple of minutes on an H100.
   prefill, sliding windows, int8/fp8 KV caches, block sizes 16 to 128, GQA groups 1 to 8;
 - CUDA graphs on vs off and overlap scheduling on vs off give the same tokens (up to a near tie:
   the best two logits within a few 16-bit rounding steps);
-- chunked prefill with prefix-cache hits, LoRA, structured output and beam search on the GPU.
+- chunked prefill with prefix-cache hits, the KV offloading tier (host memory and disk), LoRA,
+  structured output and beam search on the GPU.
 """
 
 from __future__ import annotations
@@ -347,6 +348,28 @@ def test_chunked_prefill_and_prefix_hits_match_transformers(tiny_models):
             logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
             assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL["float32"])
         assert attempt == 0 or scheduler.prefix_cache_stats.hits > hits
+
+
+# --- the KV offloading tier -------------------------------------------------------------------------
+def test_kv_offloading_tier_matches_transformers(tiny_models, tmp_path):
+    """Prefix blocks evicted from a small GPU pool come back from pinned host memory, then (a new
+    engine on the same directory) from disk: the same tokens as transformers each time."""
+    from tests.parity.test_kv_offload import PROMPTS as TIER_PROMPTS
+
+    path = tiny_models["qwen3"]
+    model = load_hf_model(path).to(DEVICE)
+    refs = [hf_greedy(_OnDevice(model), p, MAX_TOKENS) for p in TIER_PROMPTS]
+    small = dict(block_size=4, num_gpu_blocks_override=24, max_model_len=64, max_num_seqs=1, cuda_graph_sizes=[1])
+    for tiers in ({"kv_offloading_size": 0.001, "kv_cache_dir": str(tmp_path)}, {"kv_cache_dir": str(tmp_path)}):
+        llm = _engine(path, **small, **tiers)
+        for prompt, ref in [*zip(TIER_PROMPTS, refs)] * 2:  # the second pass finds its prefix evicted
+            (completion,) = _generate(llm, [prompt], logprobs=0)
+            logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+            assert_greedy_match(completion.token_ids, logprobs, ref, LOGPROB_ATOL["float32"])
+        stats = llm.llm_engine.engine_core.stats().kv_offload
+        assert (stats.host_hit_blocks if "kv_offloading_size" in tiers else stats.disk_hit_blocks) > 0
+        llm.llm_engine.engine_core.shutdown()  # the disk writes finish: the next engine reads them
+        del llm
 
 
 # --- LoRA, structured output, beam search -----------------------------------------------------------

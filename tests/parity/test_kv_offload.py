@@ -58,7 +58,8 @@ def test_host_tier_serves_evicted_prefixes(tiny_models, references):
     llm = _llm(tiny_models["qwen3"], kv_offloading_size=0.001)
     outputs = _run(llm, references)
     tier = _tier(llm)
-    assert tier.stats.stored_blocks > 0 and tier.stats.host_hit_blocks > 0
+    stats = llm.llm_engine.engine_core.stats().kv_offload  # what /metrics exports
+    assert stats.stored_blocks > 0 and stats.host_hit_blocks == tier.stats.host_hit_blocks > 0
     # The second pass computed only each prompt's last block: the rest came back from host memory.
     assert [o.num_cached_tokens for o in outputs[4:]] == [36] * 4
     without = _llm(tiny_models["qwen3"])
@@ -69,7 +70,7 @@ def test_disk_tier_survives_a_restart(tiny_models, references, tmp_path):
     first = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
     _run(first, references)
     assert _tier(first).stats.disk_hit_blocks > 0  # no host tier: every hit is read from disk
-    first.llm_engine.engine_core.executor.runner.offload.close()
+    first.llm_engine.engine_core.shutdown()  # waits for the disk writes, as a server stopping does
     del first
     (directory,) = os.listdir(tmp_path)
     files = os.listdir(tmp_path / directory)
@@ -84,7 +85,7 @@ def test_disk_tier_survives_a_restart(tiny_models, references, tmp_path):
 def test_corrupt_and_foreign_files_are_skipped(tiny_models, references, tmp_path):
     first = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
     _run(first, references)
-    first.llm_engine.engine_core.executor.runner.offload.close()
+    first.llm_engine.engine_core.shutdown()  # waits for the disk writes, as a server stopping does
     del first
     (directory,) = os.listdir(tmp_path)
     files = sorted(tmp_path.joinpath(directory).iterdir())
@@ -102,6 +103,22 @@ def test_corrupt_and_foreign_files_are_skipped(tiny_models, references, tmp_path
     assert _tier(second).disk.num_skipped > 0
 
 
+def test_two_ranks_keep_their_own_files(tiny_models, references, tmp_path):
+    """tp=2: each rank copies and writes its share; a block is a hit only when both ranks' files are there."""
+    first = _llm(tiny_models["qwen3"], tensor_parallel_size=2, kv_offloading_size=0.002, kv_cache_dir=str(tmp_path))
+    _run(first, references)
+    assert _tier(first).stats.host_hit_blocks > 0
+    first.llm_engine.engine_core.shutdown()
+    del first
+    (directory,) = os.listdir(tmp_path)
+    names = os.listdir(tmp_path / directory)
+    assert {n.split(".rank")[0] for n in names if ".rank0." in n} == {
+        n.split(".rank")[0] for n in names if ".rank1." in n
+    }
+    second = _llm(tiny_models["qwen3"], tensor_parallel_size=2, kv_cache_dir=str(tmp_path))
+    assert [o.num_cached_tokens for o in _run(second, references)[:4]] == [36] * 4
+
+
 def test_offloading_flags_are_checked(tiny_models):
     with pytest.raises(ValueError, match="LMCache is not integrated"):
         _llm(tiny_models["qwen3"], kv_offloading_size=1, kv_offloading_backend="lmcache")
@@ -109,3 +126,6 @@ def test_offloading_flags_are_checked(tiny_models):
         _llm(tiny_models["qwen3"], kv_offloading_size=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         _llm(tiny_models["qwen3"], kv_offloading_size=1e-9)
+    llm = _llm(tiny_models["qwen3"], kv_offloading_size=0.001)
+    with pytest.raises(ValueError, match="KV offloading yet"):
+        llm.sleep()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from splitserve.engine.messages import KVTransferStats, SchedulerStats, SpecDecodingStats
+from splitserve.engine.messages import KVOffloadStats, KVTransferStats, SchedulerStats, SpecDecodingStats
 from splitserve.outputs import RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -81,6 +81,13 @@ _SPEC_COUNTERS = {
     "num_draft_tokens": "Draft tokens verified.",
     "num_accepted_tokens": "Draft tokens accepted.",
 }
+# KV offloading tier counters (KVOffloadStats fields), exported as splitserve:kv_offload_*_total.
+_OFFLOAD_COUNTERS = {
+    "stored_blocks": "KV blocks kept in the offloading tier when their device block was reused.",
+    "host_hit_blocks": "KV blocks loaded back from the offloading tier's host memory instead of computed.",
+    "disk_hit_blocks": "KV blocks loaded back from the disk tier (--kv-cache-dir) instead of computed.",
+    "disk_skipped_files": "Disk-tier blocks skipped: corrupt, cut short or written for another layout.",
+}
 
 
 DEFAULT_PREFIX = "splitserve"
@@ -139,6 +146,7 @@ class Metrics:
         self.kv_transfer = {name: counter(f"kv_transfer_{name}", doc) for name, doc in _KV_COUNTERS.items()}
         self.kv_leases_active = gauge("kv_transfer_leases_active", "KV leases waiting for a decode instance's pull.")
         self.spec_decode = {name: counter(f"spec_decode_{name}", doc) for name, doc in _SPEC_COUNTERS.items()}
+        self.kv_offload = {name: counter(f"kv_offload_{name}", doc) for name, doc in _OFFLOAD_COUNTERS.items()}
         self.spec_decode_per_pos = Counter(
             f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by their position in the draft.",
@@ -168,6 +176,10 @@ class Metrics:
             self._record_kv(stats.kv_transfer)
         if stats.spec_decoding is not None:
             self._record_spec_decoding(stats.spec_decoding, last.spec_decoding or SpecDecodingStats())
+        if stats.kv_offload is not None:
+            before = last.kv_offload or KVOffloadStats()
+            for name, counter in self.kv_offload.items():
+                counter.inc(max(getattr(stats.kv_offload, name) - getattr(before, name), 0))
 
     def _record_spec_decoding(self, now: SpecDecodingStats, before: SpecDecodingStats) -> None:
         for name, counter in self.spec_decode.items():
