@@ -82,6 +82,17 @@ def test_disk_tier_survives_a_restart(tiny_models, references, tmp_path):
     assert _tier(second).stats.disk_hit_blocks >= 4 * 9
 
 
+def test_an_instance_reads_blocks_another_instance_wrote_after_it_started(tiny_models, references, tmp_path):
+    """Two engines of one model on one host (PD prefill instances, replicas) share --kv-cache-dir."""
+    reader = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
+    writer = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
+    _run(writer, references)
+    writer.llm_engine.engine_core.shutdown()
+    outputs = _run(reader, references)
+    assert [o.num_cached_tokens for o in outputs[:4]] == [36] * 4  # its own first pass hits the writer's files
+    assert _tier(reader).disk.num_skipped == 0
+
+
 def test_corrupt_and_foreign_files_are_skipped(tiny_models, references, tmp_path):
     first = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path))
     _run(first, references)
