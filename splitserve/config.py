@@ -239,6 +239,9 @@ class ParallelConfig:
     # Mixture-of-experts layers: each tensor-parallel rank holds whole experts (E / tp of them)
     # instead of a slice of every expert (vLLM's --enable-expert-parallel).
     enable_expert_parallel: bool = False
+    # Replicas of the whole model (each with world_size ranks), each its own engine process: offline
+    # only for now (engine/dp_client.py).
+    data_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -250,6 +253,8 @@ class ParallelConfig:
                 f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                 f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}."
             )
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "

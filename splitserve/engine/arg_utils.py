@@ -58,6 +58,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    data_parallel_size: int = 1  # model replicas, each its own engine process (offline: engine/dp_client.py)
     distributed_executor_backend: str | None = None  # None: uni for one rank, else mp (or ray, see below)
     device: str = "auto"
     quantization: str | None = None
@@ -276,6 +277,7 @@ class EngineArgs:
             self.pipeline_parallel_size,
             self.distributed_executor_backend or "uni",
             self.enable_expert_parallel,
+            self.data_parallel_size,
         )
         if self.distributed_executor_backend is None and config.world_size > 1:
             config.distributed_executor_backend = _default_executor_backend(config.world_size, device)

@@ -20,7 +20,12 @@ class LLMEngine(FrontEnd):
         super().__init__(config.model_config)
         self.config = config
         self.scheduling_policy = config.scheduler_config.policy
-        self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
+        if config.parallel_config.data_parallel_size > 1:  # replicas in their own processes (engine/dp_client.py)
+            from splitserve.engine.dp_client import DataParallelEngineClient
+
+            self.engine_core = DataParallelEngineClient(config)
+        else:
+            self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
         startup.report("offline engine")
 
     @classmethod

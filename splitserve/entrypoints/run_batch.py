@@ -61,7 +61,11 @@ def main(ns: argparse.Namespace) -> None:
     from splitserve.entrypoints.openai.args import check_server_args
 
     check_server_args(server_args)
-    summary = asyncio.run(_run(ns, engine_args_from(ns), server_args))
+    engine_args = engine_args_from(ns)
+    from splitserve.entrypoints.openai.server import refuse_data_parallel
+
+    refuse_data_parallel(engine_args)
+    summary = asyncio.run(_run(ns, engine_args, server_args))
     print(
         f"run-batch: {summary['lines']} lines, {summary['ok']} answered 200, {summary['errors']} errors, "
         f"in {summary['seconds']:.1f} s -> {ns.output_file}"

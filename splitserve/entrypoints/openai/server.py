@@ -41,6 +41,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
 
+    refuse_data_parallel(engine_args)
+
     multiproc_dir = None
     if server_args.workers > 1:
         from splitserve.entrypoints.openai.metrics import MULTIPROC_ENV
@@ -100,6 +102,15 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         for directory in (multiproc_dir, batch_dir):
             if directory:
                 shutil.rmtree(directory, ignore_errors=True)
+
+
+def refuse_data_parallel(engine_args: EngineArgs) -> None:
+    if engine_args.data_parallel_size > 1:
+        raise ValueError(
+            "--data-parallel-size is not built into the API server yet (offline LLM(data_parallel_size=N) has "
+            "it): start one server per replica and put `splitserve router --mixed URL --mixed URL` in front "
+            "(docs/scaling.md)."
+        )
 
 
 def _engine_supervisor(engine, engine_args: EngineArgs, server_args: ServerArgs, config: EngineConfig):

@@ -1,0 +1,162 @@
+"""Data parallelism for the offline engine (`LLM(data_parallel_size=N)`, vLLM's argument): N engine
+core processes, each a whole replica of the model with its own ranks (tensor/pipeline parallel)
+and KV cache, behind the one in-process front-end, which tokenizes and detokenizes for all of them.
+
+Each request goes to the replica with the fewest requests in flight (the lowest index on a tie),
+over the same ZMQ messages the API server's AsyncLLM uses (engine/core_proc.py); the front-end's
+step collects whatever the replicas have sent. On a CPU each replica gets its own share of the cores
+(SPLITSERVE_CPU_CORES), on CUDA its own GPUs (CUDA_VISIBLE_DEVICES), so that replicas never compete
+for one. This client stands where LLMEngine otherwise holds an EngineCore (`engine_core`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import msgspec
+import zmq
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine_process import EngineProcess
+from splitserve.engine.messages import AbortRequests, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from splitserve.executor.cpu_binding import CPU_CORES_ENV, available_cores, split_cores
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how long a step waits for the replicas before it looks at their processes
+
+
+class DataParallelEngineClient:
+    def __init__(self, config: EngineConfig):
+        size = config.parallel_config.data_parallel_size
+        self.config = config
+        self.engines: list[EngineProcess] = []
+        self.sockets: list[zmq.Socket] = []
+        try:
+            for env in _replica_environments(config, size):
+                with _environment(env):  # a spawned process takes the environment at its start
+                    self.engines.append(EngineProcess(config))
+            for engine in self.engines:
+                engine.wait_ready(config)
+        except BaseException:
+            self.shutdown()
+            raise
+        context = zmq.Context.instance()
+        for index, engine in enumerate(self.engines):
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IDENTITY, f"dp-client-{os.getpid()}-{index}".encode())
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(engine.address)
+            self.sockets.append(socket)
+        self.poller = zmq.Poller()
+        for socket in self.sockets:
+            self.poller.register(socket, zmq.POLLIN)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.owner: dict[str, int] = {}  # core request id -> replica
+        self.in_flight = [0] * size
+        self.num_requests = [0] * size  # sent to each replica since start
+        logger.info("Data parallelism: %d engine replicas (pids %s)", size, ", ".join(str(e.pid) for e in self.engines))
+
+    # --- what LLMEngine calls on its engine core ------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        replica = min(range(len(self.engines)), key=self.in_flight.__getitem__)
+        self.owner[request.request_id] = replica
+        self.in_flight[replica] += 1
+        self.num_requests[replica] += 1
+        self.sockets[replica].send(self.encoder.encode(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            replica = self.owner.pop(rid, None)
+            if replica is not None:
+                self.in_flight[replica] -= 1
+                by_replica.setdefault(replica, []).append(rid)
+        for replica, ids in by_replica.items():
+            self.sockets[replica].send(self.encoder.encode(AbortRequests(ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.owner)
+
+    def poll_connector(self) -> None:
+        pass  # no KV connector: PD instances are servers
+
+    def step_fn(self) -> list[EngineCoreOutput]:
+        """The outputs the replicas sent since the last call, waiting for at least one message."""
+        outputs: list[EngineCoreOutput] = []
+        ready = dict(self.poller.poll(_POLL_MS))
+        if not ready:
+            self._check_alive()
+        for replica, socket in enumerate(self.sockets):
+            if socket not in ready:
+                continue
+            while True:
+                try:
+                    message = self.decoder.decode(socket.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if message.engine_dead is not None:
+                    raise RuntimeError(f"Data-parallel replica {replica} died: {message.engine_dead}")
+                for output in message.outputs:
+                    if output.finished and self.owner.pop(output.request_id, None) is not None:
+                        self.in_flight[replica] -= 1
+                outputs.extend(message.outputs)
+        return outputs
+
+    def _check_alive(self) -> None:
+        for replica, engine in enumerate(self.engines):
+            if not engine.is_alive():
+                lines = "\n".join(engine.last_log_lines())
+                raise RuntimeError(f"Data-parallel replica {replica} exited ({engine.describe_exit()}):\n{lines}")
+
+    def __getattr__(self, name: str):
+        # What only an EngineCore in this process has: sleep mode, weight updates, LoRA adapters,
+        # expert load, its scheduler. Refused by name rather than failing deep inside.
+        raise NotImplementedError(
+            f"LLM(data_parallel_size > 1) does not support what needs the engine core's {name!r} yet (sleep "
+            "mode, weight updates, LoRA adapters, expert load): use one replica for it."
+        )
+
+    def shutdown(self) -> None:
+        for socket in self.sockets:
+            socket.close()
+        for engine in self.engines:
+            engine.shutdown()
+
+
+def _replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:
+    """Each replica's share of the machine: its CPU cores, or its GPUs (world_size of them)."""
+    if config.device.type == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            devices = [d for d in visible.split(",") if d.strip()]
+        else:
+            import torch
+
+            devices = [str(i) for i in range(torch.cuda.device_count())]
+        world = config.parallel_config.world_size
+        if len(devices) < size * world:
+            raise ValueError(
+                f"data_parallel_size={size} replicas of {world} GPU(s) each need {size * world} GPUs; "
+                f"{len(devices)} are visible."
+            )
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[i * world : (i + 1) * world])} for i in range(size)]
+    shares = split_cores(size, available_cores())
+    return [{CPU_CORES_ENV: ",".join(map(str, share))} for share in shares]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,47 @@
+"""Offline data parallelism (`LLM(data_parallel_size=N)`, engine/dp_client.py): replicas in their own
+engine processes give one engine's greedy tokens, share the work, and refuse what they lack by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.arg_utils import EngineArgs
+from splitserve.entrypoints.openai.server import refuse_data_parallel
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j) % 900 + 5 for j in range(12 + 3 * i)]} for i in range(8)]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=128, use_tqdm_on_load=False, **kwargs)
+
+
+def test_two_replicas_give_one_engines_tokens(tiny_models):
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=1) for i in range(8)]
+    one = _llm(tiny_models["qwen3"])
+    expected = one.generate(PROMPTS, params, use_tqdm=False)
+    one.llm_engine.shutdown()
+    dp = _llm(tiny_models["qwen3"], data_parallel_size=2)
+    try:
+        outputs = dp.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+        for got, want in zip(outputs, expected):
+            for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):  # other batches: float32 rounding
+                assert a.keys() == b.keys()
+                assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-4)
+        client = dp.llm_engine.engine_core
+        assert all(n > 0 for n in client.num_requests) and client.in_flight == [0, 0]
+        # n > 1 and chat go through the same client
+        (sampled,) = dp.generate(PROMPTS[:1], SamplingParams(n=3, max_tokens=4, seed=1), use_tqdm=False)
+        assert len(sampled.outputs) == 3
+        with pytest.raises(NotImplementedError, match="sleeping"):
+            dp.sleep()
+    finally:
+        dp.llm_engine.shutdown()
+
+
+def test_data_parallel_size_is_checked():
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+        EngineArgs(data_parallel_size=0)._parallel_config(None)
+    with pytest.raises(ValueError, match="not built into the API server"):
+        refuse_data_parallel(EngineArgs(data_parallel_size=2))
