@@ -127,16 +127,16 @@ def run_splitserve(args: EngineArgs, workload: Workload, temperature: float, pro
         SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False)
         for n in workload.output_lens
     ]
-    before = llm.llm_engine.expert_load()
+    per_expert = getattr(args, "data_parallel_size", 1) == 1  # replicas count their experts in their own processes
+    before = llm.llm_engine.expert_load() if per_expert else {}
     with profiled(profile, cuda=resolve_device(args.device).type == "cuda"):
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
         elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(workload.output_lens), "ignore_eos requests must produce exactly max_tokens"
-    load = {
-        layer: [a - b for a, b in zip(counts, before[layer])] for layer, counts in llm.llm_engine.expert_load().items()
-    }
+    after = llm.llm_engine.expert_load() if per_expert else {}
+    load = {layer: [a - b for a, b in zip(counts, before[layer])] for layer, counts in after.items()}
     return Result("splitserve", elapsed, len(outputs), workload.num_prompt_tokens, produced, load)
 
 
