@@ -46,10 +46,10 @@ class FakeExecutor:
     def determine_num_blocks(self) -> int:
         return self.num_blocks
 
-    def determine_num_cpu_blocks(self) -> int:
+    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
         return 0
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
         pass
 
     def kv_cache_memory(self) -> tuple[int, int]:
