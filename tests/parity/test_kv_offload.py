@@ -130,6 +130,19 @@ def test_two_ranks_keep_their_own_files(tiny_models, references, tmp_path):
     assert [o.num_cached_tokens for o in _run(second, references)[:4]] == [36] * 4
 
 
+def test_a_draft_model_proposes_as_well_when_blocks_come_back_from_the_tier(tiny_models, references):
+    """Speculative decoding with a draft model and the tier: the draft catches its own KV up from
+    position 0 for every new request (executor/draft_model.py), so blocks the target loads back from
+    the tier leave its proposals as good: a draft equal to the target is still accepted."""
+    draft = {"model": tiny_models["qwen3"], "num_speculative_tokens": 2}
+    llm = _llm(tiny_models["qwen3"], kv_offloading_size=0.002, speculative_config=draft)
+    _run(llm, references)
+    core = llm.llm_engine.engine_core
+    assert core.kv_manager.pool.tier.stats.host_hit_blocks > 0
+    stats = core.speculator.stats
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
+
+
 def test_offloading_flags_are_checked(tiny_models):
     with pytest.raises(ValueError, match="LMCache is not integrated"):
         _llm(tiny_models["qwen3"], kv_offloading_size=1, kv_offloading_backend="lmcache")
