@@ -15,10 +15,13 @@ that step's tokens, so that the engine can prepare the next step meanwhile (over
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 
 from splitserve.config import EngineConfig
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
@@ -88,6 +91,16 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         pass
+
+    def _wait_for_disk_tier(self, call) -> None:
+        """Before the ranks are stopped: their queued writes to the KV disk tier (--kv-cache-dir), so
+        that a restart finds those blocks. `call(method)` runs a Worker method on every rank."""
+        if not self.config.cache_config.kv_cache_dir:
+            return
+        try:
+            call("flush_kv_offload")
+        except Exception as exc:  # stopping regardless: at worst the last blocks are not on disk
+            logger.warning("The disk tier's last writes were not waited for: %s", exc)
 
 
 def merge_expert_load(per_rank: list[dict]) -> dict[int, list[int]]:

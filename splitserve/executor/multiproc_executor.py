@@ -220,11 +220,8 @@ class MultiprocExecutor(Executor):
                 raise self._died(rank)
 
     def shutdown(self) -> None:
-        if self.config.cache_config.kv_cache_dir and all(p.is_alive() for p in self.processes):
-            try:
-                self._call("flush_kv_offload")
-            except Exception as exc:  # stopping regardless: at worst the last blocks are not on disk
-                logger.warning("The disk tier's last writes were not waited for: %s", exc)
+        if all(p.is_alive() for p in self.processes):
+            self._wait_for_disk_tier(self._call)
         _stop_workers(self.processes, self.conns)
 
 

@@ -210,11 +210,8 @@ class RayDistributedExecutor(Executor):
     def shutdown(self) -> None:
         import ray
 
-        if self.config.cache_config.kv_cache_dir and self.actors:
-            try:
-                self._call("flush_kv_offload")
-            except Exception as exc:  # stopping regardless: at worst the last blocks are not on disk
-                logger.warning("The disk tier's last writes were not waited for: %s", exc)
+        if self.actors:
+            self._wait_for_disk_tier(self._call)
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
