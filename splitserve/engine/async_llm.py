@@ -26,7 +26,9 @@ from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.messages import (
     AbortClientRequests,
     AbortRequests,
+    EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     GrammarVocabulary,
     KVTransferParams,
     LoRACall,
@@ -87,6 +89,12 @@ class AsyncLLM(FrontEnd):
         self.loras: dict[str, LoRARequest] = {}  # the engine's adapters by name, as last heard
         self.loras_version = -1  # the registry version they are from (-1: never asked)
         self.engine_loras_version = 0  # the version the engine last reported
+        self.scheduler = None  # a GlobalScheduler (--scheduler-name global): requests go through Redis
+
+    def use_global_scheduler(self, scheduler) -> None:
+        """Send requests through FastDeploy's global scheduler (engine/global_scheduler.py); it starts
+        pulling work with start()."""
+        self.scheduler = scheduler
 
     def _connect(self) -> zmq.asyncio.Socket:
         socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -112,7 +120,7 @@ class AsyncLLM(FrontEnd):
     ) -> AsyncIterator[RequestOutput]:
         """A processed request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one
         output). Closing the iterator early, or cancelling the task iterating it, aborts the request."""
-        self._start()
+        self.start()
         self._check_alive()
         core_requests = self.prepare_request(
             request_id, request, kind, arrival_time, kv_transfer, lora_request, priority
@@ -124,7 +132,10 @@ class AsyncLLM(FrontEnd):
             if request.params.guided_decoding is not None:
                 await self._grammar_vocabulary_sent()
             for core_request in core_requests:
-                await self._send(core_request)
+                if self.scheduler is not None:
+                    await self.scheduler.submit(core_request)
+                else:
+                    await self._send(core_request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -149,7 +160,7 @@ class AsyncLLM(FrontEnd):
 
     async def _call(self, make_message):
         """Send the message make_message(call_id) and wait for the engine's reply to that call id."""
-        self._start()
+        self.start()
         self._check_alive()
         call_id = next(self._nonce)
         future = asyncio.get_running_loop().create_future()
@@ -184,21 +195,35 @@ class AsyncLLM(FrontEnd):
         return self.loras.get(name)
 
     async def abort(self, request_ids: list[str]) -> None:
-        core_ids = self.output_processor.abort(request_ids)
+        await self._abort_core(self.output_processor.abort(request_ids))
+
+    async def _abort_core(self, core_ids: list[str]) -> None:
+        if self.scheduler is not None:  # those queued or running elsewhere are aborted there
+            core_ids = await self.scheduler.abort(core_ids)
+        await self.abort_core_requests(core_ids)
+
+    async def abort_core_requests(self, core_ids: list[str]) -> None:
+        """Abort these requests of the engine by their engine ids."""
         if core_ids and self.dead_reason is None:
             await self._send(AbortRequests(core_ids))
+
+    async def send_core_request(self, request: EngineCoreRequest) -> None:
+        """One core request to this front-end's engine (the global scheduler runs pulled requests so)."""
+        if request.sampling_params.guided_decoding is not None:
+            await self._grammar_vocabulary_sent()
+        await self._send(request)
 
     async def abort_client_requests(self, client_request_ids: list[str]) -> None:
         """/abort_requests: the engine aborts the requests whose clients gave these ids, sent by any
         API worker; each owning worker then hears that its request ended (finish_reason "abort")."""
-        self._start()
+        self.start()
         self._check_alive()
         await self._send(AbortClientRequests(list(client_request_ids)))
 
     async def release_kv_leases(self, core_request_ids: list[str]) -> None:
         """PD prefill side: end the KV leases of these finished requests (engine ids, as the
         kv_transfer_params' remote_request_id names them) so that their blocks are freed now."""
-        self._start()
+        self.start()
         self._check_alive()
         await self._send(AbortRequests(core_request_ids))
 
@@ -217,7 +242,7 @@ class AsyncLLM(FrontEnd):
         a ping at once. The engine speaks after every step and every half second when idle, so one
         silent for `timeout` is stuck in a step (its watchdog logs where) unless a ping proves
         otherwise within a second: /health turns 503 at most a second after `timeout` of silence."""
-        self._start()
+        self.start()
         if self.dead_reason is not None or not process_alive(self.engine_pid):
             return False
         if time.monotonic() - self.last_heard < timeout:
@@ -248,9 +273,12 @@ class AsyncLLM(FrontEnd):
             raise EngineDeadError(f"The engine is not running: {self.dead_reason}")
 
     # --- outputs ----------------------------------------------------------------------------
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Read the engine's outputs (and with the global scheduler, pull work), in the running loop."""
         if self._output_task is None:
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+        if self.scheduler is not None:
+            self.scheduler.start(self)
 
     async def _output_loop(self) -> None:
         try:
@@ -331,9 +359,17 @@ class AsyncLLM(FrontEnd):
             self._pings[message.pong].set_result(True)
         if not message.outputs:
             return
-        outputs, stopped = self.output_processor.process_outputs(message.outputs)
+        outputs = message.outputs
+        if self.scheduler is not None:  # outputs of requests run for other instances go to them
+            outputs = await self.scheduler.route_outputs(outputs)
+        await self.deliver(outputs)
+
+    async def deliver(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Core outputs of this front-end's requests (from its engine, or from the instance running
+        one for it) to the requests' queues."""
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
-            await self._send(AbortRequests(stopped))
+            await self._abort_core(stopped)
         for output in outputs:
             queue = self.queues.get(output.request_id)
             if queue is not None:
@@ -348,6 +384,8 @@ class AsyncLLM(FrontEnd):
             if not future.done():
                 future.set_exception(EngineDeadError(f"The engine is not running: {reason}"))
         self.output_processor.abort(list(self.output_processor.requests))
+        if self.scheduler is not None:
+            asyncio.get_running_loop().create_task(self.scheduler.engine_failed(reason))
 
     def shutdown(self) -> None:
         if self._output_task is not None:

@@ -1,13 +1,11 @@
 """FastDeploy's LocalScheduler flags on its own entry point: --scheduler-ttl (a request that waited
 longer without running gets a 503 that says so, and the engine goes on) and --scheduler-max-size
-(429s once that many requests wait); --scheduler-name global is refused at start-up."""
+(429s once that many requests wait). The global scheduler: tests/e2e/test_global_scheduler.py."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import subprocess
-import sys
 import threading
 
 import httpx
@@ -50,12 +48,3 @@ def test_queue_ttl_and_size():
 
         codes = [r.status_code for r in asyncio.run(fire())]
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429, 503}, codes
-
-
-def test_the_global_scheduler_is_refused(tiny_chat_model):
-    done = subprocess.run(
-        [sys.executable, "-m", "splitserve.entrypoints.openai.api_server", "--model", tiny_chat_model,
-         "--scheduler-name", "global"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode != 0 and "Redis-backed scheduler" in done.stderr

@@ -44,6 +44,12 @@ class ServerArgs:
     otlp_traces_endpoint: str | None = None
     scheduler_name: str = "local"
     scheduler_max_size: int = -1
+    scheduler_host: str = "127.0.0.1"  # the global scheduler's Redis (FastDeploy's names and defaults)
+    scheduler_port: int = 6379
+    scheduler_db: int = 0
+    scheduler_password: str = ""
+    scheduler_topic: str = "default"
+    scheduler_min_load_score: float = 3.0
     batch_files_dir: str | None = None  # None: a temporary directory of this server's (server.py)
     batch_max_file_mb: int = 200
     batch_max_concurrency: int = 8
@@ -80,7 +86,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--scheduler-name",
         default="local",
         help="FastDeploy's scheduler: local (the engine's own queue, with --scheduler-max-size and --scheduler-ttl); "
-        "global and splitwise (Redis) are refused: not built",
+        "global: instances of one model share one Redis queue, each taking work when its engine has room "
+        "(--scheduler-host/port/db/password/topic; needs splitserve[redis]); splitwise is refused: not built",
+    )
+    g.add_argument("--scheduler-host", default="127.0.0.1", help="the global scheduler's Redis host")
+    g.add_argument("--scheduler-port", type=int, default=6379, help="the global scheduler's Redis port")
+    g.add_argument("--scheduler-db", type=int, default=0, help="the global scheduler's Redis database number")
+    g.add_argument("--scheduler-password", default="", help="the global scheduler's Redis password")
+    g.add_argument(
+        "--scheduler-topic",
+        default="default",
+        help="the global scheduler shares work only between instances of one topic (and one served model)",
+    )
+    g.add_argument(
+        "--scheduler-min-load-score",
+        type=float,
+        default=3.0,
+        help="the global scheduler: an idle instance takes queued requests of another only while that one's "
+        "load (requests queued plus running) is above this",
     )
     g.add_argument(
         "--scheduler-max-size",
@@ -222,7 +245,10 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
         ns.model = ns.model_tag
     server = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
     check_server_args(server)
-    return engine_args_from(ns), server
+    engine = engine_args_from(ns)
+    if server.scheduler_name == "global" and engine.pd_role != "mixed":
+        raise ValueError("--scheduler-name global shares whole requests between mixed instances: not with --pd-role.")
+    return engine, server
 
 
 def check_server_args(args: ServerArgs) -> None:
@@ -263,11 +289,14 @@ def check_server_args(args: ServerArgs) -> None:
 def _check_scheduler(args: ServerArgs) -> None:
     """FastDeploy's scheduler flags: the local scheduler is the engine's own queue; its size limit
     is --max-queued-requests under FastDeploy's name."""
-    if args.scheduler_name in ("global", "splitwise"):
+    if args.scheduler_name == "splitwise":
         raise ValueError(
-            f"--scheduler-name {args.scheduler_name} (FastDeploy's Redis-backed scheduler) is not built: use local "
-            "(the default), or several instances behind `splitserve router` (docs/pd.md)."
+            "--scheduler-name splitwise (FastDeploy's Redis-backed PD scheduler) is not built: run prefill and "
+            "decode instances behind `splitserve router` (docs/pd.md), or use global for mixed instances."
         )
+    if args.scheduler_name == "global":
+        _check_global_scheduler(args)
+        return
     if args.scheduler_name != "local":
         raise ValueError(f"--scheduler-name must be local, global or splitwise, got {args.scheduler_name!r}.")
     if args.scheduler_max_size < -1:
@@ -276,6 +305,34 @@ def _check_scheduler(args: ServerArgs) -> None:
         if args.max_queued_requests not in (None, args.scheduler_max_size):
             raise ValueError("--scheduler-max-size and --max-queued-requests are one limit: give one of them.")
         args.max_queued_requests = args.scheduler_max_size
+
+
+def _check_global_scheduler(args: ServerArgs) -> None:
+    if args.pd is not None:
+        raise ValueError("--scheduler-name global shares whole requests between mixed instances: not with --pd.")
+    if args.scheduler_max_size != -1 or args.max_queued_requests is not None:
+        raise ValueError(
+            "--scheduler-max-size and --max-queued-requests limit the local scheduler's queue: with --scheduler-name "
+            "global requests wait in Redis (--scheduler-ttl bounds how long)."
+        )
+    if args.scheduler_min_load_score < 0:
+        raise ValueError(f"--scheduler-min-load-score must be >= 0, got {args.scheduler_min_load_score}.")
+    from splitserve.engine.global_scheduler_protocol import check_reachable
+
+    check_reachable(global_scheduler_config(args))
+
+
+def global_scheduler_config(args: ServerArgs):
+    from splitserve.engine.global_scheduler_protocol import GlobalSchedulerConfig
+
+    return GlobalSchedulerConfig(
+        args.scheduler_host,
+        args.scheduler_port,
+        args.scheduler_db,
+        args.scheduler_password,
+        args.scheduler_topic,
+        args.scheduler_min_load_score,
+    )
 
 
 def load_chat_template(value: str) -> str:

@@ -147,6 +147,12 @@ class Metrics:
         self.kv_leases_active = gauge("kv_transfer_leases_active", "KV leases waiting for a decode instance's pull.")
         self.spec_decode = {name: counter(f"spec_decode_{name}", doc) for name, doc in _SPEC_COUNTERS.items()}
         self.kv_offload = {name: counter(f"kv_offload_{name}", doc) for name, doc in _OFFLOAD_COUNTERS.items()}
+        self.global_scheduler_stolen = counter(
+            "global_scheduler_stolen_requests", "Requests this instance took from another's queue (global scheduler)."
+        )
+        self.global_scheduler_remote = counter(
+            "global_scheduler_remote_requests", "Requests of this instance's clients that another instance ran."
+        )
         self.spec_decode_per_pos = Counter(
             f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by their position in the draft.",

@@ -217,6 +217,13 @@ def serve_worker(
         watch = supervisor.watch
     engine = AsyncLLM(config.model_config, address, engine_pid, client_index=index, engine_watch=watch)
     engine.scheduling_policy = config.scheduler_config.policy
+    if server_args.scheduler_name == "global":
+        from splitserve.engine.global_scheduler import GlobalScheduler
+        from splitserve.entrypoints.openai.args import global_scheduler_config
+
+        model, sched = config.model_config.served_model_name, config.scheduler_config
+        scheduler = GlobalScheduler(global_scheduler_config(server_args), model, sched.max_num_seqs, sched.waiting_ttl)
+        engine.use_global_scheduler(scheduler)
     app = build_app(engine, config, server_args, index)
     servers = [uvicorn.Server(uvicorn.Config(app, log_level=server_args.uvicorn_log_level, timeout_keep_alive=30))]
     sockets = [[sock]]
@@ -234,9 +241,13 @@ def serve_worker(
             supervisor.stopping = lambda: any(s.should_exit for s in servers)
             restarts = asyncio.ensure_future(supervisor.run())
             restarts.add_done_callback(lambda _: [setattr(s, "should_exit", True) for s in servers])
+        if engine.scheduler is not None:
+            engine.start()  # pulls work from the other instances even before its own first request
         try:
             await asyncio.gather(*(s.serve(sockets=socks) for s, socks in zip(servers, sockets)))
         finally:
+            if engine.scheduler is not None:
+                await engine.scheduler.close()
             if restarts is not None and not restarts.done():
                 restarts.cancel()
                 await asyncio.gather(restarts, return_exceptions=True)
