@@ -86,8 +86,8 @@ _ENGINE_HELP = {
     "lora_modules": 'adapters to serve from the start: name=path, or JSON {"name": ..., "path": ..., '
     '"base_model_name": ...}; several may follow the flag',
     "data_parallel_size": "replicas of the whole model, each its own engine process with its share of the CPU cores "
-    "or GPUs, requests to the least busy (offline LLM(data_parallel_size=N) only for now; a server refuses it: "
-    "run one per replica behind `splitserve router --mixed`; docs/scaling.md)",
+    "or GPUs, requests to the least busy: behind one API server (`splitserve serve`) or the offline LLM "
+    "(docs/scaling.md)",
     "enable_expert_parallel": "mixture-of-experts layers: whole experts per tensor-parallel rank (E / tp each) "
     "instead of a slice of every expert (docs/moe.md)",
     "batch_invariant": "every row of a step computed as it would be alone: greedy output that does not depend on the "

@@ -65,8 +65,9 @@ class AsyncLLM(FrontEnd):
         engine_pid: int,
         client_index: int = 0,
         engine_watch: EngineWatch | None = None,
+        tokenizer=None,  # one already loaded (data-parallel replicas share one)
     ):
-        super().__init__(model_config)
+        super().__init__(model_config, tokenizer)
         self._engine_pid = engine_pid
         self.engine_address = engine_address
         self.engine_watch = engine_watch  # None: no one restarts the engine
@@ -90,6 +91,10 @@ class AsyncLLM(FrontEnd):
         self.loras_version = -1  # the registry version they are from (-1: never asked)
         self.engine_loras_version = 0  # the version the engine last reported
         self.scheduler = None  # a GlobalScheduler (--scheduler-name global): requests go through Redis
+
+    def set_inter_token_hook(self, hook) -> None:
+        """hook(seconds) for each gap between a request's outputs (the metrics' inter-token latency)."""
+        self.output_processor.on_inter_token = hook
 
     def use_global_scheduler(self, scheduler) -> None:
         """Send requests through FastDeploy's global scheduler (engine/global_scheduler.py); it starts

@@ -11,7 +11,6 @@ for one. This client stands where LLMEngine otherwise holds an EngineCore (`engi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
@@ -35,9 +34,8 @@ class DataParallelEngineClient:
         self.engines: list[EngineProcess] = []
         self.sockets: list[zmq.Socket] = []
         try:
-            for env in _replica_environments(config, size):
-                with _environment(env):  # a spawned process takes the environment at its start
-                    self.engines.append(EngineProcess(config))
+            for env in replica_environments(config, size):
+                self.engines.append(EngineProcess(config, env=env))
             for engine in self.engines:
                 engine.wait_ready(config)
         except BaseException:
@@ -127,7 +125,7 @@ class DataParallelEngineClient:
             engine.shutdown()
 
 
-def _replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:
+def replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:
     """Each replica's share of the machine: its CPU cores, or its GPUs (world_size of them)."""
     if config.device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -146,17 +144,3 @@ def _replica_environments(config: EngineConfig, size: int) -> list[dict[str, str
         return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[i * world : (i + 1) * world])} for i in range(size)]
     shares = split_cores(size, available_cores())
     return [{CPU_CORES_ENV: ",".join(map(str, share))} for share in shares]
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

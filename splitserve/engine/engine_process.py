@@ -42,7 +42,11 @@ class EngineProcess:
     process's standard error (its log, and its ranks') also goes to a file, so that once it has died
     its last lines can say why (`last_log_lines`)."""
 
-    def __init__(self, source: EngineConfig | DeferredEngineConfig, address: str | None = None):
+    def __init__(
+        self, source: EngineConfig | DeferredEngineConfig, address: str | None = None, env: dict[str, str] | None = None
+    ):
+        """`env`: set in the engine process's environment before anything else runs there (a data-parallel
+        replica's share of the CPU cores or GPUs)."""
         self.address = address or new_ipc_address()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
@@ -52,7 +56,9 @@ class EngineProcess:
         # process per rank with tensor/pipeline parallelism. It still never outlives this process
         # (a parent-death signal, and shutdown() below).
         self.process = ctx.Process(
-            target=_run_engine_core, args=(source, self.address, child, self.log_path), name="splitserve-engine"
+            target=_run_engine_core,
+            args=(source, self.address, child, self.log_path, env or {}),
+            name="splitserve-engine",
         )
         self.process.start()
         child.close()
@@ -146,7 +152,10 @@ def _tee_stderr(path: str) -> None:
     threading.Thread(target=copy, name="stderr-copy", daemon=True).start()
 
 
-def _run_engine_core(source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe, log_path: str) -> None:
+def _run_engine_core(
+    source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe, log_path: str, env: dict[str, str]
+) -> None:
+    os.environ.update(env)
     from splitserve.engine.core_proc import run_engine_core
 
     _tee_stderr(log_path)

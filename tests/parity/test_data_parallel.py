@@ -43,5 +43,5 @@ def test_two_replicas_give_one_engines_tokens(tiny_models):
 def test_data_parallel_size_is_checked():
     with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
         EngineArgs(data_parallel_size=0)._parallel_config(None)
-    with pytest.raises(ValueError, match="not built into the API server"):
+    with pytest.raises(ValueError, match="run-batch drives one engine replica"):
         refuse_data_parallel(EngineArgs(data_parallel_size=2))

@@ -43,7 +43,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     if engine.scheduler is not None:
         engine.scheduler.on_stolen = metrics.global_scheduler_stolen.inc
         engine.scheduler.on_remote = metrics.global_scheduler_remote.inc
-    engine.output_processor.on_inter_token = metrics.record_inter_token
+    engine.set_inter_token_hook(metrics.record_inter_token)
     completion = OpenAIServingCompletion(engine, config, server_args, metrics)
     chat = OpenAIServingChat(engine, config, server_args, metrics)
     tokenization = OpenAIServingTokenization(engine, config, server_args, metrics)

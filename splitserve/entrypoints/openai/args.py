@@ -248,6 +248,11 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
     engine = engine_args_from(ns)
     if server.scheduler_name == "global" and engine.pd_role != "mixed":
         raise ValueError("--scheduler-name global shares whole requests between mixed instances: not with --pd-role.")
+    if engine.data_parallel_size > 1 and (server.scheduler_name == "global" or engine.pd_role != "mixed"):
+        raise ValueError(
+            "--data-parallel-size > 1 serves whole requests from its replicas: not with --pd-role or --scheduler-name "
+            "global (run one instance per replica for those)."
+        )
     return engine, server
 
 

@@ -1,10 +1,11 @@
 """The processes of one OpenAI-compatible server instance.
 
-The parent process starts the engine core process, binds the listening socket, and then serves
-HTTP itself (one worker) or starts `--workers` API processes that share the socket and each talk
-to the engine over ZMQ. `--metrics-port`, when it differs from `--port`, serves /metrics alone.
-The process that started the engine also restarts it when it dies (engine/supervisor.py), and
-exits non-zero once it has given up (`--max-engine-restarts`).
+The parent process starts the engine core process (with `--data-parallel-size N`, one per replica,
+each with its share of the cores or GPUs), binds the listening socket, and then serves HTTP itself
+(one worker) or starts `--workers` API processes that share the socket and each talk to the
+engines over ZMQ. `--metrics-port`, when it differs from `--port`, serves /metrics alone.
+The process that started the engines also restarts each when it dies (engine/supervisor.py), and
+exits non-zero once it has given up on one (`--max-engine-restarts`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
 
-    refuse_data_parallel(engine_args)
-
     multiproc_dir = None
     if server_args.workers > 1:
         from splitserve.entrypoints.openai.metrics import MULTIPROC_ENV
@@ -57,21 +56,25 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     metrics_sock = None
     if server_args.metrics_port not in (None, server_args.port):
         metrics_sock = bind_socket(server_args.host, server_args.metrics_port)
-    address = None
-    if server_args.engine_worker_queue_port is not None:
-        address = f"tcp://127.0.0.1:{server_args.engine_worker_queue_port}"
     # uvicorn handles SIGTERM itself and, once it has shut down, raises the signal again for the
     # handler it found: make that handler unwind through `finally`, so the engine and the workers
     # are stopped instead of outliving this process. SIGHUP (the terminal went away) becomes a
     # SIGTERM, so that it stops them the same way rather than leave it to their parent-death signal.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
-    # The engine process builds its config from the same arguments while this one builds its own.
-    engine = EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), address)
+    # The engine processes build their config from the same arguments while this one builds its own
+    # (with data parallelism, after it: each replica's share of the cores or GPUs depends on it).
+    replica_envs = _replica_environments(engine_args)
+    engines = [
+        EngineProcess(
+            DeferredEngineConfig(engine_args, server_args.health_timeout), _engine_address(server_args, i), env
+        )
+        for i, env in enumerate(replica_envs)
+    ]
     from splitserve.tokenizer import get_tokenizer  # torch and transformers: after the engine has started
 
     workers: list[multiprocessing.Process] = []
-    supervisor = None
+    supervisors = []
     try:
         config = engine_args.create_engine_config()
         config.health_timeout = server_args.health_timeout
@@ -85,62 +88,89 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
                 import splitserve.engine.async_llm  # noqa: F401
                 import splitserve.entrypoints.openai.app  # noqa: F401
         with startup.phase("engine process"):
-            engine.wait_ready(config)
-        supervisor = _engine_supervisor(engine, engine_args, server_args, config)
+            for engine in engines:
+                engine.wait_ready(config)
+        supervisors = _engine_supervisors(engines, replica_envs, engine_args, server_args, config)
+        addresses = [engine.address for engine in engines]
         if server_args.workers == 1:
-            serve_worker(config, server_args, engine.address, engine.pid, 0, sock, metrics_sock, supervisor)
+            serve_worker(config, server_args, addresses, 0, sock, metrics_sock, supervisors)
         else:
-            workers = _start_workers(config, server_args, engine.address, supervisor.watch, sock)
-            _supervise(workers, supervisor, server_args, metrics_sock)
-        if supervisor.gave_up is not None:
+            workers = _start_workers(config, server_args, addresses, [s.watch for s in supervisors], sock)
+            _supervise(workers, supervisors, server_args, metrics_sock)
+        if any(s.gave_up is not None for s in supervisors):
             raise SystemExit(1)
     finally:
         for w in workers:
             if w.is_alive():
                 w.terminate()
-        (supervisor.engine if supervisor is not None else engine).shutdown()
+        for engine in [s.engine for s in supervisors] if supervisors else engines:
+            engine.shutdown()
         for directory in (multiproc_dir, batch_dir):
             if directory:
                 shutil.rmtree(directory, ignore_errors=True)
 
 
 def refuse_data_parallel(engine_args: EngineArgs) -> None:
+    """For the tools that drive one engine process (run-batch)."""
     if engine_args.data_parallel_size > 1:
         raise ValueError(
-            "--data-parallel-size is not built into the API server yet (offline LLM(data_parallel_size=N) has "
-            "it): start one server per replica and put `splitserve router --mixed URL --mixed URL` in front "
-            "(docs/scaling.md)."
+            "run-batch drives one engine replica: --data-parallel-size is for `splitserve serve` and the "
+            "offline LLM(data_parallel_size=N) (docs/scaling.md)."
         )
 
 
-def _engine_supervisor(engine, engine_args: EngineArgs, server_args: ServerArgs, config: EngineConfig):
-    """What restarts the engine with the arguments it was started with, counted in /metrics."""
+def _replica_environments(engine_args: EngineArgs) -> list[dict[str, str] | None]:
+    """Each engine replica's share of the cores or GPUs ([None]: one replica, the whole machine)."""
+    if engine_args.data_parallel_size == 1:
+        return [None]
+    from splitserve.engine.dp_client import replica_environments
+
+    envs = replica_environments(engine_args.create_engine_config(), engine_args.data_parallel_size)
+    logger.info("Data parallelism: %d engine replicas (%s)", len(envs), "; ".join(map(str, envs)))
+    return envs
+
+
+def _engine_address(server_args: ServerArgs, replica: int) -> str | None:
+    if server_args.engine_worker_queue_port is None:
+        return None  # a fresh IPC socket
+    return f"tcp://127.0.0.1:{server_args.engine_worker_queue_port + replica}"
+
+
+def _engine_supervisors(engines, replica_envs, engine_args: EngineArgs, server_args: ServerArgs, config: EngineConfig):
+    """What restarts each engine replica with the arguments it was started with, counted in /metrics."""
     from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
     from splitserve.engine.supervisor import EngineSupervisor
     from splitserve.entrypoints.openai.metrics import engine_restarts_counter
 
     restarts = engine_restarts_counter(config.model_config.served_model_name, server_args.metrics_prefix)
-    return EngineSupervisor(
-        engine,
-        lambda: EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), engine.address),
-        config,
-        server_args.max_engine_restarts,
-        server_args.engine_restart_window,
-        on_restart=restarts.inc,
-    )
+
+    def starter(address: str, env):
+        return lambda: EngineProcess(DeferredEngineConfig(engine_args, server_args.health_timeout), address, env)
+
+    return [
+        EngineSupervisor(
+            engine,
+            starter(engine.address, env),
+            config,
+            server_args.max_engine_restarts,
+            server_args.engine_restart_window,
+            on_restart=restarts.inc,
+        )
+        for engine, env in zip(engines, replica_envs)
+    ]
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _start_workers(config, server_args, address, watch, sock) -> list[multiprocessing.Process]:
+def _start_workers(config, server_args, addresses, watches, sock) -> list[multiprocessing.Process]:
     ctx = multiprocessing.get_context("spawn")
     workers = []
     for index in range(server_args.workers):
         p = ctx.Process(
             target=serve_worker,
-            args=(config, server_args, address, watch.pid, index, sock, None, None, watch),
+            args=(config, server_args, addresses, index, sock, None, None, watches),
             name=f"splitserve-api-{index}",
         )
         p.start()
@@ -149,9 +179,9 @@ def _start_workers(config, server_args, address, watch, sock) -> list[multiproce
     return workers
 
 
-def _supervise(workers, supervisor, server_args: ServerArgs, metrics_sock) -> None:
-    """The parent of several workers: restart the engine when it dies, serve the separate metrics
-    port if any, and wait until a signal, a worker's exit, or the supervisor giving up ends it."""
+def _supervise(workers, supervisors, server_args: ServerArgs, metrics_sock) -> None:
+    """The parent of several workers: restart the engines when they die, serve the separate metrics
+    port if any, and wait until a signal, a worker's exit, or a supervisor giving up ends it."""
     stop = asyncio.Event()
 
     async def watch_workers() -> None:
@@ -162,8 +192,8 @@ def _supervise(workers, supervisor, server_args: ServerArgs, metrics_sock) -> No
                 pass
 
     async def main() -> None:
-        supervisor.stopping = stop.is_set
-        tasks = [asyncio.ensure_future(watch_workers()), asyncio.ensure_future(supervisor.run())]
+        stopping = stop.is_set
+        tasks = [asyncio.ensure_future(watch_workers())]
         if metrics_sock is not None:  # uvicorn takes the signals, and ends with them
             import uvicorn
 
@@ -171,12 +201,15 @@ def _supervise(workers, supervisor, server_args: ServerArgs, metrics_sock) -> No
 
             config = uvicorn.Config(build_metrics_app(server_args), log_level=server_args.uvicorn_log_level)
             metrics_server = uvicorn.Server(config)
-            supervisor.stopping = lambda: metrics_server.should_exit
+            stopping = lambda: metrics_server.should_exit  # noqa: E731
             tasks.append(asyncio.ensure_future(metrics_server.serve(sockets=[metrics_sock])))
         else:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+        for supervisor in supervisors:
+            supervisor.stopping = stopping
+            tasks.append(asyncio.ensure_future(supervisor.run()))
         _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
@@ -188,17 +221,17 @@ def _supervise(workers, supervisor, server_args: ServerArgs, metrics_sock) -> No
 def serve_worker(
     config: EngineConfig,
     server_args: ServerArgs,
-    address: str,
-    engine_pid: int,
+    addresses: list[str],
     index: int,
     sock: socket.socket,
     metrics_sock: socket.socket | None,
-    supervisor=None,
-    watch=None,
+    supervisors=None,
+    watches=None,
 ) -> None:
-    """One API server process: an AsyncLLM client and uvicorn on the shared socket. With one worker,
-    this process also runs the engine's `supervisor`; a worker of several follows the parent's
-    restarts through `watch` (its EngineWatch)."""
+    """One API server process: a front-end over the engine replicas (an AsyncLLM, or with data
+    parallelism a DataParallelAsyncLLM over one per replica) and uvicorn on the shared socket. With
+    one worker, this process also runs the engines' `supervisors`; a worker of several follows the
+    parent's restarts through `watches` (their EngineWatches)."""
     import uvicorn
 
     from splitserve.process_utils import exit_with_parent, set_process_name
@@ -213,9 +246,18 @@ def serve_worker(
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.entrypoints.openai.app import build_app, build_metrics_app
 
-    if supervisor is not None:
-        watch = supervisor.watch
-    engine = AsyncLLM(config.model_config, address, engine_pid, client_index=index, engine_watch=watch)
+    if supervisors is not None:
+        watches = [s.watch for s in supervisors]
+    replicas = []
+    for address, watch in zip(addresses, watches):
+        tokenizer = replicas[0].tokenizer if replicas else None
+        replicas.append(AsyncLLM(config.model_config, address, watch.pid, index, watch, tokenizer))
+    if len(replicas) == 1:
+        engine = replicas[0]
+    else:
+        from splitserve.engine.dp_async_llm import DataParallelAsyncLLM
+
+        engine = DataParallelAsyncLLM(replicas)
     engine.scheduling_policy = config.scheduler_config.policy
     if server_args.scheduler_name == "global":
         from splitserve.engine.global_scheduler import GlobalScheduler
@@ -236,11 +278,11 @@ def serve_worker(
     logger.info("Serving %s on http://%s:%d", config.model_config.served_model_name, server_args.host, server_args.port)
 
     async def serve_all() -> None:
-        restarts = None
-        if supervisor is not None:  # once it gives up, the server shuts down (and exits non-zero)
+        restarts = []
+        for supervisor in supervisors or []:  # once one gives up, the server shuts down (and exits non-zero)
             supervisor.stopping = lambda: any(s.should_exit for s in servers)
-            restarts = asyncio.ensure_future(supervisor.run())
-            restarts.add_done_callback(lambda _: [setattr(s, "should_exit", True) for s in servers])
+            restarts.append(asyncio.ensure_future(supervisor.run()))
+            restarts[-1].add_done_callback(lambda _: [setattr(s, "should_exit", True) for s in servers])
         if engine.scheduler is not None:
             engine.start()  # pulls work from the other instances even before its own first request
         try:
@@ -248,9 +290,9 @@ def serve_worker(
         finally:
             if engine.scheduler is not None:
                 await engine.scheduler.close()
-            if restarts is not None and not restarts.done():
-                restarts.cancel()
-                await asyncio.gather(restarts, return_exceptions=True)
+            for task in restarts:
+                task.cancel()
+            await asyncio.gather(*restarts, return_exceptions=True)
 
     asyncio.run(serve_all())
 
