@@ -7,7 +7,12 @@ import os
 
 import pytest
 
-from tests.helpers.models import TINY_ARCHS, TINY_CONFIG, make_tiny_model, make_tiny_moe_chat_model
+from tests.helpers.models import (
+    TINY_ARCHS,
+    make_tiny_chat_model,
+    make_tiny_model,
+    make_tiny_moe_chat_model,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -51,16 +56,7 @@ def tiny_models(tmp_path_factory, smollm_tokenizer) -> dict[str, str]:
 def tiny_chat_model(tmp_path_factory, smollm_tokenizer) -> str:
     """A tiny random Llama with the whole SmolLM2 vocabulary and chat template: the other tiny
     models stop at 1024 tokens, which the template's own tokens (a system prompt, role names) exceed."""
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(**{**TINY_CONFIG, "vocab_size": len(smollm_tokenizer)}, tie_word_embeddings=False)
-    config.bos_token_id, config.eos_token_id = 1, 2
-    torch.manual_seed(0)
-    directory = str(tmp_path_factory.mktemp("tiny_chat_model"))
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    smollm_tokenizer.save_pretrained(directory)
-    return directory
+    return make_tiny_chat_model(str(tmp_path_factory.mktemp("tiny_chat_model")), smollm_tokenizer)
 
 
 @pytest.fixture(scope="session")

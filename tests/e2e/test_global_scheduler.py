@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.models import TINY_CONFIG
+from tests.helpers.models import make_tiny_chat_model
 from tests.helpers.redis_server import redis_server
 from tests.helpers.server import RemoteServer, free_port, metric
 
@@ -25,17 +25,8 @@ pytestmark = pytest.mark.slow  # starts two servers and a redis-server
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory, smollm_tokenizer) -> str:
     """A tiny random Llama with a 16k-token context: its long answers keep an instance busy for a minute."""
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(
-        **{**TINY_CONFIG, "vocab_size": len(smollm_tokenizer), "max_position_embeddings": 16384}
-    )
-    torch.manual_seed(0)
     directory = str(tmp_path_factory.mktemp("long_context_model"))
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    smollm_tokenizer.save_pretrained(directory)
-    return directory
+    return make_tiny_chat_model(directory, smollm_tokenizer, max_position_embeddings=16384)
 
 
 @pytest.fixture(scope="module")

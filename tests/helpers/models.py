@@ -51,6 +51,22 @@ def make_tiny_model(directory: str, arch: str, tokenizer) -> str:
     return directory
 
 
+def make_tiny_chat_model(directory: str, tokenizer, **overrides) -> str:
+    """A tiny random Llama with the whole vocabulary of `tokenizer` (SmolLM2's, with its chat
+    template); `overrides` change its config (a longer context ...)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        **{**TINY_CONFIG, "vocab_size": len(tokenizer), **overrides}, tie_word_embeddings=False
+    )
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def make_peft_adapter(
     base_dir: str, out_dir: str, target_modules, r: int = 8, alpha: int = 16, seed: int = 0, **lora_kwargs
 ) -> str:
