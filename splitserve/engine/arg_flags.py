@@ -88,6 +88,8 @@ _ENGINE_HELP = {
     "data_parallel_size": "replicas of the whole model, each its own engine process with its share of the CPU cores "
     "or GPUs, requests to the least busy: behind one API server (`splitserve serve`) or the offline LLM "
     "(docs/scaling.md)",
+    "data_parallel_backend": "where the replicas' ranks run: mp (this machine, each replica its share of the cores "
+    "or GPUs) or ray (Ray actors on the machines of the Ray cluster in RAY_ADDRESS, placed by Ray; vLLM's flag)",
     "enable_expert_parallel": "mixture-of-experts layers: whole experts per tensor-parallel rank (E / tp each) "
     "instead of a slice of every expert (docs/moe.md)",
     "batch_invariant": "every row of a step computed as it would be alone: greedy output that does not depend on the "

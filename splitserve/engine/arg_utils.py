@@ -58,7 +58,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    data_parallel_size: int = 1  # model replicas, each its own engine process (offline: engine/dp_client.py)
+    data_parallel_size: int = 1  # model replicas, each its own engine process (engine/dp_client.py, dp_async_llm.py)
+    data_parallel_backend: str = "mp"  # where the replicas' ranks run: mp (this machine), ray (the Ray cluster)
     distributed_executor_backend: str | None = None  # None: uni for one rank, else mp (or ray, see below)
     device: str = "auto"
     quantization: str | None = None
@@ -279,7 +280,16 @@ class EngineArgs:
             self.enable_expert_parallel,
             self.data_parallel_size,
         )
-        if self.distributed_executor_backend is None and config.world_size > 1:
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}.")
+        if self.data_parallel_backend == "ray":  # every replica's ranks are Ray actors, placed by Ray
+            if self.distributed_executor_backend not in (None, "ray"):
+                raise ValueError(
+                    f"--data-parallel-backend ray runs each replica's ranks as Ray actors: not with "
+                    f"--distributed-executor-backend {self.distributed_executor_backend}."
+                )
+            config.distributed_executor_backend = "ray"
+        elif self.distributed_executor_backend is None and config.world_size > 1:
             config.distributed_executor_backend = _default_executor_backend(config.world_size, device)
         config.verify()
         return config

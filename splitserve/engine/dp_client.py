@@ -126,7 +126,10 @@ class DataParallelEngineClient:
 
 
 def replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:
-    """Each replica's share of the machine: its CPU cores, or its GPUs (world_size of them)."""
+    """Each replica's share of the machine: its CPU cores, or its GPUs (world_size of them); with
+    Ray actors as the ranks, Ray gives each its share wherever it places it."""
+    if config.parallel_config.distributed_executor_backend == "ray":
+        return [{} for _ in range(size)]
     if config.device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible:

@@ -45,3 +45,9 @@ def test_data_parallel_size_is_checked():
         EngineArgs(data_parallel_size=0)._parallel_config(None)
     with pytest.raises(ValueError, match="run-batch drives one engine replica"):
         refuse_data_parallel(EngineArgs(data_parallel_size=2))
+    with pytest.raises(ValueError, match="data_parallel_backend must be 'mp' or 'ray'"):
+        EngineArgs(data_parallel_backend="nccl")._parallel_config(None)
+    with pytest.raises(ValueError, match="not with --distributed-executor-backend mp"):
+        EngineArgs(data_parallel_backend="ray", distributed_executor_backend="mp")._parallel_config(None)
+    ray = EngineArgs(data_parallel_size=2, data_parallel_backend="ray")._parallel_config(None)
+    assert ray.distributed_executor_backend == "ray"

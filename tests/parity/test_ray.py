@@ -83,3 +83,15 @@ def test_expert_parallel_moe_across_two_nodes(tiny_moe_chat_model, two_node_clus
     assert _generate(llm) == expected
     assert sorted(llm.llm_engine.expert_load()) == [1, 2]  # MoE from layer 1, counts merged from both nodes
     llm.llm_engine.engine_core.shutdown()
+
+
+def test_data_parallel_replicas_on_ray(tiny_models, two_node_cluster):
+    """--data-parallel-backend ray: each replica's rank is a Ray actor of one CPU, so with one CPU per
+    node the two replicas compute on the two nodes; their tokens are one engine's."""
+    expected = _generate(_llm(tiny_models["qwen2"]))
+    llm = _llm(tiny_models["qwen2"], data_parallel_size=2, data_parallel_backend="ray")
+    try:
+        assert _generate(llm) == expected
+        assert min(llm.llm_engine.engine_core.num_requests) >= 1  # both replicas served
+    finally:
+        llm.llm_engine.engine_core.shutdown()
