@@ -36,8 +36,10 @@ def redis_port():
 
 
 def _flags(port: int, *extra: str) -> tuple[str, ...]:
+    # Min load score 1: one queued request on an idle server stays its own (the other never races it
+    # for it); a busy server's queue is taken from.
     return (
-        "--scheduler-name", "global", "--scheduler-port", str(port), "--scheduler-min-load-score", "0",
+        "--scheduler-name", "global", "--scheduler-port", str(port), "--scheduler-min-load-score", "1",
         "--max-num-seqs", "1", "--dtype", "float32", "--disable-log-requests", *extra,
     )  # fmt: skip
 

@@ -65,10 +65,12 @@ def _node(port: int, topic: str, capacity: int = 1, ttl: float = 0.0, min_load: 
 def test_own_queue_first_then_an_idle_node_takes_the_rest(redis_port):
     async def main():
         a, ea = _node(redis_port, "share")
-        b, eb = _node(redis_port, "share")
+        b = None
         try:
-            for rid in ("r0", "r1"):
-                await a.submit(_request(rid))
+            await a.submit(_request("r0"))
+            await _until(lambda: ea.sent)  # alone, A runs its own (B, idle, could otherwise take it first)
+            b, eb = _node(redis_port, "share")
+            await a.submit(_request("r1"))
             await _until(lambda: len(ea.sent) + len(eb.sent) == 2)
             assert [r.request_id for r in ea.sent] == ["r0"]  # A runs one (its capacity), B takes the other
             taken = eb.sent[0]
@@ -86,8 +88,9 @@ def test_own_queue_first_then_an_idle_node_takes_the_rest(redis_port):
             mine = [EngineCoreOutput("r0", [5], finish_reason="stop")]
             assert await a.route_outputs(mine) == mine and not a.local
         finally:
-            await a.close()
-            await b.close()
+            for node in (a, b):
+                if node is not None:
+                    await node.close()
 
     asyncio.run(main())
 
@@ -104,8 +107,9 @@ def test_min_load_score_and_pinned_requests(redis_port):
             await asyncio.sleep(0.5)
             assert not eb.sent  # A's load (3) is under the min load score: B leaves A's queue alone
         finally:
-            await a.close()
-            await b.close()
+            for node in (a, b):
+                if node is not None:
+                    await node.close()
 
     asyncio.run(main())
 
@@ -113,10 +117,11 @@ def test_min_load_score_and_pinned_requests(redis_port):
 def test_aborts_reach_a_request_wherever_it_is(redis_port):
     async def main():
         a, ea = _node(redis_port, "abort")
-        b, eb = _node(redis_port, "abort")
+        b = None
         try:
             await a.submit(_request("here"))
             await _until(lambda: len(ea.sent) == 1)
+            b, eb = _node(redis_port, "abort")
             await a.submit(_request("there"))
             await _until(lambda: a.remote.get("there") == b.node)
             # Queued: B is full now (capacity 1), so it stays in A's queue until aborted.
@@ -133,8 +138,9 @@ def test_aborts_reach_a_request_wherever_it_is(redis_port):
             await a._on_message(InboxMessage("started", b.node, request_ids=["late"]))
             assert "late" not in a.remote and "late" not in a.aborted
         finally:
-            await a.close()
-            await b.close()
+            for node in (a, b):
+                if node is not None:
+                    await node.close()
 
     asyncio.run(main())
 
