@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 from splitserve import kernels
 from splitserve.config import EngineConfig
-from splitserve.engine import pd, startup
+from splitserve.engine import messages, pd, startup
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_events import attach_events
 from splitserve.engine.kv_offload import make_offload_tier
@@ -246,10 +246,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         for request in sched.expired:
             ttl = self.config.scheduler_config.waiting_ttl
-            message = f"The request waited in the queue more than {ttl:g} s (--scheduler-ttl) and was dropped."
-            self._pending_outputs.append(
-                EngineCoreOutput(request.request_id, [], finish_reason="abort", error=message, error_status=503)
-            )
+            self._pending_outputs.append(messages.queue_ttl_expired(request.request_id, ttl))
         for request, first_block, dest in sched.kv_pulls:
             self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
         return None if sched.is_empty else sched

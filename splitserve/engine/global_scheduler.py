@@ -34,7 +34,7 @@ import uuid
 import msgspec
 
 from splitserve.engine.global_scheduler_protocol import GlobalSchedulerConfig, InboxMessage, NodeBeat, QueuedRequest
-from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, queue_ttl_expired, refused_output
 
 logger = logging.getLogger(__name__)
 
@@ -354,8 +354,7 @@ class GlobalScheduler:
         for rid, (data, queued_at) in list(self.pending.items()):
             if queued_at < deadline and await self.redis.lrem(self.key("queue", self.node), 1, data):
                 del self.pending[rid]
-                message = f"The request waited in the queue more than {self.ttl:g} s (--scheduler-ttl) and was dropped."
-                expired.append(EngineCoreOutput(rid, [], finish_reason="abort", error=message, error_status=503))
+                expired.append(queue_ttl_expired(rid, self.ttl))
         if expired:
             await self.engine.deliver(expired)
 
@@ -376,6 +375,4 @@ class GlobalScheduler:
 
 
 def _failed(request_id: str, why: str) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id, [], finish_reason="abort", error=f"The request failed: {why}.", error_status=503
-    )
+    return refused_output(request_id, f"The request failed: {why}.")

@@ -143,6 +143,19 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+def refused_output(request_id: str, why: str, status: int = 503) -> EngineCoreOutput:
+    """A request's last output when it ends without running on: an error its front-end answers with
+    `status` (finish_reason "abort")."""
+    return EngineCoreOutput(request_id, [], finish_reason="abort", error=why, error_status=status)
+
+
+def queue_ttl_expired(request_id: str, ttl: float) -> EngineCoreOutput:
+    """A request that waited past --scheduler-ttl (in an engine's queue or the global scheduler's)."""
+    return refused_output(
+        request_id, f"The request waited in the queue more than {ttl:g} s (--scheduler-ttl) and was dropped."
+    )
+
+
 class SpecDecodingStats(msgspec.Struct, array_like=True):
     """Speculative decoding's counters, cumulative since start, as vLLM's spec_decode metrics."""
 

@@ -64,7 +64,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     # The engine processes build their config from the same arguments while this one builds its own
     # (with data parallelism, after it: each replica's share of the cores or GPUs depends on it).
-    replica_envs = _replica_environments(engine_args)
+    config = engine_args.create_engine_config() if engine_args.data_parallel_size > 1 else None
+    replica_envs = _replica_environments(config)
     engines = [
         EngineProcess(
             DeferredEngineConfig(engine_args, server_args.health_timeout), _engine_address(server_args, i), env
@@ -76,7 +77,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     workers: list[multiprocessing.Process] = []
     supervisors = []
     try:
-        config = engine_args.create_engine_config()
+        config = config or engine_args.create_engine_config()
         config.health_timeout = server_args.health_timeout
         logger.info("Default sampling: %s", describe_sampling_defaults(config.model_config.sampling_defaults))
         with startup.phase("tokenizer"):  # while the engine process starts (serve_worker's front-end finds it)
@@ -119,13 +120,14 @@ def refuse_data_parallel(engine_args: EngineArgs) -> None:
         )
 
 
-def _replica_environments(engine_args: EngineArgs) -> list[dict[str, str] | None]:
-    """Each engine replica's share of the cores or GPUs ([None]: one replica, the whole machine)."""
-    if engine_args.data_parallel_size == 1:
+def _replica_environments(config: EngineConfig | None) -> list[dict[str, str] | None]:
+    """Each engine replica's share of the cores or GPUs ([None]: one replica, the whole machine,
+    whose config is built while its engine starts)."""
+    if config is None:
         return [None]
     from splitserve.engine.dp_client import replica_environments
 
-    envs = replica_environments(engine_args.create_engine_config(), engine_args.data_parallel_size)
+    envs = replica_environments(config, config.parallel_config.data_parallel_size)
     logger.info("Data parallelism: %d engine replicas (%s)", len(envs), "; ".join(map(str, envs)))
     return envs
 
