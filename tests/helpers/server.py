@@ -130,9 +130,11 @@ def stream_and_kill(url: str, body: dict, pid_to_kill, after: int) -> list[str]:
     return events
 
 
-def read_stream(url: str, body: dict, headers: dict, out: dict) -> None:
+def read_stream(url: str, body: dict, headers: dict, out: dict, on_chunk=None) -> None:
     """Read a streamed /v1/completions (for a thread): `out` gets the number of chunks so far
-    ("chunks"), the last finish_reason ("finish") and the answer's headers; an error event fails."""
+    ("chunks"), the last finish_reason ("finish") and the answer's headers; an error event fails.
+    `on_chunk(n)`, when given, is called in the reading thread after the n-th chunk (to act at once
+    at a point of the stream, before the next token arrives)."""
     out["chunks"], out["finish"] = 0, None
     body = {**body, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
@@ -143,6 +145,8 @@ def read_stream(url: str, body: dict, headers: dict, out: dict) -> None:
                 assert "error" not in event, event
                 out["chunks"] += 1
                 out["finish"] = event["choices"][0].get("finish_reason") or out["finish"]
+                if on_chunk is not None:
+                    on_chunk(out["chunks"])
 
 
 def engine_pid(server: RemoteServer) -> int:
