@@ -301,9 +301,15 @@ def test_models_tokenize_detokenize_version(server, client):
 def test_metrics_count_requests(server, client):
     before = metric(server, "splitserve:request_success_total")
     prompt_before = metric(server, "splitserve:prompt_tokens_total")
+    generated_before = metric(server, "splitserve:generation_tokens_total")
     for _ in range(3):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
-    assert metric(server, "splitserve:request_success_total") == before + 3
+    for _chunk in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}, stream=True
+    ):
+        pass  # a streamed answer counts all its tokens, not its last chunk's
+    assert metric(server, "splitserve:request_success_total") == before + 4
+    assert metric(server, "splitserve:generation_tokens_total") == generated_before + 3 * 2 + 5
     assert metric(server, "splitserve:prompt_tokens_total") > prompt_before
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for name in (

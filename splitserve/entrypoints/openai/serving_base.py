@@ -273,7 +273,7 @@ class OpenAIServing(PDServingMixin):
     def _record_finished(self, output: RequestOutput) -> None:
         self.metrics.record_finished(
             output,
-            sum(len(c.token_ids) for c in output.outputs),
+            output.num_generated_tokens,  # whole answers: a streamed final output holds only its last delta
             [c.finish_reason for c in output.outputs if c.finish_reason],
         )
         if self.tracing is not None:
