@@ -48,8 +48,6 @@ from splitserve.process_utils import process_alive
 logger = logging.getLogger(__name__)
 
 _LIVENESS_CHECK_S = 0.25  # how long the engine may be silent before its process is looked at
-
-
 _PING_WAIT_S = 1.0  # how long a health check waits for an engine that has been silent
 
 
@@ -97,8 +95,7 @@ class AsyncLLM(FrontEnd):
         self.output_processor.on_inter_token = hook
 
     def use_global_scheduler(self, scheduler) -> None:
-        """Send requests through FastDeploy's global scheduler (engine/global_scheduler.py); it starts
-        pulling work with start()."""
+        """Requests go through FastDeploy's global scheduler (engine/global_scheduler.py) from start() on."""
         self.scheduler = scheduler
 
     def _connect(self) -> zmq.asyncio.Socket:
@@ -219,10 +216,14 @@ class AsyncLLM(FrontEnd):
         await self._send(request)
 
     async def abort_client_requests(self, client_request_ids: list[str]) -> None:
-        """/abort_requests: the engine aborts the requests whose clients gave these ids, sent by any
-        API worker; each owning worker then hears that its request ended (finish_reason "abort")."""
+        """/abort_requests, from any API worker: the engine (every instance's, under the global scheduler)
+        aborts the requests whose clients gave these ids; their workers see finish_reason "abort"."""
         self.start()
         self._check_alive()
+        abort = self.scheduler.abort_clients if self.scheduler is not None else self.abort_engine_client_requests
+        await abort(client_request_ids)
+
+    async def abort_engine_client_requests(self, client_request_ids: list[str]) -> None:
         await self._send(AbortClientRequests(list(client_request_ids)))
 
     async def release_kv_leases(self, core_request_ids: list[str]) -> None:

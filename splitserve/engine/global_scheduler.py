@@ -7,13 +7,15 @@ room; a node whose own queue is empty and whose engine has room takes requests f
 most loaded other node of the same topic and model whose load (queued plus running requests) is
 above `--scheduler-min-load-score`, runs them on its engine, and pushes their raw outputs to the
 origin's inbox; the origin detokenizes and answers its client as if its own engine had run them.
-Aborts (a client gone, a stop string met at the origin) follow the request to wherever it runs.
+Aborts (a client gone, a stop string met at the origin) follow the request to wherever it runs;
+/abort_requests (by the ids clients gave) reaches every node of the topic: each engine aborts those
+it runs, and each origin those still queued.
 
 Keys, under `splitserve:{topic}:`: `queue:{node}` (a list of QueuedRequest), `inbox:{node}` (a list
-of InboxMessage: outputs of its requests run elsewhere, "started" when another node took one, and
-aborts of requests this node runs for others), `nodes` (a hash: node -> its heartbeat). A node that
-has not beaten for HEARTBEAT_TIMEOUT_S is taken for dead: nobody steals from it, and requests it
-was running for others fail with a 503 at their origins.
+of InboxMessage: outputs of its requests run elsewhere, "started" when another node took one,
+aborts of requests this node runs for others, /abort_requests' client ids), `nodes` (a hash: node
+-> its heartbeat). A node that has not beaten for HEARTBEAT_TIMEOUT_S is taken for dead: nobody
+steals from it, and requests it was running for others fail with a 503 at their origins.
 
 `--scheduler-ttl` is the engine's own: a request that has waited longer, in the Redis queue and the
 engine's queue together, is dropped with a 503 before it runs. Requests with a LoRA adapter or
@@ -30,6 +32,7 @@ import os
 import socket
 import time
 import uuid
+from typing import NamedTuple
 
 import msgspec
 
@@ -45,13 +48,11 @@ HEARTBEAT_TIMEOUT_S = 10.0  # a node silent this long is taken for dead
 _INBOX_WAIT_S = 0.5  # BLPOP timeout (seconds): how long the inbox reader blocks before it looks again
 
 
-class RemoteRun:
+class RemoteRun(NamedTuple):
     """On the executing node: a request run for another node."""
 
-    __slots__ = ("origin", "origin_id")
-
-    def __init__(self, origin: str, origin_id: str):
-        self.origin, self.origin_id = origin, origin_id
+    origin: str
+    origin_id: str
 
 
 class GlobalScheduler:
@@ -73,7 +74,8 @@ class GlobalScheduler:
         self._prefix = f"splitserve:{config.topic}:"
         self.engine = None
         self.local: set[str] = set()  # this node's own core requests in its engine
-        self.pending: dict[str, tuple[bytes, float]] = {}  # own core requests in the Redis queue: (as pushed, when)
+        # Own core requests in the Redis queue: (as pushed, when, the id its client gave).
+        self.pending: dict[str, tuple[bytes, float, str | None]] = {}
         self.remote: dict[str, str] = {}  # own core requests another node runs -> that node
         self.aborted: set[str] = set()  # own requests aborted before the node that took them said so
         self.foreign: dict[str, RemoteRun] = {}  # local engine id -> a request run for another node
@@ -146,7 +148,7 @@ class GlobalScheduler:
             return
         queued = QueuedRequest(self.node, time.time(), self.model, request)
         data = self._encoder.encode(queued)
-        self.pending[request.request_id] = (data, time.monotonic())
+        self.pending[request.request_id] = (data, time.monotonic(), request.client_request_id)
         await self.redis.rpush(self.key("queue", self.node), data)
 
     async def abort(self, core_ids: list[str]) -> list[str]:
@@ -159,12 +161,29 @@ class GlobalScheduler:
             elif rid in self.remote:
                 by_node.setdefault(self.remote.pop(rid), []).append(rid)
             elif rid in self.pending:
-                data, _ = self.pending.pop(rid)
+                data = self.pending.pop(rid)[0]
                 if not await self.redis.lrem(self.key("queue", self.node), 1, data):
                     self.aborted.add(rid)  # taken meanwhile: its "started" will come
         for node, rids in by_node.items():
             await self._post(node, InboxMessage("abort", self.node, request_ids=rids))
         return local
+
+    async def abort_clients(self, client_ids: list[str]) -> None:
+        """/abort_requests: every node of the topic aborts the requests whose clients gave these ids."""
+        message = InboxMessage("abort_clients", self.node, request_ids=list(client_ids))
+        for node in {n.decode() for n in await self.redis.hkeys(self.key("nodes"))} - {self.node}:
+            await self._post(node, message)
+        await self._abort_clients(client_ids)
+
+    async def _abort_clients(self, client_ids: list[str]) -> None:
+        """This node's engine aborts those it runs (for this node or another: their outputs, finish
+        reason "abort", go to their origins); its own still queued leave the queue and end here."""
+        await self.engine.abort_engine_client_requests(client_ids)
+        wanted = set(client_ids)
+        queued = [rid for rid, (_, _, client) in self.pending.items() if client in wanted]
+        if queued:
+            await self.abort(queued)  # one taken meanwhile is aborted where it lands ("started")
+            await self.engine.deliver([EngineCoreOutput(rid, [], finish_reason="abort") for rid in queued])
 
     def _finished(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
@@ -324,6 +343,8 @@ class GlobalScheduler:
                 del self.foreign[lid]
             if ids:
                 await self.engine.abort_core_requests(ids)
+        elif message.kind == "abort_clients":
+            await self._abort_clients(message.request_ids)
         elif message.kind == "outputs":
             outputs = []
             for out in message.outputs:
@@ -351,7 +372,7 @@ class GlobalScheduler:
         taken are the engine's to expire: it counts their time in the queue too)."""
         deadline = time.monotonic() - self.ttl
         expired = []
-        for rid, (data, queued_at) in list(self.pending.items()):
+        for rid, (data, queued_at, _) in list(self.pending.items()):
             if queued_at < deadline and await self.redis.lrem(self.key("queue", self.node), 1, data):
                 del self.pending[rid]
                 expired.append(queue_ttl_expired(rid, self.ttl))

@@ -33,9 +33,9 @@ class QueuedRequest(msgspec.Struct, array_like=True):
 
 
 class InboxMessage(msgspec.Struct, array_like=True, omit_defaults=True):
-    kind: str  # "outputs" | "started" | "abort"
+    kind: str  # "outputs" | "started" | "abort" | "abort_clients"
     sender: str
-    request_ids: list[str] = []  # "started", "abort": the origin's core request ids
+    request_ids: list[str] = []  # "started", "abort": the origin's core request ids; "abort_clients": client ids
     outputs: list[EngineCoreOutput] = []  # "outputs": with the origin's ids; first_scheduled_time in wall time
 
 

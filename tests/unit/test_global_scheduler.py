@@ -33,6 +33,7 @@ class FakeEngine:
         self.sent: list[EngineCoreRequest] = []
         self.delivered: list[EngineCoreOutput] = []
         self.aborted: list[str] = []
+        self.client_aborts: list[list[str]] = []
 
     async def send_core_request(self, request):
         self.sent.append(request)
@@ -42,6 +43,9 @@ class FakeEngine:
 
     async def abort_core_requests(self, ids):
         self.aborted.extend(ids)
+
+    async def abort_engine_client_requests(self, client_ids):
+        self.client_aborts.append(list(client_ids))
 
 
 def _request(rid: str, **kw) -> EngineCoreRequest:
@@ -137,6 +141,36 @@ def test_aborts_reach_a_request_wherever_it_is(redis_port):
             a.aborted.add("late")
             await a._on_message(InboxMessage("started", b.node, request_ids=["late"]))
             assert "late" not in a.remote and "late" not in a.aborted
+        finally:
+            for node in (a, b):
+                if node is not None:
+                    await node.close()
+
+    asyncio.run(main())
+
+
+def test_abort_by_client_id_reaches_every_node_and_the_queue(redis_port):
+    """/abort_requests under the global scheduler: every node's engine aborts by client id (those it
+    runs for any origin), and the origin ends its own requests still queued."""
+
+    async def main():
+        a, ea = _node(redis_port, "clients")
+        b = None
+        try:
+            await a.submit(_request("here", client_request_id="job"))
+            await _until(lambda: len(ea.sent) == 1)
+            b, eb = _node(redis_port, "clients")
+            await a.submit(_request("there", client_request_id="job"))
+            await _until(lambda: a.remote.get("there") == b.node)
+            for rid, client in (("queued", "job"), ("kept", "other")):  # both nodes full: they wait
+                await a.submit(_request(rid, client_request_id=client))
+            await asyncio.sleep(0.2)
+            await a.abort_clients(["job"])
+            assert ea.client_aborts == [["job"]]
+            await _until(lambda: eb.client_aborts == [["job"]])  # through B's inbox
+            [ended] = ea.delivered
+            assert ended.request_id == "queued" and ended.finish_reason == "abort" and not ended.error
+            assert list(a.pending) == ["kept"] and await a.redis.llen(a.key("queue", a.node)) == 1
         finally:
             for node in (a, b):
                 if node is not None:
