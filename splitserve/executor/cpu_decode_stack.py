@@ -10,7 +10,7 @@ the Python modules (packed bfloat16 weights included, kernels/packed_linear.py),
 states are the same bit for bit. Steps with prompt tokens run the modules as before.
 
 It is built only where it computes exactly what the modules would: a Llama-family model
-(LlamaForCausalLM with the stock layers: Llama, SmolLM2, Mistral, Qwen2) in float32 or bfloat16
+(LlamaForCausalLM with the stock layers: Llama, SmolLM2, Mistral, Qwen2, Qwen3) in float32 or bfloat16
 on one CPU rank, dense or GGUF-block linears, the `cpu` attention backend with an unquantized KV
 cache, no LoRA. Anything else runs layer by layer, and the log says why once.
 SPLITSERVE_CPU_DECODE_STACK=0 turns it off (to compare, or to rule it out).
@@ -63,6 +63,8 @@ class CPUDecodeStack:
             a, mlp = layer.self_attn, layer.mlp
             norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             stack.add_layer(*norms, a.attn.sliding_window or 0)
+            if a.qk_norm:
+                stack.set_qk_norm(a.q_norm.weight, a.k_norm.weight)
             for slot, linear in enumerate((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 if linear.packed_weight is not None:
                     stack.add_run(slot, linear.packed_weight, PACKED, linear.out_features)
@@ -132,14 +134,15 @@ def _unsupported(model, backend, rank, lora_enabled: bool) -> str | None:
         return f"the rotation is computed in {inner.rotary_dtype}"
     norms = {inner.norm.eps}
     norms |= {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    norms |= {
+        n.eps for layer in layers if layer.self_attn.qk_norm for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+    }
     scales = {layer.self_attn.attn.scale for layer in layers}
     if len(norms) > 1 or len(scales) > 1:
         return "its layers differ in their norm epsilon or attention scale"
     for layer in layers:
         if (type(layer), type(layer.self_attn), type(layer.mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
             return f"its layers ({type(layer.self_attn).__name__}, {type(layer.mlp).__name__}) compute differently"
-        if layer.self_attn.qk_norm:
-            return "q and k are normalised per head (Qwen3)"
         attn = layer.self_attn.attn
         if attn.kv_scales is not None or attn.kv_cache is None or attn.kv_cache.dtype != dtype:
             return "the KV cache is quantized"

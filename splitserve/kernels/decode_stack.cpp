@@ -8,11 +8,11 @@
 // row padding, as the Python modules do: its result equals theirs bit for bit (tested).
 //
 // What it runs: RMSNorm (fused with the residual add from the second norm on), q/k/v as one
-// matmul, rotary in place, the paged KV write, paged decode attention, o_proj, SiLU-and-mul between
+// matmul, Qwen3's per-head q and k RMSNorms where the layer has them, rotary in place, the paged KV write, paged decode attention, o_proj, SiLU-and-mul between
 // gate/up and down. Linears are dense (at::linear, with the bias fused as F.linear does), prepacked
 // bfloat16 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
 // bias added) in runs of output rows. What it does not run
-// (LoRA, tensor or pipeline parallelism, quantized KV caches, q/k norms ...) the Python side never
+// (LoRA, tensor or pipeline parallelism, quantized KV caches ...) the Python side never
 // builds it for. Registered through ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,6 +43,7 @@ struct StackLinear {
 
 struct StackLayer {
   at::Tensor input_norm, post_norm;
+  at::Tensor q_norm, k_norm;  // Qwen3's per-head norms [head_dim]; undefined when the layer has none
   StackLinear linears[4];  // qkv, o, gate_up, down
   int64_t sliding_window;
 };
@@ -98,6 +99,14 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.back().linears[slot].runs.push_back({qtype, rows, weight});
   }
 
+  // Qwen3: RMSNorm over each head of q and of k (weights [head_dim]) before the rotation.
+  void set_qk_norm(at::Tensor q_norm, at::Tensor k_norm) {
+    TORCH_CHECK(!layers_.empty(), "set_qk_norm needs a layer");
+    TORCH_CHECK(q_norm.numel() == head_dim_ && k_norm.numel() == head_dim_, "q/k norm weights must be [head_dim]");
+    layers_.back().q_norm = q_norm;
+    layers_.back().k_norm = k_norm;
+  }
+
   void set_bias(int64_t slot, at::Tensor bias, bool fused) {
     TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "set_bias needs a layer and a slot in [0, 4)");
     layers_.back().linears[slot].bias = bias;
@@ -127,6 +136,10 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor q = qkv.narrow(1, 0, q_width).view({T, num_heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_width, kv_width).view({T, num_kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({T, num_kv_heads_, head_dim_});
+      if (layer.q_norm.defined()) {  // as RMSNorm.forward on the [T, heads, head_dim] views: rows copied out
+        q = splitserve::rms_norm(q.reshape({T * num_heads_, head_dim_}), layer.q_norm, eps_).view(q.sizes());
+        k = splitserve::rms_norm(k.reshape({T * num_kv_heads_, head_dim_}), layer.k_norm, eps_).view(k.sizes());
+      }
       splitserve::rotary(q, k, cos, sin);
       splitserve::write_kv(kv_caches[i], k, v, slot_mapping);
       at::Tensor attn = at::empty({T, num_heads_, head_dim_}, q.options());
@@ -189,6 +202,7 @@ void splitserve::register_decode_stack(torch::Library& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_run", &DecodeStack::add_run)
       .def("set_bias", &DecodeStack::set_bias)
+      .def("set_qk_norm", &DecodeStack::set_qk_norm)
       .def("num_layers", &DecodeStack::num_layers);
   // An operator rather than a method, so that the call releases the GIL as every torch op does. x (the
   // residual stream) and the KV caches are written in place.

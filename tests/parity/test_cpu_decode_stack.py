@@ -1,8 +1,8 @@
 """CPU decode steps in one C++ call (executor/cpu_decode_stack.py, kernels/decode_stack.cpp) give
 exactly what the model's Python modules give: the same greedy tokens and the same logprobs, bit for
 bit, in float32 and bfloat16, with dense weights (biased q/k/v, tied and untied heads, a sliding
-window) and with the default model's GGUF blocks, at batch sizes with and without padded rows;
-and the stack is built only where it can be exact, the log saying why not."""
+window, Qwen3's per-head q/k norms) and with the default model's GGUF blocks, at batch sizes with
+and without padded rows; and the stack is built only where it can be exact, the log saying why not."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def stack_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_tied", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_models_equal_the_modules(tiny_models, monkeypatch, stack_calls, arch, dtype):
     # 20 requests: decode batches of 20 (padded to 32 rows for oneDNN) down to 1 as they finish.
@@ -83,7 +83,6 @@ def test_the_default_model_in_its_gguf_blocks_equals_the_modules(monkeypatch, st
 
 def test_where_the_stack_is_not_built_the_log_says_why(tiny_models, monkeypatch, caplog):
     cases = [
-        (tiny_models["qwen3"], {}, "q and k are normalised per head"),
         (tiny_models["llama"], {"kv_cache_dtype": "int8"}, "the KV cache is quantized"),
         (tiny_models["llama"], {"quantization": "weight_only_int8"}, "quantized with"),
         (tiny_models["llama"], {"enable_lora": True}, "LoRA adapters"),
