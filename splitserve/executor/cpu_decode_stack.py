@@ -1,13 +1,16 @@
-"""Decode steps of Llama-family models on CPU in one C++ call (splitserve/kernels/decode_stack.cpp).
+"""Steps of Llama-family models on CPU in one C++ call (splitserve/kernels/decode_stack.cpp).
 
 A single-stream decode step of SmolLM2-135M with its 4-bit GGUF weights reads about 100 MB and
 multiplies in about 3 ms on two cores, and Python spent about as long again going through 30
 layers of module calls and ~12 kernel calls each. The model runner builds a CPUDecodeStack once
-the KV cache is bound; from then on a step whose every request decodes one token runs the
-embedding lookup and the rotary tables in Python, and all the decoder layers and the final norm
-in one call that releases the GIL. The kernels, their order and their row padding are those of
-the Python modules (packed bfloat16 weights included, kernels/packed_linear.py), so the hidden
-states are the same bit for bit. Steps with prompt tokens run the modules as before.
+the KV cache is bound; from then on a step runs the embedding lookup and the rotary tables in
+Python, and all the decoder layers and the final norm in one call that releases the GIL. The
+kernels, their order and their row padding are those of the Python modules (packed bfloat16
+weights included, kernels/packed_linear.py; the attention backend's decode and prompt kernels),
+so the hidden states are the same bit for bit. Steps with prompt tokens (prompts, prompt chunks
+next to running decodes, speculative verification) go through it too, for a plain text model
+(LlamaForCausalLM itself, not a vision model's language half) without batch-invariant numerics
+(which split a step's rows by kind); other steps run the modules.
 
 It is built only where it computes exactly what the modules would: a Llama-family model
 (LlamaForCausalLM with the stock layers: Llama, SmolLM2, Mistral, Qwen2, Qwen3) in float32 or bfloat16
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 # DecodeStack.add_run's qtype for weights that are not GGUF blocks (decode_stack.cpp's Run).
 DENSE, PACKED = -1, -2
 _DTYPES = (torch.float32, torch.bfloat16)
+_NO_PROMPTS = torch.empty(0, dtype=torch.long)  # query_start_loc of a decode-only step (not read)
 
 
 class CPUDecodeStack:
@@ -39,6 +43,8 @@ class CPUDecodeStack:
         self.model = model.model
         self.stack = stack
         self.attention = [layer.self_attn.attn for layer in self.model.local_layers()]
+        # Prompt tokens too: a text model's own positions and embeddings, rows of one numerics.
+        self.prompts = type(model) is LlamaForCausalLM and not batch_invariant.enabled()
 
     @classmethod
     def build(cls, model, backend, rank, lora_enabled: bool) -> CPUDecodeStack | None:
@@ -75,23 +81,31 @@ class CPUDecodeStack:
                         stack.add_run(slot, getattr(linear, name), DENSE if qtype is None else qtype, rows)
                 if linear.bias is not None:  # F.linear fuses a dense linear's bias; GGUF adds it after
                     stack.set_bias(slot, linear.bias, linear.quant_method is None)
+        built = cls(model, stack)
         logger.info(
-            "CPU decode steps run their %d decoder layers in one C++ call (SPLITSERVE_CPU_DECODE_STACK=0 runs them "
-            "layer by layer).",
+            "CPU %s run their %d decoder layers in one C++ call (SPLITSERVE_CPU_DECODE_STACK=0 runs them layer by "
+            "layer).",
+            "steps" if built.prompts else "decode steps",
             len(layers),
         )
-        return cls(model, stack)
+        return built
 
     def takes(self, meta, num_tokens: int) -> bool:
-        """Whether this step is one the stack runs: every request decodes one token."""
-        return meta.num_decodes == meta.num_reqs == num_tokens
+        """Whether this step is one the stack runs: every request decodes one token, or (where the
+        stack takes prompt tokens) any step."""
+        return self.prompts or meta.num_decodes == meta.num_reqs == num_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The final hidden states [T, hidden] of a decode-only step, as LlamaModel.forward gives them."""
+        """The final hidden states [T, hidden] of the step, as LlamaModel.forward gives them."""
         x = self.model.embed_tokens(input_ids)
         encoding = self.model.position_encoding(positions, x.dtype, meta)
         num_tokens = x.shape[0]
         rows = row_buckets.rows_for(num_tokens)
+        starts = _NO_PROMPTS
+        if meta.num_decodes < meta.num_reqs:  # the attention backend's tensor, shared with it
+            starts = meta.scratch.get("query_start_loc")
+            if starts is None:
+                starts = meta.scratch["query_start_loc"] = torch.tensor(meta.query_start_loc, dtype=torch.long)
         return torch.ops.splitserve_cpu.decode_stack_forward(
             self.stack,
             x,
@@ -101,6 +115,8 @@ class CPUDecodeStack:
             meta.block_tables,
             meta.seq_lens_tensor,
             meta.slot_mapping,
+            starts,
+            meta.num_decodes,
             self.model.norm.weight,
             rows,
         )

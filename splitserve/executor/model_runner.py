@@ -68,7 +68,7 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         self.swap: HostKVSwap | None = None  # host memory for swapped-out KV (preemption_mode "swap")
         self.offload: KVOffloadCopier | None = None  # the KV offloading tier's host memory and files
-        self.decode_stack: CPUDecodeStack | None = None  # CPU decode steps in one C++ call, once the KV is bound
+        self.decode_stack: CPUDecodeStack | None = None  # CPU steps in one C++ call, once the KV is bound
         self.lora_manager = self._lora_manager()
         self.draft = self._draft_proposer()
         # A vision-language model's image embeddings, on the stage that embeds the prompt's tokens.

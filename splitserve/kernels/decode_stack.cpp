@@ -1,4 +1,5 @@
-// The decoder layers of a Llama-family model for one decode step, in one call from Python.
+// The decoder layers of a Llama-family model for one step, in one call from Python: decode steps,
+// and prompt and mixed steps (paged prompt attention for the requests after the decodes).
 //
 // A decode step of a small model is short (a few milliseconds for SmolLM2-135M with 4-bit weights
 // on two cores), and the Python around its ~12 kernel calls per layer (module calls, argument
@@ -115,17 +116,21 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x: [T, hidden] embeddings of T decode tokens (one per request); cos, sin as the rotary kernel
-  // takes them; kv_caches: one per layer; block_tables, seq_lens, slot_mapping as the attention
-  // metadata has them; padded_rows: the rows bfloat16 products are padded to. Returns the final
-  // norm's output [T, hidden].
+  // x: [T, hidden] embeddings of the step's T tokens, the num_decodes decode tokens (one per
+  // request) first; cos, sin as the rotary kernel takes them; kv_caches: one per layer;
+  // block_tables, seq_lens, slot_mapping and query_start_loc (int64, read only when some request
+  // has prompt tokens) as the attention metadata has them; padded_rows: the rows bfloat16 products
+  // are padded to. Returns the final norm's output [T, hidden].
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping, const at::Tensor& final_norm,
-                     int64_t padded_rows) const {
+                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                     int64_t num_decodes, const at::Tensor& final_norm, int64_t padded_rows) const {
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one KV cache per layer");
     TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
     const int64_t T = x.size(0), q_width = num_heads_ * head_dim_, kv_width = num_kv_heads_ * head_dim_;
+    const int64_t num_reqs = seq_lens.size(0);
+    TORCH_CHECK(num_decodes == num_reqs || query_start_loc.numel() == num_reqs + 1,
+                "a step with prompt tokens needs query_start_loc [R + 1]");
     at::Tensor residual = x;
     at::Tensor h;
     for (int64_t i = 0; i < num_layers(); ++i) {
@@ -143,7 +148,12 @@ class DecodeStack : public torch::CustomClassHolder {
       splitserve::rotary(q, k, cos, sin);
       splitserve::write_kv(kv_caches[i], k, v, slot_mapping);
       at::Tensor attn = at::empty({T, num_heads_, head_dim_}, q.options());
-      splitserve::decode_attention(attn, q, kv_caches[i], block_tables, seq_lens, T, scale_, layer.sliding_window);
+      if (num_decodes > 0)
+        splitserve::decode_attention(attn, q, kv_caches[i], block_tables, seq_lens, num_decodes, scale_,
+                                     layer.sliding_window);
+      if (num_decodes < num_reqs)  // as CPUAttentionBackend.prefill: the requests after the decodes
+        splitserve::prefill_attention(attn, q, kv_caches[i], block_tables, seq_lens, query_start_loc, num_decodes,
+                                      scale_, layer.sliding_window);
       const at::Tensor o = apply(layer.linears[kO], attn.view({T, q_width}), padded_rows);
       h = splitserve::add_rms_norm(o, residual, layer.post_norm, eps_);
       const at::Tensor act = splitserve::silu_and_mul(apply(layer.linears[kGateUp], h, padded_rows));
@@ -189,8 +199,10 @@ class DecodeStack : public torch::CustomClassHolder {
 at::Tensor decode_stack_forward(const c10::intrusive_ptr<DecodeStack>& stack, const at::Tensor& x,
                                 const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kv_caches,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                const at::Tensor& slot_mapping, const at::Tensor& final_norm, int64_t padded_rows) {
-  return stack->forward(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping, final_norm, padded_rows);
+                                const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                                int64_t num_decodes, const at::Tensor& final_norm, int64_t padded_rows) {
+  return stack->forward(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping, query_start_loc, num_decodes,
+                        final_norm, padded_rows);
 }
 
 }  // namespace
@@ -209,6 +221,6 @@ void splitserve::register_decode_stack(torch::Library& m) {
   m.def(
       "decode_stack_forward(__torch__.torch.classes.splitserve_cpu.DecodeStack stack, Tensor(a!) x, Tensor cos, "
       "Tensor sin, Tensor(b!)[] kv_caches, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
-      "Tensor final_norm, int padded_rows) -> Tensor",
+      "Tensor query_start_loc, int num_decodes, Tensor final_norm, int padded_rows) -> Tensor",
       &decode_stack_forward);
 }

@@ -1,8 +1,9 @@
-"""CPU decode steps in one C++ call (executor/cpu_decode_stack.py, kernels/decode_stack.cpp) give
+"""CPU steps in one C++ call (executor/cpu_decode_stack.py, kernels/decode_stack.cpp) give
 exactly what the model's Python modules give: the same greedy tokens and the same logprobs, bit for
 bit, in float32 and bfloat16, with dense weights (biased q/k/v, tied and untied heads, a sliding
 window, Qwen3's per-head q/k norms) and with the default model's GGUF blocks, at batch sizes with
-and without padded rows; and the stack is built only where it can be exact, the log saying why not."""
+and without padded rows, in decode steps and in steps with prompt tokens (chunks next to decodes,
+cached prefixes); and the stack is built only where it can be exact, the log saying why not."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def _outputs(llm: LLM, prompts, max_tokens: int):
 
 @pytest.fixture
 def stack_calls(monkeypatch):
-    """Counts the steps the stack ran."""
-    calls = {"n": 0}
+    """Counts the steps the stack ran ("n"), and those with prompt tokens among them ("prompts")."""
+    calls = {"n": 0, "prompts": 0}
     original = CPUDecodeStack.forward
 
-    def counting(self, *args):
+    def counting(self, input_ids, positions, meta):
         calls["n"] += 1
-        return original(self, *args)
+        calls["prompts"] += meta.num_decodes < meta.num_reqs
+        return original(self, input_ids, positions, meta)
 
     monkeypatch.setattr(CPUDecodeStack, "forward", counting)
     return calls
@@ -67,8 +69,37 @@ def test_dense_models_equal_the_modules(tiny_models, monkeypatch, stack_calls, a
     assert stack_calls["n"] >= max(lengths) - 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_and_mixed_steps_equal_the_modules(tiny_models, monkeypatch, stack_calls, arch, dtype):
+    """Steps with prompt tokens: prompt chunks of a 16-token budget next to running decodes, a
+    prompt whose prefix is cached, a sliding window (mistral) longer prompts cross; the prompt
+    logprobs (every prompt row's hidden state) and the answers are the modules' bit for bit."""
+    shared = PROMPTS[6] * 2  # 30 tokens
+    prompts = [p * 3 for p in PROMPTS[:6]] + [shared + [11, 12, 13], shared + [14]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    results = []
+    for stack in (False, True):
+        llm = _llm(
+            tiny_models[arch], monkeypatch, stack, dtype=dtype, max_num_batched_tokens=16, enable_prefix_caching=True
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append(
+            [
+                (o.outputs[0].token_ids, _logprob_steps(o.outputs[0]), _logprob_steps_of(o.prompt_logprobs[1:]))
+                for o in outs
+            ]
+        )
+    assert results[0] == results[1]
+    assert stack_calls["prompts"] >= 10  # the prompts' chunks went through the stack
+
+
+def _logprob_steps_of(steps):
+    return [sorted((t, lp.logprob) for t, lp in step.items()) for step in steps]
+
+
 def _logprob_steps(completion):
-    return [sorted((t, lp.logprob) for t, lp in step.items()) for step in completion.logprobs]
+    return _logprob_steps_of(completion.logprobs)
 
 
 @pytest.mark.slow  # loads the default model
