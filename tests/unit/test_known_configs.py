@@ -326,7 +326,7 @@ def test_the_cpu_breakdown_sorts_operators_into_categories():
     assert categorize("splitserve_cpu::decode_attention") == "attention"
     assert categorize("splitserve_cpu::write_kv") == "KV-cache writes"
     assert categorize("splitserve_cpu::add_rms_norm") == "norms and rotary"
-    assert categorize("splitserve_cpu::decode_stack_forward").startswith("fused decode stack")
+    assert categorize("splitserve_cpu::decode_stack_forward").startswith("fused layer stack")
     assert categorize("aten::empty_strided") == categorize("aten::clamp_min") == "other operators"
     table = cpu_breakdown({"aten::addmm": 2.0, "splitserve_cpu::rotary": 0.5, "aten::copy_": 0.5}, wall=4.0)
     lines = table.splitlines()
