@@ -14,8 +14,9 @@ next to running decodes, speculative verification) go through it too, for a plai
 
 It is built only where it computes exactly what the modules would: a Llama-family model
 (LlamaForCausalLM with the stock layers: Llama, SmolLM2, Mistral, Qwen2, Qwen3) in float32 or bfloat16
-on one CPU rank, dense or GGUF-block linears, the `cpu` attention backend with an unquantized KV
-cache, no LoRA. Anything else runs layer by layer, and the log says why once.
+on CPU ranks of one pipeline stage (tensor-parallel ranks sum their row-parallel products inside
+the call, over the same group), dense or GGUF-block linears, the `cpu` attention backend with an
+unquantized KV cache, no LoRA. Anything else runs layer by layer, and the log says why once.
 SPLITSERVE_CPU_DECODE_STACK=0 turns it off (to compare, or to rule it out).
 """
 
@@ -26,6 +27,7 @@ import logging
 import torch
 
 from splitserve import envs, kernels
+from splitserve.distributed.parallel_state import tp_group
 from splitserve.kernels import batch_invariant, cpu_features, row_buckets
 from splitserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from splitserve.quantization.gguf import GGUFLinearMethod
@@ -79,8 +81,10 @@ class CPUDecodeStack:
                 else:
                     for qtype, rows, name in linear.gguf_runs:
                         stack.add_run(slot, getattr(linear, name), DENSE if qtype is None else qtype, rows)
-                if linear.bias is not None:  # F.linear fuses a dense linear's bias; GGUF adds it after
-                    stack.set_bias(slot, linear.bias, linear.quant_method is None)
+                if linear.bias is not None:  # F.linear fuses a dense column linear's bias; the others add it after
+                    stack.set_bias(slot, linear.bias, linear.quant_method is None and linear.parallel != "row")
+        if rank.tp_size > 1:
+            stack.set_tp_group(tp_group().group_name)
         built = cls(model, stack)
         logger.info(
             "CPU %s run their %d decoder layers in one C++ call (SPLITSERVE_CPU_DECODE_STACK=0 runs them layer by "
@@ -130,8 +134,8 @@ def _unsupported(model, backend, rank, lora_enabled: bool) -> str | None:
         return "the C++ CPU kernels are off or did not build"
     if backend.name != "cpu":
         return f"the {backend.name} attention backend is in use"
-    if rank.tp_size > 1 or rank.pp_size > 1:
-        return "tensor or pipeline parallelism splits the layers between processes"
+    if rank.pp_size > 1:
+        return "pipeline parallelism splits the layers between processes"
     if lora_enabled:
         return "LoRA adapters add their deltas to the linears in Python"
     plain = type(model) is LlamaForCausalLM or getattr(type(model), "decodes_as_llama", False)

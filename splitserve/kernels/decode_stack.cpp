@@ -12,8 +12,11 @@
 // matmul, Qwen3's per-head q and k RMSNorms where the layer has them, rotary in place, the paged KV write, paged decode attention, o_proj, SiLU-and-mul between
 // gate/up and down. Linears are dense (at::linear, with the bias fused as F.linear does), prepacked
 // bfloat16 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
-// bias added) in runs of output rows. What it does not run
-// (LoRA, tensor or pipeline parallelism, quantized KV caches ...) the Python side never
+// bias added) in runs of output rows. With tensor parallelism each rank runs its share of the heads
+// and of the MLP, and the row-parallel products (o_proj, down_proj) are summed over the ranks in
+// place through torch's functional all-reduce on the tensor-parallel group (the same backend call as
+// torch.distributed.all_reduce), their bias added after the sum. What it does not run
+// (LoRA, pipeline parallelism, quantized KV caches ...) the Python side never
 // builds it for. Registered through ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,6 +24,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -58,6 +62,19 @@ at::Tensor padded(const at::Tensor& x, int64_t rows) {
   out.narrow(0, 0, x.size(0)).copy_(x);
   out.narrow(0, x.size(0), rows - x.size(0)).zero_();
   return out;
+}
+
+// x summed over the ranks of the process group called `group`, in place (what
+// torch.distributed.all_reduce(x, group) computes): _c10d_functional::all_reduce_, then wait_tensor.
+void all_reduce_sum(const at::Tensor& x, const std::string& group) {
+  static const c10::OperatorHandle reduce =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+  static const c10::OperatorHandle wait =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  torch::jit::Stack stack{x, c10::IValue(std::string("sum")), c10::IValue(group)};
+  reduce.callBoxed(&stack);
+  torch::jit::Stack waited{stack[0]};
+  wait.callBoxed(&waited);
 }
 
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), through the dispatcher.
@@ -108,6 +125,10 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.back().k_norm = k_norm;
   }
 
+  // Tensor parallelism: the name of the tensor-parallel process group (torch.distributed's
+  // group_name) whose ranks the row-parallel products are summed over.
+  void set_tp_group(std::string group) { tp_group_ = std::move(group); }
+
   void set_bias(int64_t slot, at::Tensor bias, bool fused) {
     TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "set_bias needs a layer and a slot in [0, 4)");
     layers_.back().linears[slot].bias = bias;
@@ -154,17 +175,18 @@ class DecodeStack : public torch::CustomClassHolder {
       if (num_decodes < num_reqs)  // as CPUAttentionBackend.prefill: the requests after the decodes
         splitserve::prefill_attention(attn, q, kv_caches[i], block_tables, seq_lens, query_start_loc, num_decodes,
                                       scale_, layer.sliding_window);
-      const at::Tensor o = apply(layer.linears[kO], attn.view({T, q_width}), padded_rows);
+      const at::Tensor o = apply(layer.linears[kO], attn.view({T, q_width}), padded_rows, true);
       h = splitserve::add_rms_norm(o, residual, layer.post_norm, eps_);
       const at::Tensor act = splitserve::silu_and_mul(apply(layer.linears[kGateUp], h, padded_rows));
-      h = apply(layer.linears[kDown], act, padded_rows);
+      h = apply(layer.linears[kDown], act, padded_rows, true);
     }
     return splitserve::add_rms_norm(h, residual, final_norm, eps_);
   }
 
  private:
-  // x [M, K] times the linear's runs, as Linear.forward and GGUFLinearMethod.apply compute it.
-  at::Tensor apply(const StackLinear& linear, const at::Tensor& x, int64_t padded_rows) const {
+  // x [M, K] times the linear's runs, as Linear.forward and GGUFLinearMethod.apply compute it; a
+  // row-parallel one (`row`) summed over the tensor-parallel ranks before its bias.
+  at::Tensor apply(const StackLinear& linear, const at::Tensor& x, int64_t padded_rows, bool row = false) const {
     const int64_t M = x.size(0), K = x.size(1);
     std::vector<at::Tensor> outputs;
     outputs.reserve(linear.runs.size());
@@ -185,6 +207,7 @@ class DecodeStack : public torch::CustomClassHolder {
       }
     }
     at::Tensor y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+    if (row && !tp_group_.empty()) all_reduce_sum(y, tp_group_);
     if (linear.bias.defined() && !linear.fused_bias) y = y + linear.bias;
     return y;
   }
@@ -193,6 +216,7 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, scale_;
   bool native_bf16_;
   bool batch_invariant_;  // the rows' results must not depend on their count (kernels/batch_invariant.py)
+  std::string tp_group_;  // empty: one rank
   std::vector<StackLayer> layers_;
 };
 
@@ -215,6 +239,7 @@ void splitserve::register_decode_stack(torch::Library& m) {
       .def("add_run", &DecodeStack::add_run)
       .def("set_bias", &DecodeStack::set_bias)
       .def("set_qk_norm", &DecodeStack::set_qk_norm)
+      .def("set_tp_group", &DecodeStack::set_tp_group)
       .def("num_layers", &DecodeStack::num_layers);
   // An operator rather than a method, so that the call releases the GIL as every torch op does. x (the
   // residual stream) and the KV caches are written in place.

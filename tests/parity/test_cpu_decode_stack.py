@@ -94,6 +94,46 @@ def test_prompt_and_mixed_steps_equal_the_modules(tiny_models, monkeypatch, stac
     assert stack_calls["prompts"] >= 10  # the prompts' chunks went through the stack
 
 
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny Llama with every linear biased (attention_bias, mlp_bias): the row-parallel products'
+    bias goes after the sum over the ranks."""
+    import torch
+    import transformers
+
+    from tests.helpers.models import TINY_CONFIG
+
+    directory = str(tmp_path_factory.mktemp("biased_llama"))
+    config = transformers.LlamaConfig(**TINY_CONFIG, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    smollm_tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow  # tensor-parallel engines start worker processes
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tensor_parallel_ranks_equal_the_modules(biased_llama, monkeypatch, capfd, dtype):
+    """Two tensor-parallel ranks, each with its stack: the row-parallel products are summed inside
+    the call; prompt and decode steps give the modules' tokens and logprobs bit for bit."""
+    prompts = [p * 2 for p in PROMPTS[:6]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    results = []
+    for stack in (False, True):
+        monkeypatch.setenv("SPLITSERVE_CPU_DECODE_STACK", "1" if stack else "0")
+        llm = LLM(
+            biased_llama, dtype=dtype, max_model_len=256, use_tqdm_on_load=False, tensor_parallel_size=2,
+            max_num_batched_tokens=16,
+        )  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, _logprob_steps(o.outputs[0])) for o in outs])
+        llm.llm_engine.engine_core.shutdown()
+        logged = capfd.readouterr().err
+        assert ("CPU steps run their 3 decoder layers in one C++ call" in logged) == stack, logged[-2000:]
+    assert results[0] == results[1]
+
+
 def _logprob_steps_of(steps):
     return [sorted((t, lp.logprob) for t, lp in step.items()) for step in steps]
 
