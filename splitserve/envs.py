@@ -117,7 +117,14 @@ _DECLARED = [
         "SPLITSERVE_CPU_DECODE_STACK",
         _flag,
         "1",
-        "0 runs decode steps layer by layer in Python instead of one C++ call.",
+        "0 runs CPU steps layer by layer in Python instead of one C++ call.",
+        "kernels",
+    ),
+    EnvVar(
+        "SPLITSERVE_CPU_SHM_ALL_REDUCE",
+        _flag,
+        "1",
+        "0 sums tensor-parallel CPU ranks of one machine through gloo instead of shared memory.",
         "kernels",
     ),
     EnvVar(

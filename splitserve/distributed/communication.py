@@ -5,14 +5,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from splitserve.distributed.parallel_state import get_parallel_rank, pp_group, tp_group
+from splitserve.distributed.parallel_state import get_parallel_rank, pp_group, tp_group, tp_shm
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the tensor-parallel ranks (row-parallel outputs, the vocabulary-parallel
     embedding), in place."""
     if get_parallel_rank().tp_size > 1:
-        dist.all_reduce(x, group=tp_group())
+        shm = tp_shm()
+        if shm is not None and x.device.type == "cpu":
+            torch.ops.splitserve_cpu.shm_all_reduce(shm, x)
+        else:
+            dist.all_reduce(x, group=tp_group())
     return x
 
 

@@ -60,6 +60,7 @@ class ParallelRank:
 _RANK = ParallelRank()
 _TP_GROUP: dist.ProcessGroup | None = None
 _PP_GROUP: dist.ProcessGroup | None = None
+_TP_SHM = None  # the TP group's shared-memory sums (distributed/shm_all_reduce.py), CPU ranks of one machine
 
 
 def get_parallel_rank() -> ParallelRank:
@@ -70,6 +71,11 @@ def tp_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
 
 
+def tp_shm():
+    """The tensor-parallel group's ShmAllReduce, or None where its sums go through the process group."""
+    return _TP_SHM
+
+
 def pp_group() -> dist.ProcessGroup | None:
     return _PP_GROUP
 
@@ -77,7 +83,7 @@ def pp_group() -> dist.ProcessGroup | None:
 def init_distributed(rank: ParallelRank, init_method: str, device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the world (gloo on CPU, nccl on CUDA) and make this rank's tensor- and pipeline-parallel
     groups. Every rank must call it with the same sizes and init_method."""
-    global _RANK, _TP_GROUP, _PP_GROUP
+    global _RANK, _TP_GROUP, _PP_GROUP, _TP_SHM
     import datetime
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -97,6 +103,10 @@ def init_distributed(rank: ParallelRank, init_method: str, device: torch.device,
         group = dist.new_group([p * rank.tp_size + tp for p in range(rank.pp_size)])
         if tp == rank.tp_rank:
             _PP_GROUP = group
+    if device.type == "cpu" and rank.tp_size > 1:
+        from splitserve.distributed import shm_all_reduce
+
+        _TP_SHM = shm_all_reduce.create(_TP_GROUP, rank.tp_rank, rank.tp_size, timeout_s)
     _RANK = rank
     logger.info(
         "Rank %d of %d joined (%s): tensor-parallel rank %d of %d, pipeline stage %d of %d",
@@ -117,7 +127,7 @@ def set_parallel_rank(rank: ParallelRank) -> None:
 
 
 def shutdown_distributed() -> None:
-    global _RANK, _TP_GROUP, _PP_GROUP
+    global _RANK, _TP_GROUP, _PP_GROUP, _TP_SHM
     if dist.is_initialized():
         dist.destroy_process_group()
-    _RANK, _TP_GROUP, _PP_GROUP = ParallelRank(), None, None
+    _RANK, _TP_GROUP, _PP_GROUP, _TP_SHM = ParallelRank(), None, None, None

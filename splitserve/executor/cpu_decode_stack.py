@@ -27,7 +27,7 @@ import logging
 import torch
 
 from splitserve import envs, kernels
-from splitserve.distributed.parallel_state import tp_group
+from splitserve.distributed.parallel_state import tp_group, tp_shm
 from splitserve.kernels import batch_invariant, cpu_features, row_buckets
 from splitserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from splitserve.quantization.gguf import GGUFLinearMethod
@@ -83,8 +83,11 @@ class CPUDecodeStack:
                         stack.add_run(slot, getattr(linear, name), DENSE if qtype is None else qtype, rows)
                 if linear.bias is not None:  # F.linear fuses a dense column linear's bias; the others add it after
                     stack.set_bias(slot, linear.bias, linear.quant_method is None and linear.parallel != "row")
-        if rank.tp_size > 1:
-            stack.set_tp_group(tp_group().group_name)
+        if rank.tp_size > 1:  # the row-parallel sums as tp_all_reduce makes them
+            if tp_shm() is not None:
+                stack.set_tp_shm(tp_shm())
+            else:
+                stack.set_tp_group(tp_group().group_name)
         built = cls(model, stack)
         logger.info(
             "CPU %s run their %d decoder layers in one C++ call (SPLITSERVE_CPU_DECODE_STACK=0 runs them layer by "

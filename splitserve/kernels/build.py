@@ -30,7 +30,7 @@ from splitserve.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 # Every .cpp of the extension; the headers they include (cpu_ops.h, cpu_simd.h, gguf_formats.h,
-# gguf_repack.h) are found next to them.
+# gguf_repack.h, shm_all_reduce.h) are found next to them.
 SOURCES = (
     "ops_registry.cpp",
     "elementwise.cpp",
@@ -42,6 +42,7 @@ SOURCES = (
     "gguf_products.cpp",
     "moe_experts.cpp",
     "decode_stack.cpp",
+    "shm_all_reduce.cpp",
 )
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}
 _ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "generic": "generic"}

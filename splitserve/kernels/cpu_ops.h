@@ -11,6 +11,7 @@
 //   gguf_repack.cpp       gguf_repack
 //   moe_experts.cpp       moe_experts_gguf
 //   decode_stack.cpp      register_decode_stack (the DecodeStack class and decode_stack_forward)
+//   shm_all_reduce.cpp    register_shm_all_reduce (the ShmAllReduce class and shm_all_reduce)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -52,5 +53,7 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& ids, const at
 
 // The DecodeStack class and its decode_stack_forward operator, into the library being registered.
 void register_decode_stack(torch::Library& m);
+// The ShmAllReduce class (shm_all_reduce.h) and its shm_all_reduce operator.
+void register_shm_all_reduce(torch::Library& m);
 
 }  // namespace splitserve

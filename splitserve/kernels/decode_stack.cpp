@@ -14,8 +14,9 @@
 // bfloat16 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
 // bias added) in runs of output rows. With tensor parallelism each rank runs its share of the heads
 // and of the MLP, and the row-parallel products (o_proj, down_proj) are summed over the ranks in
-// place through torch's functional all-reduce on the tensor-parallel group (the same backend call as
-// torch.distributed.all_reduce), their bias added after the sum. What it does not run
+// place, their bias added after the sum, as tp_all_reduce sums them: through shared memory
+// (shm_all_reduce.h) where the ranks share a machine, else torch's functional all-reduce on the
+// tensor-parallel group (the same backend call as torch.distributed.all_reduce). What it does not run
 // (LoRA, pipeline parallelism, quantized KV caches ...) the Python side never
 // builds it for. Registered through ops_registry.cpp.
 #include <ATen/ATen.h>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "shm_all_reduce.h"
 
 namespace {
 
@@ -128,6 +130,8 @@ class DecodeStack : public torch::CustomClassHolder {
   // Tensor parallelism: the name of the tensor-parallel process group (torch.distributed's
   // group_name) whose ranks the row-parallel products are summed over.
   void set_tp_group(std::string group) { tp_group_ = std::move(group); }
+  // ... or the ranks' shared-memory sums, where they share a machine (distributed/shm_all_reduce.py).
+  void set_tp_shm(c10::intrusive_ptr<splitserve::ShmAllReduce> shm) { tp_shm_ = std::move(shm); }
 
   void set_bias(int64_t slot, at::Tensor bias, bool fused) {
     TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "set_bias needs a layer and a slot in [0, 4)");
@@ -207,7 +211,8 @@ class DecodeStack : public torch::CustomClassHolder {
       }
     }
     at::Tensor y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
-    if (row && !tp_group_.empty()) all_reduce_sum(y, tp_group_);
+    if (row && tp_shm_) tp_shm_->all_reduce(y);
+    else if (row && !tp_group_.empty()) all_reduce_sum(y, tp_group_);
     if (linear.bias.defined() && !linear.fused_bias) y = y + linear.bias;
     return y;
   }
@@ -216,7 +221,8 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, scale_;
   bool native_bf16_;
   bool batch_invariant_;  // the rows' results must not depend on their count (kernels/batch_invariant.py)
-  std::string tp_group_;  // empty: one rank
+  std::string tp_group_;  // empty: one rank (or tp_shm_)
+  c10::intrusive_ptr<splitserve::ShmAllReduce> tp_shm_;
   std::vector<StackLayer> layers_;
 };
 
@@ -240,6 +246,7 @@ void splitserve::register_decode_stack(torch::Library& m) {
       .def("set_bias", &DecodeStack::set_bias)
       .def("set_qk_norm", &DecodeStack::set_qk_norm)
       .def("set_tp_group", &DecodeStack::set_tp_group)
+      .def("set_tp_shm", &DecodeStack::set_tp_shm)
       .def("num_layers", &DecodeStack::num_layers);
   // An operator rather than a method, so that the call releases the GIL as every torch op does. x (the
   // residual stream) and the KV caches are written in place.

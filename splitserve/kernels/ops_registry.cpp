@@ -28,5 +28,6 @@ TORCH_LIBRARY(splitserve_cpu, m) {
         &splitserve::moe_experts_gguf);
   m.def("gguf_embedding(Tensor ids, Tensor w, int qtype, int K, ScalarType dtype) -> Tensor",
         &splitserve::gguf_embedding);
+  splitserve::register_shm_all_reduce(m);  // before DecodeStack, whose set_tp_shm takes its class
   splitserve::register_decode_stack(m);
 }
