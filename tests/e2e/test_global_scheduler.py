@@ -98,7 +98,7 @@ def test_two_instances_share_one_queue(long_context_model, redis_port):
                     assert answer.status_code == 200, answer.text
 
             read_stream(a.url, long, {"X-Request-Id": "gs-job"}, run, on_chunk=abort_at_first_chunk)
-            assert run["finish"] == "abort" and run["chunks"] < 100 and metric(b, stolen) == 5
+            assert run["finish"] == "abort" and run["chunks"] < 2000 and metric(b, stolen) == 5
             _wait_for(lambda: metric(b, running) == 0, 10)
 
             # Both busy: a request waits in A's queue past the 3 s TTL and gets a 503 that says so.

@@ -279,16 +279,16 @@ def test_client_aborts_free_both_sides(pd_cluster):
     for server in (decode, *prefill):
         wait_for(lambda url=server.url: idle(url), what=f"{server.url} to free its blocks")
     # /abort_requests at the router, by the id the client gave: it reaches every instance. It is sent
-    # from the reading thread at the third chunk: a tiny model decodes 400 tokens in about 0.4 s.
+    # from the reading thread at the first chunk: a tiny model decodes 400 tokens in about 0.4 s.
     run: dict = {}
     answers: list = []
 
-    def abort_at_third_chunk(n: int) -> None:
-        if n == 3:
+    def abort_at_first_chunk(n: int) -> None:
+        if n == 1:
             answers.append(httpx.post(f"{router.url}/abort_requests", json={"request_ids": ["pd-job"]}, timeout=30))
 
     body = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
-    read_stream(router.url, body, {"X-Request-Id": "pd-job"}, run, on_chunk=abort_at_third_chunk)
+    read_stream(router.url, body, {"X-Request-Id": "pd-job"}, run, on_chunk=abort_at_first_chunk)
     assert len(answers) == 1 and answers[0].status_code == 200, answers
     assert run["finish"] == "abort" and run["chunks"] < 400
     for server in (decode, *prefill):
