@@ -108,11 +108,7 @@ class CPUDecodeStack:
         encoding = self.model.position_encoding(positions, x.dtype, meta)
         num_tokens = x.shape[0]
         rows = row_buckets.rows_for(num_tokens)
-        starts = _NO_PROMPTS
-        if meta.num_decodes < meta.num_reqs:  # the attention backend's tensor, shared with it
-            starts = meta.scratch.get("query_start_loc")
-            if starts is None:
-                starts = meta.scratch["query_start_loc"] = torch.tensor(meta.query_start_loc, dtype=torch.long)
+        starts = meta.query_start_tensor() if meta.num_decodes < meta.num_reqs else _NO_PROMPTS
         return torch.ops.splitserve_cpu.decode_stack_forward(
             self.stack,
             x,

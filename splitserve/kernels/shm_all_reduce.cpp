@@ -146,8 +146,7 @@ void shm_all_reduce(const c10::intrusive_ptr<splitserve::ShmAllReduce>& group, a
 void splitserve::register_shm_all_reduce(torch::Library& m) {
   m.class_<splitserve::ShmAllReduce>("ShmAllReduce")
       .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, double>())
-      .def_static("header_bytes", &splitserve::ShmAllReduce::header_bytes)
-      .def("calls", &splitserve::ShmAllReduce::calls);
+      .def_static("header_bytes", &splitserve::ShmAllReduce::header_bytes);
   // An operator, so that the wait releases the GIL. x is summed in place.
   m.def("shm_all_reduce(__torch__.torch.classes.splitserve_cpu.ShmAllReduce group, Tensor(a!) x) -> ()",
         &shm_all_reduce);

@@ -18,7 +18,6 @@ class ShmAllReduce : public torch::CustomClassHolder {
   static int64_t header_bytes(int64_t world);
   // x summed over the ranks, in place (float32, bfloat16 or float16 on the CPU).
   void all_reduce(const at::Tensor& x);
-  int64_t calls() const { return calls_; }
 
  private:
   std::atomic<int64_t>* arrived(int64_t r) const;

@@ -359,8 +359,8 @@ class Router(UpstreamPool):
             if status >= 400:
                 logger.warning("%s %s answered %d: %s", inst.url, path, status, body[:200])
                 return Response(body, status_code=status, media_type=ctype)
-        _, body, ctype = results[0]
-        return Response(body, status_code=results[0][0], media_type=ctype)
+        status, body, ctype = results[0]
+        return Response(body, status_code=status, media_type=ctype)
 
     def health(self) -> Response:
         """200 when every serving role has an up instance; otherwise a 503 saying which has none and why."""

@@ -44,6 +44,13 @@ class AttentionMetadata:
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
+    def query_start_tensor(self) -> torch.Tensor:
+        """query_start_loc as an int64 CPU tensor, built by the first layer of the step that asks."""
+        starts = self.scratch.get("query_start_loc")
+        if starts is None:
+            starts = self.scratch["query_start_loc"] = torch.tensor(self.query_start_loc, dtype=torch.long)
+        return starts
+
 
 class AttentionBackend(ABC):
     name: str

@@ -39,9 +39,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def prefill(self, layer, q, k, v, meta: AttentionMetadata, out: torch.Tensor) -> None:
         if not kernels.paged_kv_supported(q, layer.kv_cache, layer.kv_scales):
             return super().prefill(layer, q, k, v, meta, out)
-        starts = meta.scratch.get("query_start_loc")
-        if starts is None:  # built by the first layer of the step, reused by the others
-            starts = meta.scratch["query_start_loc"] = torch.tensor(meta.query_start_loc, dtype=torch.long)
+        starts = meta.query_start_tensor()
         kernels.prefill_attention(
             out,
             q,
