@@ -8,7 +8,6 @@ import logging
 import numpy as np
 import torch
 
-from splitserve import kernels
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
 from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
@@ -28,7 +27,7 @@ from splitserve.executor.prompt_logprobs import prompt_logprobs
 from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
-from splitserve.kernels import batch_invariant
+from splitserve.kernels import batch_invariant, cpu_memory
 from splitserve.layers.moe import FusedMoE, expert_load
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
@@ -48,7 +47,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
         if self.device.type == "cpu":
-            kernels.enable_transparent_huge_pages()
+            cpu_memory.tune_for_activations()
         self.rank = get_parallel_rank()
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load and self.rank.rank == 0)
         if config.batch_invariant:

@@ -33,7 +33,6 @@ to the attention backend (splitserve/executor/attention), and sampling stays in 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -59,15 +58,6 @@ def cpu_ops():
 
 def cpu_kernels_enabled() -> bool:
     return envs.SPLITSERVE_CPU_KERNELS
-
-
-def enable_transparent_huge_pages() -> None:
-    """Let torch back its large CPU tensors with 2 MiB pages (THP_MEM_ALLOC_ENABLE, read by torch's
-    CPU allocator). A prefill step allocates gigabytes of short-lived activations; with 4 KiB pages
-    the page faults alone cost about 15% of it. An explicit THP_MEM_ALLOC_ENABLE=0 is kept."""
-    if "THP_MEM_ALLOC_ENABLE" not in os.environ:
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
-        logger.info("CPU: large tensors use transparent huge pages (THP_MEM_ALLOC_ENABLE=0 turns this off).")
 
 
 def _use_cpu_kernel(x: torch.Tensor) -> bool:
