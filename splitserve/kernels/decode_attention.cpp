@@ -242,7 +242,9 @@ void decode_item_bf16(RowWalker<c10::BFloat16> keys, RowWalker<c10::BFloat16> va
     float* s = &scores[g * n];
     inv_sum[g] = softmax_unnormalised(s, n);
     c10::BFloat16* pg = &probs[g * 2 * half];
-    for (int64_t t = 0; t < n; ++t) pg[t] = c10::BFloat16(s[t]);
+    int64_t t = 0;  // 16 at a time: the values are 0 or normal floats, which store() rounds as c10 does
+    for (; t + 16 <= n; t += 16) store(pg + t, _mm512_loadu_ps(s + t));
+    for (; t < n; ++t) pg[t] = c10::BFloat16(s[t]);
     if (n % 2) pg[n] = c10::BFloat16(0.f);
   }
   __m512 lo[16][kC], hi[16][kC];

@@ -286,6 +286,24 @@ def test_fused_sampling_matches_the_torch_sampler(ops, monkeypatch, dtype):
     torch.testing.assert_close(reference_out.sampled_logprobs[same], expected[same], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_greedy_takes_the_first_maximum(ops, dtype):
+    """The row maximum comes from a vectorised pass and its position from a scan: ties, banned
+    (-inf) tokens and a maximum in the last column give torch.argmax's first index."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 49152, generator=g).to(dtype)
+    logits[0, [7, 300, 49000]] = 9.0  # ties
+    logits[1, :] = float("-inf")
+    logits[1, [12345, 40000]] = -2.0
+    logits[2, -1] = 50.0
+    logits[3, 0] = 50.0
+    logits[4] = logits[4].round()  # many ties in bfloat16 and float32
+    tokens, logprobs = kernels.sample(logits, torch.zeros(6), torch.rand(6, generator=g))
+    assert tokens.tolist() == logits.float().argmax(-1).tolist()
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, atol=2e-4, rtol=1e-4)
+
+
 def test_fused_sampling_follows_the_distribution(ops):
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
     logits = probs.log().expand(20000, 5).contiguous()  # the last token can never be drawn
