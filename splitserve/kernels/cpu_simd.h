@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPLITSERVE_ISA_AVX2 1
@@ -48,6 +49,8 @@ namespace {
 inline float vadd(float a, float b) { return a + b; }
 inline float vsub(float a, float b) { return a - b; }
 inline float vmul(float a, float b) { return a * b; }
+inline float vdiv(float a, float b) { return a / b; }
+inline float vneg(float a) { return -a; }
 inline float vexp2i(float n) {  // 2^n for integral n in [-126, 127], from the exponent bits
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float out;
@@ -67,6 +70,10 @@ inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vneg(vec a) {  // the sign bit flipped, as unary minus does (0 - a would turn -0 into +0)
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+}
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
@@ -94,6 +101,8 @@ inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
@@ -253,5 +262,83 @@ inline void store(c10::BFloat16* out, __m512 v) {
 #endif
 }
 #endif
+
+
+// ---- vec rows of T: widened to float32, and stored rounded exactly as static_cast<T> rounds -------
+// vload_as(p): kVecWidth values of T at p as float32. vstore_as(p, v): v stored as T, rounded to
+// nearest even with denormals kept and a NaN made c10's NaN: bit for bit what static_cast<T> of each
+// lane gives, in every build (store() above flushes denormals in AVX512-BF16 builds, which suits
+// dequantized weights but not activations). vround_as<T>(v): v rounded to T and widened back. They
+// let an element-wise kernel vectorise its conversions and keep the scalar loop's exact results.
+inline vec vload_as(const float* p) { return vload(p); }
+inline void vstore_as(float* p, vec v) { vstore(p, v); }
+#if defined(SPLITSERVE_ISA_AVX512)
+inline vec vload_as(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline vec vload_as(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// v rounded to bfloat16 in place (the low 16 bits zero), as static_cast<c10::BFloat16> rounds.
+inline vec vround_bf16(vec v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __m512i r = _mm512_and_si512(up, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+}
+inline void vstore_as(c10::BFloat16* p, vec v) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+inline void vstore_as(c10::Half* p, vec v) { store(p, v); }
+#elif defined(SPLITSERVE_ISA_AVX2)
+inline vec vload_as(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline vec vload_as(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vec vround_bf16(vec v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256i r = _mm256_and_si256(up, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+inline void vstore_as(c10::BFloat16* p, vec v) { store(p, v); }
+inline void vstore_as(c10::Half* p, vec v) { store(p, v); }
+#else
+template <typename T>
+inline vec vload_as(const T* p) { return static_cast<float>(*p); }
+template <typename T>
+inline void vstore_as(T* p, vec v) { *p = static_cast<T>(v); }
+#endif
+
+// The element types the three take; vectorised_part<T>(n): how much of a row of n values goes
+// through them (whole vectors), 0 for other types (double), which keep the scalar loops.
+template <typename T>
+constexpr bool kVecAs = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+template <typename T>
+constexpr int64_t vectorised_part(int64_t n) {
+  return kVecAs<T> ? n / kVecWidth * kVecWidth : 0;
+}
+
+template <typename T>
+inline vec vround_as(vec v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+#if defined(SPLITSERVE_ISA_AVX2)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return vround_bf16(v);
+#endif
+  } else {
+    T tmp[kVecWidth];
+    vstore_as(tmp, v);
+    return vload_as(tmp);
+  }
+}
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The fused element-wise steps of a decoder layer: RMSNorm (with or without the residual add
 // before it), rotary and SiLU-and-mul. Registered in ops_registry.cpp; decode_stack.cpp calls them
-// directly (cpu_ops.h). Parallelised with at::parallel_for on torch's own OpenMP threads,
-// vectorised by the compiler.
+// directly (cpu_ops.h). Parallelised with at::parallel_for on torch's own OpenMP threads, and
+// vectorised on cpu_simd.h's vec, whose conversions (vload_as, vstore_as, vround_as) round as the
+// scalar static_cast does; a row's last H % kVecWidth values take the scalar loop.
 //
 // Every kernel takes float32, bfloat16 or float16 and computes in float32, rounding to the tensor
 // dtype at the same points as the torch code it replaces (see each), so that bfloat16 results match
@@ -34,24 +35,35 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, c
   const T* wp = weight.data_ptr<T>();
   at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
+    const int64_t Hv = vectorised_part<T>(H);  // whole vectors; the rest one value at a time
     for (int64_t t = begin; t < end; ++t) {
+      const T* a = xp + t * xs;
       if (add) {
         T* r = rp + t * rs;
-        const T* a = xp + t * xs;
-        for (int64_t i = 0; i < H; ++i) {
+        if constexpr (kVecAs<T>)
+          for (int64_t i = 0; i < Hv; i += kVecWidth) {
+            const vec sum = vround_as<T>(vadd(vload_as(a + i), vload_as(r + i)));
+            vstore_as(r + i, sum);
+            vstore(&row[i], sum);
+          }
+        for (int64_t i = Hv; i < H; ++i) {
           r[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(r[i]));
           row[i] = static_cast<float>(r[i]);
         }
       } else {
-        const T* a = xp + t * xs;
-        for (int64_t i = 0; i < H; ++i) row[i] = static_cast<float>(a[i]);
+        if constexpr (kVecAs<T>)
+          for (int64_t i = 0; i < Hv; i += kVecWidth) vstore(&row[i], vload_as(a + i));
+        for (int64_t i = Hv; i < H; ++i) row[i] = static_cast<float>(a[i]);
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < H; ++i) ss += row[i] * row[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
       T* o = op + t * os;
-      for (int64_t i = 0; i < H; ++i) {
+      if constexpr (kVecAs<T>)
+        for (int64_t i = 0; i < Hv; i += kVecWidth)
+          vstore_as(o + i, vmul(vload_as(wp + i), vround_as<T>(vmul(vload(&row[i]), vset1(inv)))));
+      for (int64_t i = Hv; i < H; ++i) {
         const float normed = static_cast<float>(static_cast<T>(row[i] * inv));
         o[i] = static_cast<T>(static_cast<float>(wp[i]) * normed);
       }
@@ -64,8 +76,18 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, c
 // same dtype. The rotate-half form: x <- round(round(x * cos) + round(rotate_half(x) * sin)).
 template <typename T>
 void rotate(T* x, const T* c, const T* s, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  const int64_t half = D / 2, vectorised = vectorised_part<T>(half);
+  if constexpr (kVecAs<T>)
+    for (int64_t i = 0; i < vectorised; i += kVecWidth) {
+      const vec x1 = vload_as(x + i), x2 = vload_as(x + i + half);
+      const vec a1 = vround_as<T>(vmul(x1, vload_as(c + i)));
+      const vec b1 = vround_as<T>(vmul(vneg(x2), vload_as(s + i)));
+      const vec a2 = vround_as<T>(vmul(x2, vload_as(c + i + half)));
+      const vec b2 = vround_as<T>(vmul(x1, vload_as(s + i + half)));
+      vstore_as(x + i, vadd(a1, b1));
+      vstore_as(x + i + half, vadd(a2, b2));
+    }
+  for (int64_t i = vectorised; i < half; ++i) {
     const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
     const float a1 = static_cast<float>(static_cast<T>(x1 * static_cast<float>(c[i])));
     const float b1 = static_cast<float>(static_cast<T>(-x2 * static_cast<float>(s[i])));
@@ -101,19 +123,23 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t T_ = x.size(0), I = out.size(1), xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const int64_t Iv = vectorised_part<T>(I);  // whole vectors; the rest one value at a time
   at::parallel_for(0, T_, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> act(I);
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = xp + t * xs;
       const T* up = gate + I;
       T* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
+      if constexpr (kVecAs<T>)
+        for (int64_t i = 0; i < Iv; i += kVecWidth) {
+          const vec g = vload_as(gate + i);
+          const vec act = vround_as<T>(vdiv(g, vadd(vset1(1.f), vexp(vneg(g)))));
+          vstore_as(o + i, vmul(act, vload_as(up + i)));
+        }
+      for (int64_t i = Iv; i < I; ++i) {
         const float g = static_cast<float>(gate[i]);
-        act[i] = g / (1.f + exp_approx(-g));
+        const float act = static_cast<float>(static_cast<T>(g / (1.f + exp_approx(-g))));
+        o[i] = static_cast<T>(act * static_cast<float>(up[i]));
       }
-      for (int64_t i = 0; i < I; ++i)
-        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(act[i])) * static_cast<float>(up[i]));
     }
   });
 }

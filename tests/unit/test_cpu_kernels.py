@@ -93,6 +93,45 @@ def test_silu_and_mul(ops, monkeypatch, dtype):
     _close(kernels.silu_and_mul(x), _reference(monkeypatch, kernels.silu_and_mul, x), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vector_lanes_round_as_the_scalar_loop(ops, dtype):
+    """The element-wise kernels take whole vectors of a row (16 or 8 lanes) and finish the row one
+    value at a time; both must give the same bits. Rows of 21 values (an AVX-512 vector and a tail
+    of 5, or two AVX2 vectors and the same tail) hold the same five values at 0-4 and 16-20: zeros of
+    both signs (a negated +0 must stay -0), values whose products are bfloat16 and float16
+    denormals, large and ordinary ones."""
+    five = torch.tensor([0.0, -0.0, 3e-39, -1.7e-5, 9.5])
+    g = torch.Generator().manual_seed(4)
+
+    def row(width: int, head: torch.Tensor = five) -> torch.Tensor:
+        x = torch.randn(width, generator=g) * 2
+        x[0:5], x[16:21] = head, head
+        return x
+
+    def same(out: torch.Tensor) -> None:
+        a, b = out[..., 0:5].contiguous(), out[..., 16:21].contiguous()
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(a.view(bits), b.view(bits)), (a, b)
+
+    x = torch.stack([row(21) for _ in range(3)]).to(dtype)
+    weight = row(21).to(dtype)
+    same(kernels.rms_norm(x, weight, 1e-6)[0])
+    residual = torch.stack([row(21) for _ in range(3)]).to(dtype)
+    out, new_residual = kernels.rms_norm(x, weight, 1e-6, residual)
+    same(out), same(new_residual)
+    gate_up = torch.cat([torch.stack([row(21) for _ in range(3)]) * 4, torch.stack([row(21) for _ in range(3)])], 1)
+    same(kernels.silu_and_mul(gate_up.to(dtype)))
+    # rotary: half = 21, so each half of a head is a vector and a tail; cos and sin the same way,
+    # with signs that make x1 * cos - x2 * sin a sum of two signed zeros at 0 and 1
+    q, k = (torch.stack([torch.cat([row(21), row(21)]) for _ in range(h)])[None].to(dtype) for h in (2, 1))
+    cos_five, sin_five = torch.tensor([-0.6, -0.6, 0.8, 1.0, -1.0]), torch.tensor([0.8, 0.8, -0.6, 1e-3, 0.5])
+    cos = torch.cat([row(21, cos_five), row(21, cos_five)])[None].to(dtype)
+    sin = torch.cat([row(21, sin_five), row(21, sin_five)])[None].to(dtype)
+    kernels.apply_rotary(q, k, cos, sin)
+    for t in (q, k):
+        same(t[..., :21]), same(t[..., 21:])
+
+
 def _decode_meta(seq_lens, block_size, num_blocks, gen):
     """A decode-only batch over random, non-contiguous blocks."""
     tables, free = [], torch.randperm(num_blocks, generator=gen).tolist()
