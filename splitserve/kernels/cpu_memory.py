@@ -13,8 +13,8 @@ under them cheap:
   start (mmap at glibc's largest, 32 MiB; trim at 512 MiB), every step reuses the heap's pages. On
   a 2-core AMD EPYC (avx512_bf16) the first two 2048-token steps of a run took 1.73 and 1.56 s
   against 1.26 and 1.40 s for the two after them, and 1.17-1.29 s each with the thresholds fixed.
-  Blocks above 32 MiB (the KV cache, weights) are still mapped and unmapped, so freeing them still
-  returns their memory.
+  At most 512 MiB of freed memory stays at the heap's top; a block above 32 MiB that it cannot hold
+  (the KV cache, weights) is still mapped on its own and unmapped when freed.
 Each setting leaves alone what the user set: THP_MEM_ALLOC_ENABLE, MALLOC_MMAP_THRESHOLD_,
 MALLOC_TRIM_THRESHOLD_ or a glibc.malloc tunable in GLIBC_TUNABLES.
 """

@@ -1,7 +1,7 @@
 """splitserve.kernels.cpu_memory: glibc keeps a step's freed activation buffers for the next one.
 
-Each case runs in a fresh interpreter: malloc's thresholds are per process and cannot be read back,
-so the test counts the page faults of repeated steps (what the setting is for) with and without it.
+Each case runs in a fresh interpreter (malloc's thresholds are per process) and reads glibc's own
+counters (mallinfo2): where a step's blocks come from, and what is kept once they are freed.
 """
 
 import os
@@ -13,47 +13,59 @@ import pytest
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's malloc")
 
-# Five "steps", each allocating and touching 3 to 24 MiB buffers (a 2048-token prefill step's
-# activations) and freeing them; prints the minor page faults of the last four, counted in 4 KiB pages.
-STEPS = """
-import ctypes, resource, sys, torch
-ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, whatever the host's THP mode
+# A "step": 8 to 24 MiB blocks (a 2048-token prefill step's activations), 96 MiB in all, then
+# freed; then one 200 MiB block, more than the heap keeps free. Prints: applied, MiB of the step's blocks that were mapped on their
+# own (mmap), MiB kept at the heap's top after the frees, MiB mapped for the 200 MiB block.
+STEP = """
+import ctypes, sys
+fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in fields]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
 from splitserve.kernels import cpu_memory
-print(cpu_memory.keep_freed_buffers() if sys.argv[1] == "tuned" else "untouched")
-def step():
-    buffers = [torch.ones(n << 20, dtype=torch.uint8) for n in (3, 6, 12, 12, 24)]
-    del buffers
-step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
-    step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+applied = cpu_memory.keep_freed_buffers() if sys.argv[1] == "tuned" else "untouched"
+MiB = 1 << 20
+before = libc.mallinfo2().hblkhd
+blocks = [libc.malloc(n * MiB) for n in (8, 16, 24, 24, 24)]
+mapped = libc.mallinfo2().hblkhd - before
+for block in blocks:
+    libc.free(block)
+kept = libc.mallinfo2().keepcost
+big = libc.malloc(200 * MiB)
+big_mapped = libc.mallinfo2().hblkhd - before
+libc.free(big)
+print(applied, mapped // MiB, kept // MiB, big_mapped // MiB)
 """
 
 
-def run_steps(mode: str, **env: str) -> tuple[str, int]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")}
+def run_step(mode: str, **env: str) -> tuple[str, int, int, int]:
+    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
     out = subprocess.run(
-        [sys.executable, "-c", STEPS, mode], env={**clean, **env}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", STEP, mode], env={**clean, **env}, capture_output=True, text=True, check=True
     ).stdout.split()
-    return out[0], int(out[1])
+    return out[0], int(out[1]), int(out[2]), int(out[3])
 
 
-def test_later_steps_reuse_the_heap_instead_of_faulting_pages_in():
-    applied, tuned = run_steps("tuned")
+def test_a_steps_blocks_come_from_the_heap_and_stay_there_once_freed():
+    # glibc's default maps each block above 128 KiB on its own and unmaps it on free (then raises
+    # its threshold): the next step's blocks come back as fresh pages, faulted in again.
+    _, mapped, _, _ = run_step("untouched")
+    assert mapped >= 96
+    applied, mapped, kept, big_mapped = run_step("tuned")
     assert applied == "True"
-    _, default = run_steps("untouched")
-    # 57 MiB a step is ~14,600 pages of 4 KiB: glibc's default maps many of them afresh every step
-    # (34,000 faults over four steps measured), the fixed thresholds almost none (~800).
-    assert default > 14_600, default
-    assert tuned < default // 8, (tuned, default)
+    assert mapped == 0  # from the heap ...
+    assert kept >= 96  # ... and kept there for the next step (trim threshold 512 MiB)
+    assert big_mapped >= 200  # a block above 32 MiB that the free top cannot hold (a KV cache) is still mapped
 
 
 @pytest.mark.parametrize(
     "env", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}]
 )
 def test_what_the_user_set_is_kept(env):
-    applied, _ = run_steps("tuned", **env)
+    applied, _, _, _ = run_step("tuned", **env)
     assert applied == "False"
 
 
