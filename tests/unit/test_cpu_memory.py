@@ -14,8 +14,9 @@ import pytest
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's malloc")
 
 # A "step": 8 to 24 MiB blocks (a 2048-token prefill step's activations), 96 MiB in all, then
-# freed; then one 200 MiB block, more than the heap keeps free. Prints: applied, MiB of the step's blocks that were mapped on their
-# own (mmap), MiB kept at the heap's top after the frees, MiB mapped for the 200 MiB block.
+# freed; then one 200 MiB block, more than the heap keeps free. Prints: applied, MiB of the step's
+# blocks mapped on their own (mmap), MiB kept at the heap's top after the frees, MiB mapped for the
+# 200 MiB block.
 STEP = """
 import ctypes, sys
 fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
