@@ -234,11 +234,17 @@ inline void store(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
 inline void store(c10::Half* out, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
-inline void store(c10::BFloat16* out, __m256 v) {
+// v rounded to bfloat16 in place (the low 16 bits zero), as static_cast<c10::BFloat16> rounds.
+inline __m256 vround_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256i r = _mm256_and_si256(up, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+inline void store(c10::BFloat16* out, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(vround_bf16(v)), 16);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
@@ -263,7 +269,6 @@ inline void store(c10::BFloat16* out, __m512 v) {
 }
 #endif
 
-
 // ---- vec rows of T: widened to float32, and stored rounded exactly as static_cast<T> rounds -------
 // vload_as(p): kVecWidth values of T at p as float32. vstore_as(p, v): v stored as T, rounded to
 // nearest even with denormals kept and a NaN made c10's NaN: bit for bit what static_cast<T> of each
@@ -280,7 +285,7 @@ inline vec vload_as(const c10::BFloat16* p) {
 inline vec vload_as(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// v rounded to bfloat16 in place (the low 16 bits zero), as static_cast<c10::BFloat16> rounds.
+// v rounded to bfloat16 in place, as the 256-bit vround_bf16 above.
 inline vec vround_bf16(vec v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -300,14 +305,6 @@ inline vec vload_as(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline vec vload_as(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline vec vround_bf16(vec v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  const __m256i r = _mm256_and_si256(up, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
-                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
 inline void vstore_as(c10::BFloat16* p, vec v) { store(p, v); }
 inline void vstore_as(c10::Half* p, vec v) { store(p, v); }
 #else
