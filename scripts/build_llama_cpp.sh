@@ -8,9 +8,13 @@
 #   $CACHE_DIR/bin/llama-server -m model.gguf -t 2 -np 64 -c 32768 --port 8080
 #   $CACHE_DIR/bin/llama-bench -m model.gguf -t 2 -p 0 -n 128      # tg128, single stream
 #
-# A portable build (GGML_NATIVE=OFF) for the instruction sets this CPU has: AVX2 and FMA always,
-# AVX-512 (and its VNNI and BF16 extensions) only where /proc/cpuinfo lists them, so that the
-# binaries run on the AVX2-only hosts of this project's kind too; about 15 minutes on 2 cores. LLAMA_CPP_PYTHON_VERSION picks the sdist (default below).
+# By default a native build (GGML_NATIVE=ON: -march=native), the peer to compare against on the host
+# that builds it: on a CPU with AMX it brings llama.cpp's AMX int8 kernels for the 4-bit types,
+# which a portable build leaves out. PORTABLE=1 builds for the instruction sets /proc/cpuinfo lists
+# instead (AVX2 and FMA always; AVX-512 and its VNNI and BF16 extensions where listed), binaries
+# that also run on this project's AVX2-only hosts. Each build has a directory of its own, named by
+# the kind and the CPU's flags, so a cache copied to another host is configured afresh. About 15
+# minutes on 2 cores. LLAMA_CPP_PYTHON_VERSION picks the sdist (default below).
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -41,12 +45,19 @@ SRC="$CACHE/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 has_flag() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
 AVX512="$(has_flag avx512f)" VNNI="$(has_flag avx512_vnni)" BF16="$(has_flag avx512_bf16)"
 [ "$AVX512" = ON ] || VNNI=OFF BF16=OFF
-# A build for another instruction set (a cache copied between hosts) is configured afresh.
-BUILD="$CACHE/build-avx512-$AVX512-vnni-$VNNI-bf16-$BF16"
-echo "Configuring llama.cpp ($SRC): AVX-512 $AVX512, AVX-512 VNNI $VNNI, AVX-512 BF16 $BF16"
-cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512="$AVX512" \
-    -DGGML_AVX512_VNNI="$VNNI" -DGGML_AVX512_BF16="$BF16" \
+if [ "${PORTABLE:-0}" = 1 ]; then
+    BUILD="$CACHE/build-avx512-$AVX512-vnni-$VNNI-bf16-$BF16"
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_AVX512="$AVX512" -DGGML_AVX512_VNNI="$VNNI" -DGGML_AVX512_BF16="$BF16")
+    echo "Configuring a portable llama.cpp ($SRC): AVX-512 $AVX512, AVX-512 VNNI $VNNI, AVX-512 BF16 $BF16"
+else
+    FLAGS_KEY="$(grep -m1 -w flags /proc/cpuinfo | md5sum | cut -c1-12)"
+    BUILD="$CACHE/build-native-$FLAGS_KEY"
+    ISA_FLAGS=(-DGGML_NATIVE=ON)
+    echo "Configuring a native llama.cpp ($SRC) for this CPU: AVX-512 $AVX512, AVX-512 VNNI $VNNI," \
+        "AVX-512 BF16 $BF16, AMX int8 $(has_flag amx_int8), AMX bf16 $(has_flag amx_bf16)"
+fi
+cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
 echo "Building $TARGETS with $JOBS jobs"
 # shellcheck disable=SC2086  # TARGETS is a list of words

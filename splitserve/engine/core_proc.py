@@ -260,9 +260,9 @@ def run_engine_core(source, address: str, ready_pipe) -> None:
         return
     try:
         if config.parallel_config.world_size == 1:  # with several ranks, the workers take the cores
-            from splitserve.executor.cpu_binding import apply_cpu_cores_env
+            from splitserve.executor.cpu_binding import configure_cpu_threads
 
-            apply_cpu_cores_env()
+            configure_cpu_threads()
         proc = EngineCoreProc(config, address)
     except Exception as exc:  # report any start-up failure to the parent, then exit
         logger.exception("Engine start-up failed")

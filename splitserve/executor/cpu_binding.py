@@ -1,11 +1,15 @@
 """CPU cores per process: instances of a PD deployment and the ranks of one instance each get their
-own share of the cores, with one torch thread per core (docs/parallel.md says how to set it by hand)."""
+own share of the cores, with one torch thread per core (docs/parallel.md says how to set it by hand).
+"Core" here is a CPU the scheduler can run a thread on, a hardware thread where the host has SMT."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from splitserve import envs
+
+logger = logging.getLogger(__name__)
 
 CPU_CORES_ENV = "SPLITSERVE_CPU_CORES"  # set by launchers for their children (read through envs)
 
@@ -33,6 +37,37 @@ def bind_cpu_cores(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))
 
 
-def apply_cpu_cores_env() -> None:
+THREAD_COUNT_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read by torch itself at start-up
+_threads_chosen = False
+
+
+def configure_cpu_threads() -> None:
+    """A single-rank engine's threads, once per process: the cores a launcher gave
+    (SPLITSERVE_CPU_CORES), else one torch thread per CPU this process may use. Torch's own default
+    is one thread per physical core, which on a host whose CPUs are hardware threads of fewer cores
+    (a 2-vCPU VM on one hyperthreaded core) leaves half of them idle, where `llama-bench -t 2` and
+    vLLM's `VLLM_CPU_OMP_THREADS_BIND=0-1` use both. A count the user set (OMP_NUM_THREADS,
+    MKL_NUM_THREADS) is kept."""
+    global _threads_chosen
+    if _threads_chosen:
+        return
+    _threads_chosen = True
     if envs.SPLITSERVE_CPU_CORES:
         bind_cpu_cores(available_cores())
+        return
+    import torch
+
+    chosen = next((name for name in THREAD_COUNT_ENVS if os.environ.get(name)), None)
+    cpus = available_cores()
+    if chosen is not None:
+        logger.info("CPU: %d torch threads, as %s=%s says.", torch.get_num_threads(), chosen, os.environ[chosen])
+        return
+    default = torch.get_num_threads()
+    if default != len(cpus):
+        torch.set_num_threads(len(cpus))
+    logger.info(
+        "CPU: %d torch threads, one per CPU this process may use (%s)%s; OMP_NUM_THREADS=N sets another count.",
+        len(cpus),
+        ",".join(map(str, cpus)),
+        f", where torch's default was {default} (one per physical core)" if default != len(cpus) else "",
+    )

@@ -6,6 +6,7 @@ from splitserve.config import EngineConfig
 from splitserve.distributed import ParallelRank
 from splitserve.distributed.kv_transfer.handler import KVTransferHandler
 from splitserve.executor.abstract import Executor
+from splitserve.executor.cpu_binding import configure_cpu_threads
 from splitserve.executor.in_flight import InFlightStep
 from splitserve.executor.model_runner import ModelRunner
 from splitserve.executor.sleep_mode import RankSleep
@@ -15,6 +16,8 @@ from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
+        if config.device.type == "cpu":  # an engine in the caller's process (LLM) has no core_proc to do it
+            configure_cpu_threads()
         self.runner = ModelRunner(config)
         self.sleeping = RankSleep(lambda: ModelRunner(config), config.model_config)
         self._last: InFlightStep | None = None  # the step a pending input token comes from
