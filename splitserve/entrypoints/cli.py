@@ -79,12 +79,19 @@ def _add_quantize(qt: argparse.ArgumentParser) -> None:
 
 def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from splitserve.benchmarks import multimodal, pd, quant, serve, soak, spec, startup, throughput
+    from splitserve.benchmarks import latency, multimodal, pd, quant, serve, soak, spec, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput (vLLM's `bench throughput` workload)")
     add_engine_args(tp)
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
+
+    lt = bench_sub.add_parser(
+        "latency", help="latency of one batch (vLLM's `bench latency`) and the decode rate (llama-bench's tg<N>)"
+    )
+    add_engine_args(lt)
+    latency.add_arguments(lt)
+    lt.set_defaults(func=lambda ns: latency.main(ns, engine_args_from(ns)))
 
     sv = bench_sub.add_parser(
         "serve", help="online serving benchmark against an OpenAI-compatible server (vLLM's `bench serve`)"
