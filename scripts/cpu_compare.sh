@@ -35,6 +35,9 @@ echo "flags: $(grep -m1 -w flags /proc/cpuinfo | tr ' ' '\n' |
     grep -x -E 'avx2|fma|avx512f|avx512_vnni|avx512_bf16|amx_tile|amx_bf16|amx_int8' | tr '\n' ' ')"
 lscpu | grep -E '^(Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)):' || true
 echo "threads: $THREADS; splitserve's kernels: $("$PYTHON" -c 'from splitserve.kernels import cpu_features as c; print(c.describe())')"
+echo "oneDNN, a bfloat16 product of 64 rows: $(ONEDNN_VERBOSE=1 "$PYTHON" -c 'import torch
+torch.nn.functional.linear(torch.randn(64, 576).bfloat16(), torch.randn(1728, 576).bfloat16())' 2>&1 |
+    grep -o -E 'isa:[^,]*|brg[^,]*' | tr '\n' ' ')"
 DTYPE="$("$PYTHON" -c 'from splitserve.kernels import cpu_features as c; print("bfloat16" if c.native_bf16() else "float32")')"
 GGUF="$("$PYTHON" -c 'from splitserve.loader.resolve import default_model_path; print(default_model_path())')"
 DENSE_DIR="${DENSE_DIR:-$HOME/.cache/splitserve/smollm2-dense-$DTYPE}"
