@@ -116,7 +116,7 @@ def _model_products(model: torch.nn.Module) -> dict:
         if packed is not None:
             k = getattr(module, "in_features", None) or module.dim
             rows = getattr(module, "out_features", None) or getattr(module, "rows_per_rank", None)
-            add(("packed", rows, k), packed, (k, torch.bfloat16, lambda x, p=packed: _packed_product(x, p)))
+            add(("packed", rows, k, packed.dtype), packed, (k, packed.dtype, lambda x, p=packed: _packed_product(x, p)))
         elif isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16):
             fn = lambda x, w=weight: torch.nn.functional.linear(x, w)  # noqa: E731
             add(("dense", *weight.shape, weight.dtype), weight, (weight.shape[1], weight.dtype, fn))
@@ -140,7 +140,7 @@ def _gguf_tile_products(module: torch.nn.Module):
 
 
 def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """As kernels/packed_linear.py multiplies a prepacked bfloat16 weight (which pads through this module)."""
+    """As kernels/packed_linear.py multiplies a prepacked weight (which pads through this module)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 

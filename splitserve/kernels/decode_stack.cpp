@@ -11,7 +11,7 @@
 // What it runs: RMSNorm (fused with the residual add from the second norm on), q/k/v as one
 // matmul, Qwen3's per-head q and k RMSNorms where the layer has them, rotary in place, the paged KV write, paged decode attention, o_proj, SiLU-and-mul between
 // gate/up and down. Linears are dense (at::linear, with the bias fused as F.linear does), prepacked
-// bfloat16 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
+// bfloat16 or float32 (oneDNN's _linear_pointwise, bias fused) or GGUF blocks (splitserve::gguf_mm, then the
 // bias added) in runs of output rows. With tensor parallelism each rank runs its share of the heads
 // and of the MLP, and the row-parallel products (o_proj, down_proj) are summed over the ranks in
 // place, their bias added after the sum, as tp_all_reduce sums them: through shared memory
@@ -34,7 +34,7 @@
 namespace {
 
 constexpr int64_t kDense = -1;   // a dense [rows, K] weight
-constexpr int64_t kPacked = -2;  // a bfloat16 weight prepacked for oneDNN (kernels/packed_linear.py)
+constexpr int64_t kPacked = -2;  // a bfloat16 or float32 weight prepacked for oneDNN (kernels/packed_linear.py)
 
 struct Run {
   int64_t qtype;  // ggml type of GGUF blocks, kDense or kPacked

@@ -5,7 +5,8 @@ builds and JIT-compiles a kernel for every new shape and keeps it in two caches 
 entries each (ideep's `LRU_CACHE_CAPACITY`, oneDNN's `ONEDNN_PRIMITIVE_CACHE_CAPACITY`), about
 0.5 MB apiece. A server's steps carry every row count from 1 to max_num_batched_tokens, so the
 engine process grew by over a gigabyte in a 10-minute soak without leaking anything (float32
-goes through MKL and does not grow). Building a kernel also costs about 1.7 ms, against 0.6 ms
+F.linear goes through MKL and does not grow; float32 weights prepacked for oneDNN do, and are
+padded). Building a kernel also costs about 1.7 ms, against 0.6 ms
 for the product itself at a few hundred rows (576 -> 1728, 2 cores).
 
 So rows go up to `row_bucket(m)`: exact up to 16 (decode batches), then multiples of 16 up to
@@ -57,10 +58,11 @@ def rows_for(m: int, weight: torch.Tensor | None = None) -> int:
 
 def padded_rows(x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] with zero rows appended up to rows_for(M, weight), where the product would go
-    through oneDNN (a CPU tensor of a bucketed dtype) or batch-invariant numerics are on; x2 itself
-    otherwise."""
+    through oneDNN (a CPU tensor of a bucketed dtype, or a weight prepacked for oneDNN) or
+    batch-invariant numerics are on; x2 itself otherwise."""
     m = x2.shape[0]
-    if x2.device.type != "cpu" or not (batch_invariant.enabled() or (ENABLED and x2.dtype in _BUCKETED_DTYPES)):
+    through_onednn = x2.dtype in _BUCKETED_DTYPES or (weight is not None and weight.is_mkldnn)  # packed float32 too
+    if x2.device.type != "cpu" or not (batch_invariant.enabled() or (ENABLED and through_onednn)):
         return x2
     rows = rows_for(m, weight)
     if rows == m:

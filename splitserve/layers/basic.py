@@ -278,13 +278,13 @@ silu_and_mul = kernels.silu_and_mul
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Prepack the model's weights once for the CPU kernels: dense bfloat16 linears and the LM head
-    for oneDNN (kernels/packed_linear.py), and whatever a quantized linear's method repacks (GGUF
+    """Prepack the model's weights once for the CPU kernels: dense bfloat16 and float32 linears and
+    the LM head for oneDNN (kernels/packed_linear.py), and whatever a quantized linear's method repacks (GGUF
     Q4_0/Q4_1/Q8_0 blocks interleaved 16 rows at a time), a GGUF LM head too (its token lookups read
     the interleaved rows). Returns how many weights were packed, and logs it."""
     if not packed_linear.enabled():
         logger.info(
-            "%s=0: bfloat16 linear weights are reordered by oneDNN at every call, quantized ones stay as loaded.",
+            "%s=0: dense linear weights are multiplied as loaded (F.linear), quantized ones stay as loaded.",
             packed_linear.ENV,
         )
         return 0
@@ -307,7 +307,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
         quantized += head.repack_gguf_blocks()
     if dense:
         logger.info(
-            "CPU: %d bfloat16 weights prepacked for oneDNN once, not reordered at every call (%s=0 turns it off).",
+            "CPU: %d dense weights prepacked for oneDNN once, not reordered at every call (%s=0 turns it off).",
             dense,
             packed_linear.ENV,
         )

@@ -1,6 +1,7 @@
-"""bfloat16 linears with their weights prepacked for oneDNN (kernels/packed_linear.py) give exactly
-F.linear's results, at every row count and with a bias; an engine packs its dense bfloat16 linears
-and LM head on CPU, and neither float32 weights nor SPLITSERVE_CPU_PACKED_WEIGHTS=0 are packed."""
+"""Linears with their weights prepacked for oneDNN (kernels/packed_linear.py): in bfloat16 they give
+exactly F.linear's results, at every row count and with a bias; in float32 (F.linear goes through
+MKL there) the same up to the order of the sums. An engine packs its dense bfloat16 and float32
+linears and LM head on CPU, and SPLITSERVE_CPU_PACKED_WEIGHTS=0 packs nothing."""
 
 from __future__ import annotations
 
@@ -28,9 +29,23 @@ def test_equals_f_linear_bit_for_bit(rows, with_bias):
     assert torch.equal(packed_linear.linear(x.view(1, rows, 192), packed, bias), F.linear(x, weight, bias)[None])
 
 
-def test_only_bfloat16_cpu_matrices_are_packed():
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_equals_f_linear_up_to_the_order_of_the_sums(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(320, 192, generator=g)
+    bias = torch.randn(320, generator=g) if with_bias else None
+    x = torch.randn(rows, 192, generator=g)
+    packed = packed_linear.pack(weight)
+    y = packed_linear.linear(x, packed, bias)
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_and_float32_cpu_matrices_are_packed():
     assert packed_linear.can_pack(torch.zeros(4, 8, dtype=torch.bfloat16))
-    assert not packed_linear.can_pack(torch.zeros(4, 8))
+    assert packed_linear.can_pack(torch.zeros(4, 8))
+    assert not packed_linear.can_pack(torch.zeros(4, 8, dtype=torch.float16))
     assert not packed_linear.can_pack(torch.zeros(8, dtype=torch.bfloat16))
 
 
@@ -39,9 +54,10 @@ def _model(llm: LLM):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "env", "packed"), [("bfloat16", "1", True), ("bfloat16", "0", False), ("float32", "1", False)]
+    ("dtype", "env", "packed"),
+    [("bfloat16", "1", True), ("bfloat16", "0", False), ("float32", "1", True), ("float32", "0", False)],
 )
-def test_an_engine_packs_its_dense_bfloat16_linears(tiny_models, monkeypatch, dtype, env, packed):
+def test_an_engine_packs_its_dense_linears(tiny_models, monkeypatch, dtype, env, packed):
     monkeypatch.setenv(packed_linear.ENV, env)
     llm = LLM(tiny_models["llama"], dtype=dtype, max_model_len=64, use_tqdm_on_load=False)
     model = _model(llm)
