@@ -103,7 +103,7 @@ _DECLARED = [
         "SPLITSERVE_CPU_PACKED_WEIGHTS",
         _flag,
         "1",
-        "0 keeps bfloat16 weights unpacked (no oneDNN blocked layout).",
+        "0 keeps bfloat16 and float32 weights unpacked (no oneDNN blocked layout).",
         "kernels",
     ),
     EnvVar(
