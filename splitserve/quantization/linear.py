@@ -5,7 +5,7 @@ multiplies with (which method a model runs with is quantization/config.py's to s
 |------------------|------------------------------|-------------------------|-------------------------------------|
 | weight_only_int8 | int8, a scale per output row | model dtype             | `_weight_int8pack_mm` for few rows, |
 |                  |                              |                         | else int8->dtype + matmul           |
-| smooth_quant     | int8, a scale per output row | int8, a scale per token | `torch._int_mm` (VNNI / AMX)        |
+| smooth_quant     | int8, a scale per output row | int8, a scale per token | `torch._int_mm` (int8_mm.py)        |
 | awq, gptq        | int4, scale + zero per group | model dtype             | `_weight_int4pack_mm_for_cpu`       |
 | fp8              | float8_e4m3, a scale per row | model dtype             | fp8->bf16 by moving bits + matmul   |
 |                  |                              |                         | (no fp8 units on CPUs)              |
@@ -30,6 +30,7 @@ from torch import nn
 
 from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
+from splitserve.quantization import int8_mm
 from splitserve.quantization.kv_cache import fp8_as_bfloat16
 from splitserve.quantization.packing import (
     Int4Weight,
@@ -196,27 +197,21 @@ class W8A8Int8Method(_RowScaledMethod):
             y[start : start + _W8A8_CHUNK_ROWS] = self._matmul(layer, x2[start : start + _W8A8_CHUNK_ROWS])
         return _finish(layer, y, x)
 
+    def build(self, layer, plain):
+        super().build(layer, plain)
+        if layer.qweight.device.type == "cpu" and int8_mm.cpu_int_mm_saturates():  # split once (int8_mm.py)
+            hi, lo = int8_mm.split_weight(layer.qweight)
+            layer.register_buffer("qweight_hi", hi)
+            layer.register_buffer("qweight_lo", lo)
+
     @staticmethod
     def _matmul(layer, x2: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x2)
-        min_rows = _CUDA_INT_MM_MIN_ROWS if xq.is_cuda else 1
-        acc = int_mm(xq, layer.qweight.t(), min_rows)
+        min_rows = int8_mm.CUDA_INT_MM_MIN_ROWS if xq.is_cuda else 1
+        hi = getattr(layer, "qweight_hi", None)
+        halves = None if hi is None else (hi.t(), layer.qweight_lo.t())
+        acc = int8_mm.int_mm(xq, layer.qweight.t(), min_rows, halves)
         return acc.float().mul_(x_scale).mul_(layer.weight_scale).to(x2.dtype)
-
-
-# torch's CUDA int8 matmul refuses 16 rows or fewer (decode batches); 32 keeps rows a multiple of 8.
-_CUDA_INT_MM_MIN_ROWS = 32
-
-
-def int_mm(a: torch.Tensor, b: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
-    """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], with a padded by zero rows to min_rows first
-    when shorter (the extra rows of the product are dropped)."""
-    rows = a.shape[0]
-    if rows >= min_rows:
-        return torch._int_mm(row_buckets.padded_rows(a), b)[:rows]
-    padded = torch.zeros(min_rows, a.shape[1], dtype=a.dtype, device=a.device)
-    padded[:rows] = a
-    return torch._int_mm(padded, b)[:rows]
 
 
 # --- fp8 (e4m3) weights -------------------------------------------------------------------------------

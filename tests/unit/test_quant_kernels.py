@@ -172,7 +172,7 @@ def test_int4_shape_errors():
 def test_int_mm_pads_short_inputs(rows):
     """torch's CUDA int8 matmul needs more than 16 rows; padding to min_rows must not change the
     product of the real rows."""
-    from splitserve.quantization.linear import int_mm
+    from splitserve.quantization.int8_mm import int_mm
 
     gen = torch.Generator().manual_seed(rows)
     a = torch.randint(-127, 128, (rows, 64), dtype=torch.int8, generator=gen)
@@ -180,3 +180,40 @@ def test_int_mm_pads_short_inputs(rows):
     expected = a.int() @ b.int()
     assert torch.equal(int_mm(a, b, min_rows=32), expected)
     assert torch.equal(int_mm(a, b), expected)
+
+
+def test_int8_weights_split_into_halves_that_never_saturate():
+    from splitserve.quantization.int8_mm import split_weight
+
+    weight = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(16, 16)
+    hi, lo = split_weight(weight)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert torch.equal(hi.int() * 2 + lo.int(), weight.int())
+    assert int(hi.min()) == -64 and int(hi.max()) == 63 and set(lo.unique().tolist()) == {0, 1}
+
+
+# On a CPU without VNNI (here forced: oneDNN capped to AVX2), torch._int_mm saturates pairs of
+# products; int_mm must stay exact, directly and through a SmoothQuant layer's split weights.
+SATURATING = """
+import torch
+from splitserve.quantization import int8_mm
+g = torch.Generator().manual_seed(0)
+a = torch.randint(-127, 128, (40, 576), dtype=torch.int8, generator=g)
+b = torch.randint(-127, 128, (576, 96), dtype=torch.int8, generator=g)
+exact = a.int() @ b.int()
+print("raw", torch.equal(torch._int_mm(a, b), exact))
+print("saturates", int8_mm.cpu_int_mm_saturates())
+print("int_mm", torch.equal(int8_mm.int_mm(a, b), exact), torch.equal(int8_mm.int_mm(a[:3], b, 32), exact[:3]))
+halves = tuple(h.t() for h in int8_mm.split_weight(b.t().contiguous()))
+print("halves", torch.equal(int8_mm.int_mm(a, b, 1, halves), exact))
+"""
+
+
+def test_int_mm_is_exact_where_the_cpu_product_saturates():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", SATURATING], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:4] == ["raw False", "saturates True", "int_mm True True", "halves True"]
