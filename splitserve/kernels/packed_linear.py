@@ -54,8 +54,9 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _onednn_packs(dtype: torch.dtype) -> bool:
-    """oneDNN's bfloat16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2 CPU, or one
-    capped by ONEDNN_MAX_CPU_ISA, multiplies bfloat16 weights as they are (F.linear), as logged."""
+    """Whether oneDNN reorders weights of this dtype here. float32 on any x86 CPU; bfloat16 needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2 CPU, or one capped by ONEDNN_MAX_CPU_ISA,
+    multiplies bfloat16 weights as they are (F.linear), as logged."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), _BATCH_HINT)
     except RuntimeError as exc:
