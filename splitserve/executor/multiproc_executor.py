@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 import weakref
 from multiprocessing.connection import Connection, wait
 
@@ -158,8 +159,21 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError):
             raise self._died(rank) from None
         if reply.error is not None:
+            dead = self._ended_rank(other_than=rank)
+            if dead is not None:  # it failed waiting for a rank that had died (a collective): name the cause
+                raise RankDiedError(f"{self._died(dead)}; rank {rank} then failed: {reply.error}")
             raise RankDiedError(reply.error)
         return reply
+
+    def _ended_rank(self, other_than: int, wait_s: float = 1.0) -> int | None:
+        """A rank whose process has ended, looked for during wait_s: a rank that died mid-step makes its
+        peers fail in their collectives, whose error can arrive before its own end is seen."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ended = [r for r, p in enumerate(self.processes) if r != other_than and p.exitcode is not None]
+            if ended or time.monotonic() >= deadline:
+                return ended[0] if ended else None
+            time.sleep(0.05)
 
     def _died(self, rank: int) -> RankDiedError:
         process = self.processes[rank]
