@@ -411,3 +411,25 @@ def test_a_built_library_is_loaded_again_only_while_it_is_the_same(ops, tmp_path
     assert not kernels._load_built(str(tmp_path / "missing"))
     stamp.write_text(f"{tmp_path / 'gone.so'}\n1 2\n")
     assert not kernels._load_built(str(stamp))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_takes_every_16_bit_gate(ops, dtype):
+    """16-bit gates take their rounded SiLU from a table of all 65536 values (elementwise.cpp),
+    gathered a vector at a time: every bit pattern, up = 1 (a product that rounds to itself), against
+    torch's float32 SiLU rounded once. The kernel's exp may differ from torch's in the last float32
+    bit, which can flip a rounding: at most one unit in the last place, for very few values; past
+    |gate| = 80 its exp saturates (cpu_simd.h), where SiLU is 0 or the gate itself. A row of 65536
+    is whole vectors; a second row of 65536 + 5 runs the scalar tail over the first five patterns."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    for g in (gate, torch.cat([gate, gate[:5]])):
+        out = kernels.silu_and_mul(torch.cat([g, torch.ones_like(g)])[None])[0]
+        ref = torch.nn.functional.silu(g.float()).to(dtype)
+        assert torch.equal(out.isnan(), ref.isnan())
+        ordinary = g.abs() < 80
+        got, want = out[ordinary].view(torch.int16).int(), ref[ordinary].view(torch.int16).int()
+        differ = got != want
+        assert differ.float().mean() < 1e-3, differ.sum()
+        assert ((got - want).abs()[differ] <= 1).all()
+        saturated = ~ordinary & ~g.isnan()
+        torch.testing.assert_close(out[saturated].float(), ref[saturated].float(), atol=1e-30, rtol=0, equal_nan=True)
