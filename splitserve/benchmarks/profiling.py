@@ -3,10 +3,12 @@ Chrome trace written to DIR (open it in Perfetto or chrome://tracing) and a summ
 busy the GPU was (the union of its kernels' time over the run's wall time), the kernels that took
 most of it, and the host operators that took most of the CPU. On a CPU the summary starts with the
 run's breakdown (`cpu_breakdown`): its wall time split into matmuls, attention, KV-cache writes,
-norms and rotary, activations, sampling, the fused layer stack (decoder layers in one C++ call),
-other operators, and the time outside every operator (Python, scheduling, detokenizing), so the
-share outside the matmuls is visible on every host. The profiler slows the run down (a few percent
-on a GPU, more on the host side), so figures of a profiled run are not reported as speed."""
+norms and rotary, activations, sampling, the fused layer stack (decoder layers in one C++ call,
+whose kernels are profiler events of their own and count in their categories: what is left to it
+is its C++ between them), other operators, and the time outside every operator (Python,
+scheduling, detokenizing), so the share outside the matmuls is visible on every host. The
+profiler slows the run down (a few percent on a GPU, more on the host side), so figures of a
+profiled run are not reported as speed."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ logger = logging.getLogger(__name__)
 CPU_CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
     (category, re.compile(pattern))
     for category, pattern in (
-        ("fused layer stack (whole layers in C++)", r"decode_stack"),
+        ("fused layer stack (its C++ between the kernels)", r"decode_stack"),
         ("attention", r"prefill_attention|decode_attention|scaled_dot_product|flash_attention"),
         ("KV-cache writes", r"write_kv|index_put|index_copy"),
         ("matmuls", r"(^|_)(b|add|baddb)?mm($|_)|linear|matmul|einsum|moe_experts"),

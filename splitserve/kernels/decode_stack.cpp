@@ -18,9 +18,11 @@
 // (shm_all_reduce.h) where the ranks share a machine, else torch's functional all-reduce on the
 // tensor-parallel group (the same backend call as torch.distributed.all_reduce). What it does not run
 // (LoRA, pipeline parallelism, quantized KV caches ...) the Python side never
-// builds it for. Registered through ops_registry.cpp.
+// builds it for. Under torch.profiler each kernel call is an event of its own (STACK_EVENT).
+// Registered through ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -56,6 +58,12 @@ struct StackLayer {
 };
 
 enum Slot : int64_t { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+// A torch.profiler event around one of the stack's own kernel calls, named as the operator the
+// Python modules call ("splitserve_cpu::decode_attention"), so that `bench throughput --profile`
+// splits the stack's time by kernel (benchmarks/profiling.py). Nothing is recorded, and next to
+// nothing spent, while no profiler runs. The products are operators already (their own events).
+#define STACK_EVENT(kernel) RECORD_FUNCTION("splitserve_cpu::" kernel, c10::ArrayRef<const c10::IValue>{})
 
 // x [M, K] with zero rows appended up to `rows` (splitserve/kernels/row_buckets.py).
 at::Tensor padded(const at::Tensor& x, int64_t rows) {
@@ -160,30 +168,53 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor h;
     for (int64_t i = 0; i < num_layers(); ++i) {
       const StackLayer& layer = layers_[i];
-      h = i == 0 ? splitserve::rms_norm(residual, layer.input_norm, eps_)
-                 : splitserve::add_rms_norm(h, residual, layer.input_norm, eps_);
+      {
+        STACK_EVENT("rms_norm");
+        h = i == 0 ? splitserve::rms_norm(residual, layer.input_norm, eps_)
+                   : splitserve::add_rms_norm(h, residual, layer.input_norm, eps_);
+      }
       const at::Tensor qkv = apply(layer.linears[kQKV], h, padded_rows);
       at::Tensor q = qkv.narrow(1, 0, q_width).view({T, num_heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_width, kv_width).view({T, num_kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({T, num_kv_heads_, head_dim_});
       if (layer.q_norm.defined()) {  // as RMSNorm.forward on the [T, heads, head_dim] views: rows copied out
+        STACK_EVENT("rms_norm");
         q = splitserve::rms_norm(q.reshape({T * num_heads_, head_dim_}), layer.q_norm, eps_).view(q.sizes());
         k = splitserve::rms_norm(k.reshape({T * num_kv_heads_, head_dim_}), layer.k_norm, eps_).view(k.sizes());
       }
-      splitserve::rotary(q, k, cos, sin);
-      splitserve::write_kv(kv_caches[i], k, v, slot_mapping);
+      {
+        STACK_EVENT("rotary");
+        splitserve::rotary(q, k, cos, sin);
+      }
+      {
+        STACK_EVENT("write_kv");
+        splitserve::write_kv(kv_caches[i], k, v, slot_mapping);
+      }
       at::Tensor attn = at::empty({T, num_heads_, head_dim_}, q.options());
-      if (num_decodes > 0)
+      if (num_decodes > 0) {
+        STACK_EVENT("decode_attention");
         splitserve::decode_attention(attn, q, kv_caches[i], block_tables, seq_lens, num_decodes, scale_,
                                      layer.sliding_window);
-      if (num_decodes < num_reqs)  // as CPUAttentionBackend.prefill: the requests after the decodes
+      }
+      if (num_decodes < num_reqs) {  // as CPUAttentionBackend.prefill: the requests after the decodes
+        STACK_EVENT("prefill_attention");
         splitserve::prefill_attention(attn, q, kv_caches[i], block_tables, seq_lens, query_start_loc, num_decodes,
                                       scale_, layer.sliding_window);
+      }
       const at::Tensor o = apply(layer.linears[kO], attn.view({T, q_width}), padded_rows, true);
-      h = splitserve::add_rms_norm(o, residual, layer.post_norm, eps_);
-      const at::Tensor act = splitserve::silu_and_mul(apply(layer.linears[kGateUp], h, padded_rows));
+      {
+        STACK_EVENT("add_rms_norm");
+        h = splitserve::add_rms_norm(o, residual, layer.post_norm, eps_);
+      }
+      const at::Tensor gate_up = apply(layer.linears[kGateUp], h, padded_rows);
+      at::Tensor act;
+      {
+        STACK_EVENT("silu_and_mul");
+        act = splitserve::silu_and_mul(gate_up);
+      }
       h = apply(layer.linears[kDown], act, padded_rows, true);
     }
+    STACK_EVENT("add_rms_norm");
     return splitserve::add_rms_norm(h, residual, final_norm, eps_);
   }
 
@@ -203,6 +234,7 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor y = linear.fused_bias ? at::linear(xp, run.weight, linear.bias) : at::linear(xp, run.weight);
         outputs.push_back(y.narrow(0, 0, M));
       } else {  // as splitserve.kernels.gguf.gguf_mm
+        STACK_EVENT("gguf_mm");
         const bool pad = x.scalar_type() == at::kBFloat16 && native_bf16_ && !batch_invariant_;
         const at::Tensor xp = (pad ? padded(x, padded_rows) : x).contiguous();
         outputs.push_back(

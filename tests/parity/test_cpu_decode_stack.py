@@ -170,3 +170,26 @@ def test_where_the_stack_is_not_built_the_log_says_why(tiny_models, monkeypatch,
     with caplog.at_level(logging.INFO, logger="splitserve.executor.cpu_decode_stack"):
         _llm(tiny_models["llama"], monkeypatch, False, dtype="float32")
     assert any("SPLITSERVE_CPU_DECODE_STACK=0" in r.getMessage() for r in caplog.records)
+
+
+def test_the_stack_kernels_are_profiler_events_inside_it(tiny_models, monkeypatch, stack_calls):
+    """Under torch.profiler each kernel the stack calls is an event of its own, inside the stack's,
+    so that `bench throughput --profile` counts each in its category (benchmarks/profiling.py) and
+    leaves the stack only its C++ between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from splitserve.benchmarks.profiling import categorize
+
+    llm = _llm(tiny_models["qwen3"], monkeypatch, True, dtype="bfloat16")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _outputs(llm, PROMPTS[:3], 4)
+    assert stack_calls["prompts"] >= 1 and stack_calls["n"] > stack_calls["prompts"]
+    inside = {
+        e.name
+        for e in prof.events()
+        if e.cpu_parent is not None and e.cpu_parent.name == "splitserve_cpu::decode_stack_forward"
+    }
+    for kernel in ("rms_norm", "add_rms_norm", "rotary", "write_kv", "decode_attention", "prefill_attention"):
+        assert f"splitserve_cpu::{kernel}" in inside, (kernel, sorted(inside))
+        assert not categorize(f"splitserve_cpu::{kernel}").startswith("fused layer stack")
+    assert "splitserve_cpu::silu_and_mul" in inside
