@@ -144,6 +144,12 @@ const uint16_t* silu_table() {
   return table.data();
 }
 
+// The table's entry for one gate, widened to float32.
+template <typename T>
+inline float silu_lookup(const uint16_t* table, T gate) {
+  return static_cast<float>(T(table[gate.x], T::from_bits()));
+}
+
 #if defined(SPLITSERVE_ISA_AVX512)
 // The table's entries for kVecWidth gates at p, widened to float32.
 template <typename T>
@@ -167,7 +173,7 @@ inline vec vsilu_lookup(const uint16_t* table, const T* p) {
 #else
 template <typename T>
 inline vec vsilu_lookup(const uint16_t* table, const T* p) {
-  return static_cast<float>(T(table[p->x], T::from_bits()));
+  return silu_lookup(table, *p);
 }
 #endif
 
@@ -188,7 +194,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       if constexpr (kTable) {
         for (int64_t i = 0; i < Iv; i += kVecWidth) vstore_as(o + i, vmul(vsilu_lookup(table, gate + i), vload_as(up + i)));
         for (int64_t i = Iv; i < I; ++i)
-          o[i] = static_cast<T>(static_cast<float>(T(table[gate[i].x], T::from_bits())) * static_cast<float>(up[i]));
+          o[i] = static_cast<T>(silu_lookup(table, gate[i]) * static_cast<float>(up[i]));
       } else {
         if constexpr (kVecAs<T>)
           for (int64_t i = 0; i < Iv; i += kVecWidth) {
