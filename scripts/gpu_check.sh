@@ -59,7 +59,7 @@ else
 fi
 step env 60 bash -c 'if command -v nvidia-smi >/dev/null; then nvidia-smi; fi; exec "$0" "$@"' \
     "$PY" scripts/gpu_check.py env --out "$OUT" --site "$SITE"
-step tests 210 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+step tests 260 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -q -p no:cacheprovider --durations=25 --continue-on-collection-errors \
     --junitxml="$1/junit.xml" tests 2>&1 |
     tee -i "$1/pytest.log"' "$PY" "$OUT"
 BENCH_BUDGET=$((TOTAL - (SECONDS - START) - 30))

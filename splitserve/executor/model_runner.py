@@ -50,8 +50,9 @@ class ModelRunner:
             cpu_memory.tune_for_activations()
         self.rank = get_parallel_rank()
         self.model = load_model(config.model_config, self.device, config.use_tqdm_on_load and self.rank.rank == 0)
+        self.is_moe = any(isinstance(m, FusedMoE) for m in self.model.modules())
         if config.batch_invariant:
-            if any(isinstance(m, FusedMoE) for m in self.model.modules()):
+            if self.is_moe:
                 raise ValueError(
                     "--batch-invariant does not cover mixture-of-experts layers yet: an expert's products run on "
                     "the tokens routed to it, whose number changes with the batch (docs/determinism.md)."
@@ -89,6 +90,12 @@ class ModelRunner:
         if self.config.enforce_eager:
             logger.info("CUDA graphs are off (--enforce-eager): every step launches its kernels one by one.")
             return False
+        if self.is_moe:
+            logger.info(
+                "CUDA graphs are off: the mixture-of-experts layers count each expert's tokens on the host every "
+                "step, which a captured graph cannot replay (a capturable grouped-GEMM kernel is not built yet)."
+            )
+            return False
         if not self.backend.supports_cuda_graphs:
             logger.info("CUDA graphs are off: the %s attention backend cannot be captured.", self.backend.name)
             return False
@@ -105,7 +112,7 @@ class ModelRunner:
     def _lora_manager(self):
         if self.config.lora_config is None:
             return None
-        if any(isinstance(m, FusedMoE) for m in self.model.modules()):
+        if self.is_moe:
             raise ValueError(
                 "LoRA adapters on mixture-of-experts models are not supported yet: their experts are not LoRA "
                 "targets. Serve the model without --enable-lora."

@@ -40,7 +40,9 @@ from tests.helpers.hf_reference import (  # noqa: E402
     teacher_forced_logprobs,
 )
 from tests.helpers.models import TINY_ARCHS, make_peft_adapter  # noqa: E402
+from tests.helpers.moe_models import build_moe  # noqa: E402
 from tests.helpers.parity import MAX_TOKENS, PROMPTS, SHAPE, build  # noqa: E402
+from tests.helpers.spec_oracle import OracleProposer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -301,6 +303,46 @@ def test_decode_splits_with_a_long_context():
 
     assert num_decode_splits(3000, KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count) > 1
     _check_attention([(3000, 1)], torch.bfloat16, 4, 128)
+
+
+# --- mixture of experts and speculative decoding ----------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3_moe_norm_top2", "qwen2_moe_shared", "mixtral"])
+def test_moe_models_match_transformers(tmp_path, smollm_tokenizer, name, dtype):
+    """Routing, shared experts and the per-expert products on the GPU (eager: the experts' token counts
+    are read on the host each step, so the runner turns CUDA graphs off for these models)."""
+    build_moe(name).save_pretrained(tmp_path)
+    smollm_tokenizer.save_pretrained(tmp_path)
+    llm = _engine(str(tmp_path), dtype)
+    assert llm.llm_engine.engine_core.executor.runner.graph_runner is None
+    del llm
+    gc.collect()
+    greedy_parity(str(tmp_path), dtype)
+
+
+SPEC_PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(100, 140)), [3, 4], [700, 1, 700, 1, 700]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_decoding_gives_the_target_tokens(tiny_models, dtype):
+    """Drafts verified on the GPU, CUDA graphs on for the plain decodes: an oracle in the n-gram
+    proposer's place (the target's own output with every third draft corrupted; the last prompt drafts
+    nothing) and a draft model (the target itself: nearly every draft accepted). Both give the
+    target's greedy tokens, up to near ties."""
+    path = tiny_models["llama"]
+    expected = _generate(_engine(path, dtype), SPEC_PROMPTS, 40, logprobs=2)
+    for config in ({"method": "ngram", "num_speculative_tokens": 4}, {"model": path, "num_speculative_tokens": 3}):
+        llm = _engine(path, dtype, speculative_config=config)
+        core = llm.llm_engine.engine_core
+        if "method" in config:
+            references = {tuple(p): o.token_ids for p, o in zip(SPEC_PROMPTS[:3], expected)}
+            core.speculator.proposer = OracleProposer(references, vocab=1024)
+        _assert_same_tokens(expected, _generate(llm, SPEC_PROMPTS, 40), TIE_GAP[dtype], f"{config}:")
+        stats = core.speculator.stats
+        assert stats.num_drafts > 0, config
+        assert (0 < stats.acceptance_rate < 1) if "method" in config else stats.acceptance_rate >= 0.8, (config, stats)
+        del llm, core
+        gc.collect()
 
 
 # --- CUDA graphs and overlap scheduling: the same tokens --------------------------------------------

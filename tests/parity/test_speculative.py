@@ -15,32 +15,10 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.sampling_params import GuidedDecodingParams
+from tests.helpers.spec_oracle import OracleProposer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(100, 140)), [3, 4], [700, 1, 700, 1, 700]]
 K = 4
-
-
-class OracleProposer:
-    """Drafts the reference continuation of a prompt it knows, every third draft token wrong (the
-    vocabulary's next id); nothing for prompts it does not know."""
-
-    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int):
-        self.references, self.vocab = references, vocab
-        self.proposed = 0
-
-    def propose(self, request_id: str, tokens: list[int], max_drafts: int) -> list[int]:
-        for prompt, output in self.references.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
-                drafts = list(output[done : done + max_drafts])
-                for i in range(2 - done % 3, len(drafts), 3):
-                    drafts[i] = (drafts[i] + 1) % self.vocab
-                self.proposed += len(drafts)
-                return drafts
-        return []
-
-    def finish(self, request_id: str, tokens: list[int]) -> None:
-        pass
 
 
 def _inputs(prompts):
