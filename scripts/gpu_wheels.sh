@@ -18,7 +18,7 @@ PY=${PYTHON:-.venv/bin/python}
 DEST=.whl
 BUDGET_MIB=48 # of the 64 MiB a device call carries: the tree itself needs the rest
 
-TEST_IMPORTS=("openai>=1.40" "jsonschema>=4" "anthropic>=0.40")
+TEST_IMPORTS=("openai>=1.40" "jsonschema>=4" "anthropic>=0.40" "opentelemetry-sdk>=1.25" "opentelemetry-proto>=1.25")
 mapfile -t pins < <("$PY" scripts/gpu_check.py missing --extra "${TEST_IMPORTS[@]}" "$@")
 echo "missing on the GPU image: ${pins[*]}"
 rm -rf "$DEST"

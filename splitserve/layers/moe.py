@@ -112,7 +112,7 @@ class FusedMoE(nn.Module):
             shape2 = (self.local_experts, hidden_size, self.intermediate)
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
-        self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long)  # since start, this rank's view
+        self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device="cpu")  # on the host, since start
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN's layout (CPU)
         self._blocks = None  # _gguf_blocks' answer, found at the first forward (after repacking)
         self._gate_float: torch.Tensor | None = None  # the router in float32, for _router_logits

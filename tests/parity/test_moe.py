@@ -8,6 +8,7 @@ errors a user can meet."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.moe_models import CONFIGS, build_moe
 from tests.helpers.parity import generate_and_check, llm, references
@@ -107,3 +108,17 @@ def test_tokens_per_expert_are_counted_for_the_load_balance(saved, tp):
     for layer, counts in after.items():
         assert sum(counts) - sum(before[layer]) == (10 + 4) * 2  # 10 prompt + 4 decoded tokens forwarded, top-2
     assert "busiest expert / mean" in expert_load_summary(after)
+
+
+def test_the_expert_counter_stays_on_the_host_when_the_weights_do_not():
+    """A model loaded on a GPU builds its layers under that default device; the per-expert token counter
+    is host-side (the counts are read on the host each step), so a CUDA step could add them (the H200
+    check's fault). "meta" stands in for the GPU here."""
+    from splitserve.layers.moe import FusedMoE, RouterRule
+
+    with torch.device("meta"):
+        layer = FusedMoE(4, 16, 8, RouterRule(top_k=2), torch.float32)
+    assert layer.w13.device.type == "meta"
+    assert layer.tokens_per_expert.device.type == "cpu"
+    layer.tokens_per_expert += torch.tensor([1, 0, 2, 0])
+    assert layer.tokens_per_expert.tolist() == [1, 0, 2, 0]
