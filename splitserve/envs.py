@@ -100,6 +100,14 @@ _DECLARED = [
         "kernels",
     ),
     EnvVar(
+        "SPLITSERVE_MOE_GROUPED_MM",
+        _flag,
+        "1",
+        "0 runs a GPU's bfloat16 mixture-of-experts layers expert by expert (and without CUDA graphs) instead of "
+        "in two grouped GEMMs.",
+        "kernels",
+    ),
+    EnvVar(
         "SPLITSERVE_CPU_PACKED_WEIGHTS",
         _flag,
         "1",

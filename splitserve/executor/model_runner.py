@@ -28,7 +28,7 @@ from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_b
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.kernels import batch_invariant, cpu_memory
-from splitserve.layers.moe import FusedMoE, expert_load
+from splitserve.layers.moe import FusedMoE, expert_load, moe_capturable
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import kv_cache_spec
@@ -90,10 +90,10 @@ class ModelRunner:
         if self.config.enforce_eager:
             logger.info("CUDA graphs are off (--enforce-eager): every step launches its kernels one by one.")
             return False
-        if self.is_moe:
+        if not moe_capturable(self.model, self.device, self.config.model_config.dtype):
             logger.info(
-                "CUDA graphs are off: the mixture-of-experts layers count each expert's tokens on the host every "
-                "step, which a captured graph cannot replay (a capturable grouped-GEMM kernel is not built yet)."
+                "CUDA graphs are off: the mixture-of-experts layers run expert by expert, reading each expert's "
+                "token count on the host every step (docs/moe.md: the grouped path takes bfloat16 on Hopper)."
             )
             return False
         if not self.backend.supports_cuda_graphs:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve import kernels
+from splitserve import envs, kernels
 from splitserve.distributed.communication import tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.kernels import gguf as gguf_kernels
@@ -113,6 +113,7 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device="cpu")  # on the host, since start
+        self.device_tokens_per_expert: torch.Tensor | None = None  # the grouped path's count, on its device
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN's layout (CPU)
         self._blocks = None  # _gguf_blocks' answer, found at the first forward (after repacking)
         self._gate_float: torch.Tensor | None = None  # the router in float32, for _router_logits
@@ -234,6 +235,12 @@ class FusedMoE(nn.Module):
             return gguf_kernels.moe_experts(
                 x, ids, weights, gate_up, qtype_gate_up, down, qtype_down, self.first_expert, self.intermediate
             )
+        if self.grouped(x.device, x.dtype):
+            out, counts = grouped_experts(x, weights, ids, self.w13, self.w2)
+            if self.device_tokens_per_expert is None:
+                self.device_tokens_per_expert = torch.zeros_like(counts)
+            self.device_tokens_per_expert += counts  # in place: a captured graph's replays count too
+            return out
         out = torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -253,6 +260,21 @@ class FusedMoE(nn.Module):
             h = self._product(h, local, 1) * pair_weights.index_select(0, pairs)[:, None]
             out.index_add_(0, tokens, h.to(out.dtype))
         return out
+
+    def grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a forward on `device` in `dtype` runs `grouped_experts` (no host synchronisation, so
+        CUDA graphs can capture it): unquantized bfloat16 experts on a Hopper or newer GPU (where
+        torch's grouped GEMM has its kernel), every expert on this rank; SPLITSERVE_MOE_GROUPED_MM=0
+        turns it off. Elsewhere the experts run one by one (`experts`)."""
+        return (
+            device.type == "cuda"
+            and dtype == torch.bfloat16
+            and self.quantized is None
+            and self.local_experts == self.num_experts
+            and envs.SPLITSERVE_MOE_GROUPED_MM
+            and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0)
+        )
 
     def _gguf_blocks(self, x: torch.Tensor):
         """(gate/up blocks per expert, their ggml type, down blocks per expert, their type) when every
@@ -289,14 +311,42 @@ class FusedMoE(nn.Module):
         return row_buckets.linear(x, (self.w13, self.w2)[which][local])
 
 
+def grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over each token's k experts of weight * expert(x), tokens per expert) with every expert in
+    two grouped GEMMs (torch._grouped_mm over the (token, slot) pairs sorted by expert, each expert's
+    rows against its own matrices) and fixed shapes throughout: nothing waits for the host, so a CUDA
+    graph can capture it. The k outputs of a token are summed in slot order after one rounding each."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = counts.cumsum(0).to(torch.int32)  # where each expert's rows end
+    gate_up = torch._grouped_mm(x.index_select(0, order // k), w13.transpose(1, 2), offs=offsets)
+    h = torch._grouped_mm(silu_and_mul(gate_up), w2.transpose(1, 2), offs=offsets)
+    h = (h * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+    by_slot = torch.empty_like(h).index_copy_(0, order, h)  # back to (token, slot) order
+    return by_slot.view(tokens, k, -1).sum(1), counts
+
+
+def moe_capturable(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a CUDA graph can capture every MoE layer of `model` (each runs `grouped_experts`); True
+    for a model without one."""
+    return all(m.grouped(device, dtype) for m in model.modules() if isinstance(m, FusedMoE))
+
+
 def expert_load(model: nn.Module) -> dict[int, list[int]]:
     """Tokens routed to each expert since start, by MoE layer index, for the layers `model` holds
     (every tensor-parallel rank routes every token, so any rank of a stage gives its layers' counts)."""
-    return {
-        int(name.split(".")[2]): module.tokens_per_expert.tolist()
-        for name, module in model.named_modules()
-        if isinstance(module, FusedMoE)
-    }
+    loads = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            counts = module.tokens_per_expert
+            if module.device_tokens_per_expert is not None:
+                counts = counts + module.device_tokens_per_expert.cpu()
+            loads[int(name.split(".")[2])] = counts.tolist()
+    return loads
 
 
 class _ExpertLinear(Linear):

@@ -122,3 +122,50 @@ def test_the_expert_counter_stays_on_the_host_when_the_weights_do_not():
     assert layer.tokens_per_expert.device.type == "cpu"
     layer.tokens_per_expert += torch.tensor([1, 0, 2, 0])
     assert layer.tokens_per_expert.tolist() == [1, 0, 2, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_match_the_experts_one_by_one(dtype):
+    """The GPU's capturable path (two grouped GEMMs over the pairs sorted by expert) against the
+    expert-by-expert loop, on the CPU (torch's grouped GEMM runs there too): the same sums, with one
+    expert that no token chose, and the same tokens per expert."""
+    from splitserve.layers.moe import FusedMoE, RouterRule, grouped_experts
+
+    torch.manual_seed(0)
+    layer = FusedMoE(6, 32, 16, RouterRule(top_k=2, renormalize=True), dtype)
+    with torch.no_grad():
+        layer.w13.normal_(0.0, 0.2)
+        layer.w2.normal_(0.0, 0.2)
+        layer.gate.normal_(0.0, 0.2)
+    x = torch.randn(9, 32, dtype=dtype)
+    weights, ids = layer.route(x)
+    ids[ids == 5] = 4  # expert 5 gets no token
+    got, counts = grouped_experts(x, weights, ids, layer.w13, layer.w2)
+    expected = layer.experts(x, weights, ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert counts.tolist() == torch.bincount(ids.reshape(-1), minlength=6).tolist()
+    assert counts[5] == 0
+
+
+def test_grouped_experts_never_wait_for_the_host(monkeypatch):
+    """Under fake tensors (shapes only, no values) every step must still run: no operation whose output
+    shape depends on the values (as bincount's or a .tolist() of the counts does), so a CUDA graph can
+    capture the layer. The expert-by-expert loop fails this. (SiLU-and-mul in torch ops here: the C++
+    kernel cannot take fake tensors; on a GPU it is a Triton kernel, which a graph captures.)"""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    from splitserve.layers import moe
+    from splitserve.layers.moe import FusedMoE, RouterRule, grouped_experts
+
+    monkeypatch.setattr(moe, "silu_and_mul", lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
+
+    layer = FusedMoE(4, 16, 8, RouterRule(top_k=2), torch.bfloat16)
+    x, ids, weights = torch.randn(3, 16, dtype=torch.bfloat16), torch.tensor([[0, 1], [1, 3], [3, 0]]), torch.rand(3, 2)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (x, weights, ids, layer.w13, layer.w2)]
+        out, counts = grouped_experts(*fake)
+        assert out.shape == (3, 16) and counts.shape == (4,)
+        with pytest.raises(DynamicOutputShapeException):
+            layer.experts(fake[0], fake[1], fake[2])
+    assert not layer.grouped(torch.device("cpu"), torch.bfloat16)  # the CPU keeps its own kernels
