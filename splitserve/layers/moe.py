@@ -23,6 +23,8 @@ selected experts' quantized blocks.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,8 @@ from splitserve.kernels import gguf as gguf_kernels
 from splitserve.kernels import packed_linear, row_buckets
 from splitserve.layers.basic import Linear, silu_and_mul
 from splitserve.layers.gguf_weight import GGUFWeight
+
+logger = logging.getLogger(__name__)
 
 GATE, UP, DOWN = 0, 1, 2  # which projection of an expert a checkpoint tensor is
 _ROUTER_ELEMENTWISE_ROWS = 4  # up to this many rows, router logits without a BLAS call (_router_logits)
@@ -272,8 +276,10 @@ class FusedMoE(nn.Module):
             and self.quantized is None
             and self.local_experts == self.num_experts
             and envs.SPLITSERVE_MOE_GROUPED_MM
-            and hasattr(torch, "_grouped_mm")
+            and self.hidden_size % 8 == 0  # rows of 16-byte multiples, as the grouped GEMM's kernel wants
+            and self.intermediate % 8 == 0
             and torch.cuda.get_device_capability(device) >= (9, 0)
+            and grouped_mm_works(str(device))
         )
 
     def _gguf_blocks(self, x: torch.Tensor):
@@ -309,6 +315,31 @@ class FusedMoE(nn.Module):
         if self.packed is not None:
             return packed_linear.linear(x, self.packed[local][which])
         return row_buckets.linear(x, (self.w13, self.w2)[which][local])
+
+
+@functools.cache
+def grouped_mm_works(device: str) -> bool:
+    """Whether torch's grouped GEMM runs on `device` and agrees with plain products (once per device,
+    on a small problem in the experts' layout, an empty group included); if not, the log says why and
+    the MoE layers run expert by expert."""
+    try:
+        generator = torch.Generator(device).manual_seed(0)
+        x = torch.randn(24, 64, device=device, dtype=torch.bfloat16, generator=generator)
+        w = torch.randn(3, 32, 64, device=device, dtype=torch.bfloat16, generator=generator)
+        ends = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
+        got = torch._grouped_mm(x, w.transpose(1, 2), offs=ends).float()
+        expected = torch.cat([x[:8].float() @ w[0].float().T, x[8:].float() @ w[2].float().T])
+        error = (got - expected).abs().max().item()
+        if error > 0.05 * expected.abs().max().item():
+            raise RuntimeError(f"its result is off by {error:.3g}")
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        logger.warning(
+            "torch's grouped GEMM does not work on %s (%s): the MoE layers run expert by expert, without CUDA graphs.",
+            device,
+            exc,
+        )
+        return False
 
 
 def grouped_experts(

@@ -169,3 +169,21 @@ def test_grouped_experts_never_wait_for_the_host(monkeypatch):
         with pytest.raises(DynamicOutputShapeException):
             layer.experts(fake[0], fake[1], fake[2])
     assert not layer.grouped(torch.device("cpu"), torch.bfloat16)  # the CPU keeps its own kernels
+
+
+def test_the_grouped_gemm_is_probed_once_and_a_failure_is_logged(monkeypatch, caplog):
+    from splitserve.layers import moe
+
+    moe.grouped_mm_works.cache_clear()
+    assert moe.grouped_mm_works("cpu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken)
+    moe.grouped_mm_works.cache_clear()
+    try:
+        assert not moe.grouped_mm_works("cpu")
+        assert "run expert by expert" in caplog.text and "no kernel for this device" in caplog.text
+    finally:
+        moe.grouped_mm_works.cache_clear()
