@@ -1,9 +1,11 @@
-"""Incremental detokenization against decoding everything at once, with multi-byte characters."""
+"""Incremental detokenization against decoding everything at once, with multi-byte characters, through
+the tokenizers backend's stream decoder and through the window of decode calls (other tokenizers)."""
 
 from __future__ import annotations
 
 import pytest
 
+from splitserve.engine import detokenizer
 from splitserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 
 TEXTS = [
@@ -15,8 +17,19 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(params=["stream", "window"])
+def path(request, monkeypatch):
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer, "_stream_backend", lambda tokenizer: None)
+    return request.param
+
+
+def test_a_fast_tokenizer_streams(smollm_tokenizer):
+    assert IncrementalDetokenizer(smollm_tokenizer, [1, 2])._stream is not None
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_incremental_equals_full_decode_and_never_splits_characters(smollm_tokenizer, text):
+def test_incremental_equals_full_decode_and_never_splits_characters(smollm_tokenizer, text, path):
     prompt = smollm_tokenizer("Say:", add_special_tokens=False).input_ids
     ids = smollm_tokenizer(text, add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(smollm_tokenizer, prompt)
@@ -27,7 +40,7 @@ def test_incremental_equals_full_decode_and_never_splits_characters(smollm_token
         assert "" in deltas  # a token ended mid-character and its bytes were held back
 
 
-def test_special_tokens_skipped_or_kept(smollm_tokenizer):
+def test_special_tokens_skipped_or_kept(smollm_tokenizer, path):
     ids = smollm_tokenizer("<|im_start|>hi<|im_end|>", add_special_tokens=False).input_ids
     skip = IncrementalDetokenizer(smollm_tokenizer, [], skip_special_tokens=True)
     keep = IncrementalDetokenizer(smollm_tokenizer, [], skip_special_tokens=False)
@@ -36,6 +49,28 @@ def test_special_tokens_skipped_or_kept(smollm_tokenizer):
         keep.add_token(t)
     assert skip.output_text == "hi"
     assert keep.output_text == "<|im_start|>hi<|im_end|>"
+
+
+def test_stream_and_window_give_the_same_deltas(smollm_tokenizer):
+    """Token by token, over prompts and outputs cut from real text (special tokens included) between
+    characters. (Where a prompt ends inside a character, the stream gives that character with the
+    output token that completes it, the window nothing.)"""
+    import random
+
+    rng, compared = random.Random(0), 0
+    ids = smollm_tokenizer("<|im_start|>" + " ".join(TEXTS) + "<|im_end|>", add_special_tokens=False).input_ids
+    for _ in range(200):
+        start, cut, end = sorted(rng.sample(range(len(ids) + 1), 3))
+        prompt, output = ids[start:cut], ids[cut:end]
+        if smollm_tokenizer.decode(prompt).endswith("\ufffd") or smollm_tokenizer.decode(output).startswith("\ufffd"):
+            continue
+        skip = rng.random() < 0.5
+        stream = IncrementalDetokenizer(smollm_tokenizer, prompt, skip_special_tokens=skip)
+        window = IncrementalDetokenizer(smollm_tokenizer, prompt, skip_special_tokens=skip)
+        window._stream = None
+        assert [stream.add_token(t) for t in output] == [window.add_token(t) for t in output], (prompt, output)
+        compared += 1
+    assert compared > 100
 
 
 def test_find_stop_string_only_looks_at_new_text():
