@@ -72,6 +72,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}  # a token id's text alone (logprobs'), decoded once
         self.requests: dict[str, RequestState] = {}
         self.core_to_request: dict[str, str] = {}
         self.on_inter_token = None  # callback(seconds between a request's successive tokens), for metrics
@@ -197,7 +198,11 @@ class OutputProcessor:
         for pos, (tid, lp) in enumerate(zip(ids, lps)):
             if tid in result:
                 continue
-            text = self.tokenizer.decode([tid]) if detokenize else None
+            text = None
+            if detokenize:
+                text = self.token_texts.get(tid)
+                if text is None:
+                    text = self.token_texts[tid] = self.tokenizer.decode([tid])
             result[tid] = Logprob(lp, chosen_rank if pos == 0 else pos, text)
         return result
 
