@@ -143,6 +143,13 @@ def _add_additive(out: torch.Tensor, additive: list[dict[int, float]], device: t
 def _row_bias(request: CachedRequestState) -> tuple[list[int] | None, dict[int, float]] | None:
     """(allowed_token_ids, {token: additive value}) for one row, or None when it needs no bias."""
     params = request.sampling_params
+    if (
+        not params.logit_bias
+        and params.allowed_token_ids is None
+        and not params.bad_words_token_ids
+        and len(request.output_token_ids) >= params.min_tokens
+    ):
+        return None  # the common row, every step: nothing to build
     additive: dict[int, float] = dict(params.logit_bias or {})
     for token in _banned_tokens(request):
         additive[token] = float("-inf")
