@@ -189,6 +189,9 @@ class InputBatch:
     def _add_row(self, index: int, state: CachedRequestState, row: ScheduledRequest) -> None:
         start, n, bs = row.num_computed_tokens, row.num_tokens, self.block_size
         end, blocks = start + n, state.block_ids
+        if n == 1 and start >= state.num_prompt_tokens and state.pooling is None:
+            self._add_decode_row(state, row, start)
+            return
         self.input_ids.extend(row.token_ids)
         if row.last_token_pending:
             assert len(row.token_ids) == n - 1
@@ -211,6 +214,24 @@ class InputBatch:
         if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
             count = min(end, state.num_prompt_tokens - 1) - start
             self.prompt_logprob_spans.append(PromptLogprobSpan(index, self.query_start_loc[-2], start, count))
+
+    def _add_decode_row(self, state: CachedRequestState, row: ScheduledRequest, position: int) -> None:
+        """_add_row for the most common row, one generated token: no images, prompt logprobs or pooling
+        to look at, one position (the host builds hundreds of these per step)."""
+        if row.token_ids:
+            self.input_ids.append(row.token_ids[0])
+        else:  # overlap scheduling: the step in flight is sampling it
+            self.pending_inputs.append((len(self.input_ids), state.request_id))
+            self.input_ids.append(0)
+        bs, end = self.block_size, position + 1
+        self.positions.append(position)
+        self.slot_mapping.append(state.block_ids[position // bs] * bs + position % bs)
+        self.query_start_loc.append(self.query_start_loc[-1] + 1)
+        self.seq_lens.append(end)
+        self.block_tables.append(state.block_ids)
+        if row.samples:
+            self.sample_slots.append(SampleSlot(state, end - state.num_prompt_tokens))
+            self.logits_indices.append(self.query_start_loc[-1] - 1)
 
     def rope_lengths(self) -> list[int]:
         """Per token, the sequence length dynamic NTK rope scales its rotation for: the prompt's
