@@ -117,7 +117,8 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device="cpu")  # on the host, since start
-        self.device_tokens_per_expert: torch.Tensor | None = None  # the grouped path's count, on its device
+        # The grouped path's count, on its device (under CUDA graphs the padding rows of a batch count too)
+        self.device_tokens_per_expert: torch.Tensor | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN's layout (CPU)
         self._blocks = None  # _gguf_blocks' answer, found at the first forward (after repacking)
         self._gate_float: torch.Tensor | None = None  # the router in float32, for _router_logits
