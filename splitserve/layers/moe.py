@@ -276,11 +276,9 @@ class FusedMoE(nn.Module):
             and dtype == torch.bfloat16
             and self.quantized is None
             and self.local_experts == self.num_experts
-            and envs.SPLITSERVE_MOE_GROUPED_MM
             and self.hidden_size % 8 == 0  # rows of 16-byte multiples, as the grouped GEMM's kernel wants
             and self.intermediate % 8 == 0
-            and torch.cuda.get_device_capability(device) >= (9, 0)
-            and grouped_mm_works(str(device))
+            and _grouped_gemm_on(str(device))
         )
 
     def _gguf_blocks(self, x: torch.Tensor):
@@ -319,6 +317,14 @@ class FusedMoE(nn.Module):
 
 
 @functools.cache
+def _grouped_gemm_on(device: str) -> bool:
+    """SPLITSERVE_MOE_GROUPED_MM on, a Hopper or newer GPU, and torch's grouped GEMM working there (once
+    per device: every MoE layer asks at every forward)."""
+    gpu_ok = envs.SPLITSERVE_MOE_GROUPED_MM and torch.cuda.get_device_capability(device) >= (9, 0)
+    return gpu_ok and grouped_mm_works(device)
+
+
+@functools.cache
 def grouped_mm_works(device: str) -> bool:
     """Whether torch's grouped GEMM runs on `device` and agrees with plain products (once per device,
     on a small problem in the experts' layout, an empty group included); if not, the log says why and
@@ -335,11 +341,10 @@ def grouped_mm_works(device: str) -> bool:
             raise RuntimeError(f"its result is off by {error:.3g}")
         return True
     except (AttributeError, RuntimeError, NotImplementedError) as exc:
-        logger.warning(
-            "torch's grouped GEMM does not work on %s (%s): the MoE layers run expert by expert, without CUDA graphs.",
-            device,
-            exc,
+        message = (
+            "torch's grouped GEMM does not work on %s (%s): the MoE layers run expert by expert, without CUDA graphs."
         )
+        logger.warning(message, device, exc)
         return False
 
 
