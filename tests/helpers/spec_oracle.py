@@ -5,6 +5,9 @@ third token corrupted, so that verification accepts runs of drafts and rejects o
 
 from __future__ import annotations
 
+# Prompts whose first three have oracle drafts in the tests, the last none (a batch that mixes both).
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(100, 140)), [3, 4], [700, 1, 700, 1, 700]]
+
 
 class OracleProposer:
     """Drafts the reference continuation of a prompt it knows, every third draft token wrong (the

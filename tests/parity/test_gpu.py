@@ -42,6 +42,7 @@ from tests.helpers.hf_reference import (  # noqa: E402
 from tests.helpers.models import TINY_ARCHS, make_peft_adapter  # noqa: E402
 from tests.helpers.moe_models import build_moe  # noqa: E402
 from tests.helpers.parity import MAX_TOKENS, PROMPTS, SHAPE, build  # noqa: E402
+from tests.helpers.spec_oracle import PROMPTS as SPEC_PROMPTS
 from tests.helpers.spec_oracle import OracleProposer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -320,9 +321,6 @@ def test_moe_models_match_transformers(tmp_path, smollm_tokenizer, name, dtype):
     del llm
     gc.collect()
     greedy_parity(str(tmp_path), dtype)
-
-
-SPEC_PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(100, 140)), [3, 4], [700, 1, 700, 1, 700]]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -15,9 +15,8 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.sampling_params import GuidedDecodingParams
-from tests.helpers.spec_oracle import OracleProposer
+from tests.helpers.spec_oracle import PROMPTS, OracleProposer
 
-PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(100, 140)), [3, 4], [700, 1, 700, 1, 700]]
 K = 4
 
 
