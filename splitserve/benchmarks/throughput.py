@@ -155,7 +155,7 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
         model = dummy_hf_model(config.hf_config, config.dtype, config.seed, device)
     else:
         directory, gguf_file = split_gguf(config.model)
-        model = load_hf_model(directory, gguf_file, config.dtype).to(device)
+        model = load_hf_model(directory, gguf_file, config.dtype, config.hf_config).to(device)
     pad = config.hf_config.pad_token_id or 0
     batch = max_batch or len(workload.prompts)
     _hf_generate(model, [workload.prompts[0][:8]], 4, pad, temperature)

@@ -158,7 +158,7 @@ def main(ns: argparse.Namespace) -> str:
             sequences = read_text_sequences(ns.calib_data, tokenizer, config.vocab_size, ns.seq_len, ns.num_samples)
         else:
             sequences = builtin_sequences(tokenizer, config.vocab_size, ns.seq_len, ns.num_samples)
-    model = load_hf_model(*split_gguf(source), torch.float32)
+    model = load_hf_model(*split_gguf(source), torch.float32, config=config)
     logger.info(
         "Loaded %s (%d decoder layers) in %.1f s", source, config.num_hidden_layers, time.perf_counter() - start
     )

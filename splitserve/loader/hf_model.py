@@ -4,12 +4,16 @@ and the model the quantize tool calibrates."""
 from __future__ import annotations
 
 
-def load_hf_model(directory: str, gguf_file: str | None, dtype):
+def load_hf_model(directory: str, gguf_file: str | None, dtype, config=None):
     """transformers' model on the same weights; a GGUF file is dequantized to dense weights, as
-    splitserve does, so that both sides run the same dense matmuls."""
+    splitserve does, so that both sides run the same dense matmuls. `config`: the model's config as
+    splitserve read it (loader/resolve.py), so that transformers does not read a GGUF file's
+    metadata a second time (4-5 s for the default model's 49,152-token vocabulary)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {}
+    from splitserve.loader.config_cache import as_transformers_config
+
+    kwargs = {} if config is None else {"config": as_transformers_config(config)}
     if gguf_file is not None:
         from transformers import GgufConfig
 

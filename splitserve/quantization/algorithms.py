@@ -15,7 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from splitserve.quantization.calibration import InputStats
-from splitserve.quantization.packing import Int4Weight, int4_params, quantize_int4, quantize_int4_groupwise
+from splitserve.quantization.packing import Int4Weight, fake_quantize_int4, int4_params, quantize_int4
 
 AWQ_GRID = 20  # ratios 0, 0.05, ..., 0.95
 GPTQ_BLOCK_SIZE = 128  # columns whose error updates are applied lazily, as one matmul
@@ -125,7 +125,8 @@ def awq_objective(moment: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, g
     """Mean squared error between the float outputs x W^T and those of the scaled, fake-quantized
     weights, (x / s) Q(W diag(s))^T, over the calibration inputs x, whose second moment
     E[x^T x] is `moment` [in, in]."""
-    error = quantize_int4_groupwise(weight * s, group_size, sym=False).dequantize() / s - weight
+    scaled = weight * s
+    error = fake_quantize_int4(scaled, *int4_params(scaled, group_size, sym=False)) / s - weight
     return ((error @ moment) * error).sum().item() / weight.shape[0]
 
 
@@ -186,9 +187,8 @@ def awq_clip_search(
     best = torch.ones(out_features, groups)
     for k in range(grid):
         r = 1.0 - k * 0.5 / grid
-        error = (
-            quantize_int4_clipped(weight, group_size, torch.full((out_features, groups), r)).dequantize() - weight
-        ).reshape(out_features, groups, group_size)
+        scale, zero = clipped_int4_params(weight, group_size, torch.full((out_features, groups), r))
+        error = (fake_quantize_int4(weight, scale, zero) - weight).reshape(out_features, groups, group_size)
         loss = torch.einsum("ogi,gij,ogj->og", error, blocks, error)
         better = loss < best_loss
         best_loss = torch.where(better, loss, best_loss)
@@ -196,14 +196,22 @@ def awq_clip_search(
     return best
 
 
-def quantize_int4_clipped(weight: torch.Tensor, group_size: int, ratio: torch.Tensor) -> Int4Weight:
-    """Asymmetric int4 per group with the range [min, max] of each (row, group) scaled by ratio."""
+def clipped_int4_params(
+    weight: torch.Tensor, group_size: int, ratio: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4's (scale, zero) per group, [out, in / group_size], with the range [min, max] of
+    each (row, group) scaled by ratio."""
     out_features, in_features = weight.shape
     grouped = weight.float().reshape(out_features, in_features // group_size, group_size)
     lo = grouped.amin(dim=-1).clamp(max=0.0) * ratio
     hi = grouped.amax(dim=-1).clamp(min=0.0) * ratio
     scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-    zero = torch.round(-lo / scale).clamp(0, 15)
+    return scale, torch.round(-lo / scale).clamp(0, 15)
+
+
+def quantize_int4_clipped(weight: torch.Tensor, group_size: int, ratio: torch.Tensor) -> Int4Weight:
+    """Asymmetric int4 per group with the range [min, max] of each (row, group) scaled by ratio."""
+    scale, zero = clipped_int4_params(weight, group_size, ratio)
     return Int4Weight(
         quantize_int4(weight, scale, zero, group_size=group_size), scale, zero.to(torch.int32), group_size
     )

@@ -14,7 +14,7 @@ import torch
 
 from splitserve.benchmarks.perplexity import BUILTIN_TEXT
 from splitserve.loader.hf_model import load_hf_model
-from splitserve.loader.resolve import default_model_path, split_gguf
+from splitserve.loader.resolve import default_model_path, load_hf_config, split_gguf
 from splitserve.quantization import algorithms
 from splitserve.quantization.calibration import builtin_sequences, collect_input_stats
 from splitserve.quantization.packing import quantize_int4_groupwise
@@ -66,7 +66,7 @@ def _with_weights(base, quantize) -> torch.nn.Module:
 def test_gptq_is_not_worse_than_rounding_on_held_out_text():
     path = default_model_path()
     tokenizer = get_tokenizer(path)
-    base = load_hf_model(*split_gguf(path), torch.float32)
+    base = load_hf_model(*split_gguf(path), torch.float32, config=load_hf_config(path))
     held_out = _held_out_texts(tokenizer)
     sequences = builtin_sequences(tokenizer, base.config.vocab_size, 512, 128)
     sites = {g.site: next(iter(g.linears.values())) for groups in algorithms.decoder_groups(base) for g in groups}

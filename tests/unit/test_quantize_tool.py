@@ -14,7 +14,7 @@ import transformers
 
 from splitserve.quantization import algorithms, tool
 from splitserve.quantization.calibration import collect_input_stats, read_token_ids
-from splitserve.quantization.packing import quantize_int4_groupwise
+from splitserve.quantization.packing import fake_quantize_int4, int4_params, quantize_int4_groupwise
 from tests.helpers.models import TINY_CONFIG
 from tests.helpers.quantize import dequantized_model, load_float, read_config, run_tool
 
@@ -309,6 +309,21 @@ def test_awq_clipping_never_loses_to_the_full_range():
     full = group_losses(quantize_int4_groupwise(weight, GROUP, sym=False))
     assert (clipped <= full * (1 + 1e-5) + 1e-9).all()
     assert float(ratio[0, 0]) < 1.0 and clipped[0, 0] < full[0, 0]
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_the_searches_fake_rounding_gives_the_packed_weights_bit_for_bit(sym):
+    """AWQ's searches round without integer levels (fake_quantize_int4); what they choose must be what
+    the checkpoint's packed levels give back, plain and clipped, down to the last bit."""
+    weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(0)) * 3
+    assert torch.equal(
+        fake_quantize_int4(weight, *int4_params(weight, GROUP, sym)),
+        quantize_int4_groupwise(weight, GROUP, sym).dequantize(),
+    )
+    ratio = torch.rand(48, 128 // GROUP, generator=torch.Generator().manual_seed(1)) * 0.5 + 0.5
+    clipped = algorithms.quantize_int4_clipped(weight, GROUP, ratio).dequantize()
+    assert torch.equal(fake_quantize_int4(weight, *algorithms.clipped_int4_params(weight, GROUP, ratio)), clipped)
+    assert not torch.equal(clipped, quantize_int4_groupwise(weight, GROUP, sym=False).dequantize())
 
 
 def test_awq_objective_is_the_output_error_on_the_calibration_inputs():
