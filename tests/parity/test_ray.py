@@ -26,8 +26,10 @@ def _ray(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([ray, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture
-def two_node_cluster(monkeypatch):
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """One cluster for the module's tests (starting and stopping one takes about 18 s); each test
+    shuts its engine down, which gives the cluster's CPUs back."""
     pytest.importorskip("ray", reason="ray is not installed (pip install splitserve[ray])")
     if os.path.exists("/tmp/ray/ray_current_cluster"):
         pytest.skip("a Ray cluster already runs on this machine; the test would join or stop it")
@@ -47,9 +49,10 @@ def two_node_cluster(monkeypatch):
             pytest.skip(f"Ray could not start here: {head.stderr.strip()[-500:]}")
         second = _ray("start", f"--address={address}", "--num-cpus=1", '--resources={"node_b": 1}', env=env)
         assert second.returncode == 0, second.stderr
-        monkeypatch.setenv("RAY_ADDRESS", address)
-        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-        yield address
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RAY_ADDRESS", address)
+            patch.setenv("RAY_AUTH_MODE", "disabled")
+            yield address
     finally:
         _ray("stop", "--force", env=env)
 
