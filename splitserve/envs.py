@@ -129,6 +129,14 @@ _DECLARED = [
         "kernels",
     ),
     EnvVar(
+        "SPLITSERVE_CPU_AMX_ATTENTION",
+        _choice("auto", "1", "0"),
+        "auto",
+        "Prompt attention in bfloat16 through oneDNN's block kernels, on AMX tiles: auto where the CPU has AMX, "
+        "1 wherever bfloat16 is native (without AMX oneDNN runs AVX512-BF16 code), 0 never.",
+        "kernels",
+    ),
+    EnvVar(
         "SPLITSERVE_CPU_SHM_ALL_REDUCE",
         _flag,
         "1",

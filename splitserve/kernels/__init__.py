@@ -215,6 +215,13 @@ def prefill_attention(
     )
 
 
+def set_prompt_attention_brgemm(on: bool) -> bool:
+    """Whether prefill_attention multiplies bfloat16 through oneDNN's block kernels (AMX tiles on a
+    CPU with AMX; its own AVX512-BF16 loops otherwise), from now on in this process. The kernels'
+    build sets it once (cpu_features.brgemm_attention); tests switch it. Returns the old value."""
+    return cpu_ops().set_prompt_attention_brgemm(on)
+
+
 # --- sampling -------------------------------------------------------------------------------------
 def sample_supported(logits: torch.Tensor) -> bool:
     return _use_cpu_kernel(logits) and logits.dim() == 2 and logits.stride(-1) == 1

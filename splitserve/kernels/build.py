@@ -69,13 +69,19 @@ def build():
                 str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
             )
             return None
+    ops = torch.ops.splitserve_cpu
+    tiles, why = cpu_features.brgemm_attention()
+    ops.set_prompt_attention_brgemm(tiles)
     logger.info(
-        "CPU kernels (%s code, %s) ready in %.1f s (built once per machine, then loaded from torch's cache).",
+        "CPU kernels (%s code, %s) ready in %.1f s (built once per machine, then loaded from torch's cache); "
+        "bfloat16 prompt attention multiplies %s (%s).",
         _ISA_NAMES[cpu_features.isa()],
         cpu_features.describe(),
         time.perf_counter() - start,
+        "through oneDNN's block kernels" if tiles else "in splitserve's own vector loops",
+        why,
     )
-    return torch.ops.splitserve_cpu
+    return ops
 
 
 def stamp_path(name: str, flags: list[str]) -> str:

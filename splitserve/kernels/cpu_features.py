@@ -54,6 +54,33 @@ def native_bf16() -> bool:
     return isa() == "avx512" and any(flag in cpu_flags() for flag in _BF16_FLAGS)
 
 
+def amx_tiles() -> bool:
+    """Whether this process may run AMX tile instructions: the CPU lists them and Linux granted the
+    process their state (torch asks for it with arch_prctl(ARCH_REQ_XCOMP_PERM); oneDNN asks too)."""
+    if isa() != "avx512" or not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return False
+    import torch
+
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init()) if init is not None else True
+
+
+def brgemm_attention() -> tuple[bool, str]:
+    """Whether prompt attention multiplies bfloat16 through oneDNN's block kernels (AMX tiles where
+    the CPU has them) rather than its own AVX512-BF16 loops, and why, for the log.
+    SPLITSERVE_CPU_AMX_ATTENTION: auto (with AMX), 1 (wherever bfloat16 is native), 0 (never)."""
+    setting = envs.SPLITSERVE_CPU_AMX_ATTENTION
+    if setting == "0":
+        return False, "SPLITSERVE_CPU_AMX_ATTENTION=0"
+    if not native_bf16():
+        return False, "no native bfloat16 on this CPU"
+    if amx_tiles():
+        return True, "the CPU has AMX"
+    if setting == "1":
+        return True, "SPLITSERVE_CPU_AMX_ATTENTION=1 (no AMX here: oneDNN's AVX512-BF16 kernels)"
+    return False, "no AMX on this CPU" if "amx_bf16" not in cpu_flags() else "Linux did not grant AMX to this process"
+
+
 def describe() -> str:
     """The CPU's relevant flags in words, for logs and benchmark reports."""
     flags = cpu_flags()

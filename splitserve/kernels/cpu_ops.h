@@ -4,7 +4,7 @@
 // each definition for the shapes and dtypes it takes:
 //   elementwise.cpp       rms_norm, add_rms_norm, rotary, silu_and_mul
 //   decode_attention.cpp  write_kv, decode_attention
-//   prefill_attention.cpp prefill_attention
+//   prefill_attention.cpp prefill_attention, set_prompt_attention_brgemm
 //   sampling.cpp          sample
 //   gguf_products.cpp     gguf_mm
 //   gguf_dequantize.cpp   gguf_dequantize, gguf_embedding
@@ -36,6 +36,9 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
                        const at::Tensor& query_start_loc, int64_t first, double scale, int64_t sliding_window);
+// Whether prompt attention multiplies bfloat16 through oneDNN's block kernels (AMX tiles on a CPU
+// with AMX) instead of its own AVX512-BF16 loops, from now on in this process; returns the old value.
+bool set_prompt_attention_brgemm(bool on);
 
 std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& temperature,
                                           const at::Tensor& u);

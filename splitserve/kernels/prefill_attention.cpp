@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include "cpu_ops.h"
 #include "cpu_simd.h"
@@ -39,6 +40,11 @@ namespace {
 constexpr int64_t kTileQ = 64;  // query tokens per work item
 constexpr int64_t kPad = 32;    // keys and head dims are padded to a multiple of this
 constexpr int kRB = 4;          // query rows per register block
+constexpr int64_t kBM = 64;     // query rows per oneDNN block product (the brgemm path)
+constexpr int64_t kBN = 64;     // keys per oneDNN block product; keys are padded to it there
+
+// Whether bfloat16 products go through oneDNN's block kernels (set_prompt_attention_brgemm).
+std::atomic<bool> g_brgemm{false};
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -173,6 +179,7 @@ struct Kernel {
   int64_t window;
   Shape shape;
   bool bf16_dot;  // the AVX512-BF16 path
+  bool brgemm;    // bfloat16 products through oneDNN's block kernels (AMX tiles where the CPU has them)
 
   const T* row(const T* cache, int64_t req, int64_t head, int64_t token) const {
     const int32_t block = tables[req * table_stride + token / bs];
@@ -195,12 +202,18 @@ struct Kernel {
     const int64_t rows = it.tn * G;
     const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
     const int64_t ctx = seq_lens[it.req] - qlen;
+    if (brgemm) s.npad = round_up(it.n, kBN);
     pack(it, s, b);
     // the keys each row sees, relative to it.lo: [first_key(r), last_key(r)]
     auto last_key = [&](int64_t r) { return ctx + it.t0 + r / G - it.lo; };
     auto first_key = [&](int64_t r) {
       return window > 0 ? std::max<int64_t>(0, ctx + it.t0 + r / G - window + 1 - it.lo) : int64_t{0};
     };
+    if (brgemm) {
+      products_brgemm(s, rows, b, last_key, first_key);
+      finish(it, rows, b);
+      return;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += kRB) {
       const int64_t rb = std::min<int64_t>(kRB, rows - r0);
       const int64_t kend = round_up(last_key(r0 + rb - 1) + 1, kPad);  // a multiple of every step below
@@ -235,6 +248,37 @@ struct Kernel {
         }
       });
     }
+    finish(it, rows, b);
+  }
+
+  // Both products of the item by oneDNN's block kernels (at::native::cpublas::brgemm on the
+  // buffers pack() wrote: Q [rows][Dp], K^T as [Dp/2][npad] pairs and V as [npad/2][Dp] pairs are
+  // the A and VNNI-packed B operands it takes), kBM rows at a time over blocks of kBN keys, so that
+  // it compiles a few kernel shapes once; the softmax between them is the same as the vector path's.
+  template <typename LastKey, typename FirstKey>
+  void products_brgemm(const Shape& s, int64_t rows, Scratch& b, LastKey last_key, FirstKey first_key) const {
+    using BF = at::BFloat16;
+    const int64_t Dp = s.Dp;
+    const BF* Q = reinterpret_cast<const BF*>(b.q.data());
+    const BF* K = reinterpret_cast<const BF*>(b.k.data());
+    const BF* V = reinterpret_cast<const BF*>(b.v.data());
+    const BF* P = reinterpret_cast<const BF*>(b.p.data());
+    for (int64_t r0 = 0; r0 < rows; r0 += kBM) {
+      const int64_t rb = std::min(kBM, rows - r0);
+      const int64_t kend = std::min(round_up(last_key(r0 + rb - 1) + 1, kBN), s.npad);
+      float* S = b.s.data() + r0 * s.npad;
+      for (int64_t k0 = 0; k0 < kend; k0 += kBN)
+        at::native::cpublas::brgemm(rb, kBN, Dp, Dp, s.npad, s.npad, false, Q + r0 * Dp, K + 2 * k0, S + k0, true);
+      for (int64_t r = r0; r < r0 + rb; ++r) softmax_row(b, s, r, first_key(r), last_key(r), kend);
+      float* O = b.o.data() + r0 * Dp;
+      for (int64_t k0 = 0; k0 < kend; k0 += kBN)
+        at::native::cpublas::brgemm(rb, Dp, kBN, s.npad, Dp, Dp, k0 > 0, P + r0 * s.npad + k0, V + k0 * Dp, O, true);
+    }
+  }
+
+  // O / sum(P) of the item's rows into their rows of out.
+  void finish(const Item& it, int64_t rows, Scratch& b) const {
+    const int64_t G = shape.G, D = shape.D, Dp = shape.Dp;
     for (int64_t r = 0; r < rows; ++r) {
       T* dst = out + (qsl[it.req] + it.t0 + r / G) * Hq * D + (it.head * G + r % G) * D;
       const float* o = b.o.data() + r * Dp;
@@ -319,7 +363,7 @@ struct Kernel {
     const float sum = hsum(total);
     b.inv_sum[r] = 1.f / sum;
 #if defined(SPLITSERVE_HAS_AVX512BF16)
-    if (bf16_dot) {
+    if (bf16_dot || brgemm) {
       uint16_t* p = b.p.data() + r * s.npad;
       for (int64_t k = 0; k < end; k += 16)
         store(reinterpret_cast<c10::BFloat16*>(p + k), _mm512_loadu_ps(row_s + k));
@@ -357,6 +401,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 #else
   kern.bf16_dot = false;
 #endif
+  kern.brgemm = kern.bf16_dot && g_brgemm.load(std::memory_order_relaxed);
 
   std::vector<Item> items;
   int64_t max_n = 1;
@@ -373,19 +418,22 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.n > y.n; });
   Shape biggest = kern.shape;
-  biggest.npad = round_up(max_n, kPad);
+  biggest.npad = round_up(max_n, kern.brgemm ? kBN : kPad);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     typename Kernel<T>::Scratch scratch(kTileQ * G, biggest);
     for (int64_t w = begin; w < end; ++w)
       for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) kern.run(items[i], scratch);
+    if (kern.brgemm) at::native::cpublas::brgemm_release();
   });
 }
 
 }  // namespace
 
 namespace splitserve {
+
+bool set_prompt_attention_brgemm(bool on) { return g_brgemm.exchange(on); }
 
 // Rows of out [T, Hq, D] (contiguous) for the tokens of requests [first, R): their attention over
 // their cached context and themselves. q [T, Hq, D] (any token and head strides, unit dim stride);

@@ -193,3 +193,44 @@ def test_the_stack_kernels_are_profiler_events_inside_it(tiny_models, monkeypatc
         assert f"splitserve_cpu::{kernel}" in inside, (kernel, sorted(inside))
         assert not categorize(f"splitserve_cpu::{kernel}").startswith("fused layer stack")
     assert "splitserve_cpu::silu_and_mul" in inside
+
+
+def test_prompt_attention_on_onednn_block_kernels_inside_the_stack(tiny_models, monkeypatch, stack_calls):
+    """bfloat16 prompt attention through oneDNN's block kernels (what a CPU with AMX runs, on AMX
+    tiles) inside the stack: prompts past the kernels' blocks of 64 rows and 64 keys, whole and in
+    chunks after a cached prefix, stay as close to the float32 model's prompt logprobs as the vector
+    loops' bfloat16 does."""
+    from splitserve import kernels
+    from splitserve.kernels import cpu_features
+
+    if not cpu_features.native_bf16():
+        pytest.skip("oneDNN's bfloat16 block kernels need native bfloat16 (AVX512-BF16 or AMX) and the AVX-512 build")
+    shared = [t for p in PROMPTS[10:14] for t in p]  # 112 tokens
+    prompts = [shared + PROMPTS[1], PROMPTS[19] * 5, shared + PROMPTS[2] * 20]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    runs = {}
+    for name, dtype, brgemm in (
+        ("float32", "float32", False),
+        ("vector", "bfloat16", False),
+        ("tiles", "bfloat16", True),
+    ):
+        old = kernels.set_prompt_attention_brgemm(brgemm)
+        try:
+            llm = _llm(tiny_models["qwen3"], monkeypatch, True, dtype=dtype, enable_prefix_caching=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            kernels.set_prompt_attention_brgemm(old)
+        runs[name] = [
+            lp for o, p in zip(outs, prompts) for lp in (s[t].logprob for s, t in zip(o.prompt_logprobs[1:], p[1:]))
+        ]
+    assert stack_calls["prompts"] >= 3
+
+    def error(name):
+        diffs = [abs(a - b) for a, b in zip(runs[name], runs["float32"])]
+        return max(diffs), sum(diffs) / len(diffs)
+
+    (vector_max, vector_mean), (tiles_max, tiles_mean) = error("vector"), error("tiles")
+    assert tiles_max <= 1.2 * vector_max + 0.02 and tiles_mean <= 1.2 * vector_mean + 0.005, (
+        error("vector"),
+        error("tiles"),
+    )

@@ -184,19 +184,35 @@ def test_decode_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+PREFILL_SHAPES = [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 80, None), (4, 2, 128, 40), (6, 1, 64, 7)]
+
+
+@pytest.fixture(params=["vector", "brgemm"])
+def prompt_path(request, ops):
+    """Prompt attention's products in its own vector loops, then through oneDNN's block kernels
+    (AMX tiles on a CPU with AMX, AVX512-BF16 code elsewhere), whatever the build chose."""
+    brgemm = request.param == "brgemm"
+    if brgemm and not cpu_features.native_bf16():
+        pytest.skip("oneDNN's bfloat16 block kernels need native bfloat16 (AVX512-BF16 or AMX) and the AVX-512 build")
+    old = kernels.set_prompt_attention_brgemm(brgemm)
+    yield request.param
+    kernels.set_prompt_attention_brgemm(old)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "hq,hkv,d,window", [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 80, None), (4, 2, 128, 40), (6, 1, 64, 7)]
-)
-def test_prefill_attention_matches_torch_reference(ops, dtype, hq, hkv, d, window):
+@pytest.mark.parametrize("hq,hkv,d,window", PREFILL_SHAPES)
+def test_prefill_attention_matches_torch_reference(ops, prompt_path, dtype, hq, hkv, d, window):
     """A step of two decodes (left alone) and prompts with and without cached context (chunked
-    prefill, prefix hits): lengths around the kernel's tiles of 16 query tokens and 32 keys."""
+    prefill, prefix hits): lengths around the kernel's tiles of 64 query tokens and 32 keys (64
+    keys and 64 rows in the block kernels: 70 and 150 query tokens, 160 keys)."""
     from splitserve.executor.attention.torch_ref import write_kv
 
+    if prompt_path == "brgemm" and dtype != torch.bfloat16:
+        pytest.skip("the block kernels take bfloat16 only; other dtypes keep the vector loops")
     gen = torch.Generator().manual_seed(hq * d + (window or 0))
     bs, num_blocks = 16, 64
-    q_lens = [1, 1, 1, 5, 37, 13, 16, 70]
-    seq_lens = [9, 40, 1, 5, 37, 33, 64, 70]  # cached context = seq_len - q_len
+    q_lens = [1, 1, 1, 5, 37, 13, 16, 70, 150]
+    seq_lens = [9, 40, 1, 5, 37, 33, 64, 70, 160]  # cached context = seq_len - q_len
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
     width = max(len(t) for t in tables)
@@ -395,6 +411,32 @@ def test_kernels_are_built_for_the_isa_asked_for(ops):
     elif {"avx512f", "avx512bw", "avx512vl"} <= flags:
         assert cpu_features.isa() == "avx512"
     assert cpu_features.native_bf16() == (cpu_features.isa() == "avx512" and bool({"avx512_bf16", "amx_bf16"} & flags))
+
+
+@pytest.mark.parametrize(
+    "flags,setting,granted,expected",
+    [
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "auto", True, (True, "the CPU has AMX")),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "auto", False, (False, "Linux did not grant AMX")),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "0", True, (False, "SPLITSERVE_CPU_AMX_ATTENTION=0")),
+        ({"avx512_bf16"}, "auto", False, (False, "no AMX on this CPU")),
+        ({"avx512_bf16"}, "1", False, (True, "no AMX here: oneDNN's AVX512-BF16 kernels")),
+        (set(), "1", False, (False, "no native bfloat16")),
+    ],
+)
+def test_prompt_attention_takes_onednn_block_kernels_where_the_cpu_has_amx(
+    monkeypatch, flags, setting, granted, expected
+):
+    import torch._C._cpu as torch_cpu
+
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(avx512 | flags))
+    monkeypatch.setattr(cpu_features.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch_cpu, "_init_amx", lambda: granted)
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", "native")
+    monkeypatch.setenv("SPLITSERVE_CPU_AMX_ATTENTION", setting)
+    on, why = cpu_features.brgemm_attention()
+    assert on == expected[0] and expected[1] in why, (on, why)
 
 
 def test_a_built_library_is_loaded_again_only_while_it_is_the_same(ops, tmp_path):
