@@ -129,11 +129,11 @@ _DECLARED = [
         "kernels",
     ),
     EnvVar(
-        "SPLITSERVE_CPU_AMX_ATTENTION",
+        "SPLITSERVE_CPU_ATTENTION_BRGEMM",
         _choice("auto", "1", "0"),
         "auto",
-        "Prompt attention in bfloat16 through oneDNN's block kernels, on AMX tiles: auto where the CPU has AMX, "
-        "1 wherever bfloat16 is native (without AMX oneDNN runs AVX512-BF16 code), 0 never.",
+        "Prompt attention's products through oneDNN's block kernels: auto for float32 everywhere and bfloat16 where "
+        "the CPU has AMX (on its tiles), 1 for bfloat16 wherever it is native too, 0 for neither (own vector loops).",
         "kernels",
     ),
     EnvVar(

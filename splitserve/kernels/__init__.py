@@ -215,11 +215,12 @@ def prefill_attention(
     )
 
 
-def set_prompt_attention_brgemm(on: bool) -> bool:
-    """Whether prefill_attention multiplies bfloat16 through oneDNN's block kernels (AMX tiles on a
-    CPU with AMX; its own AVX512-BF16 loops otherwise), from now on in this process. The kernels'
-    build sets it once (cpu_features.brgemm_attention); tests switch it. Returns the old value."""
-    return cpu_ops().set_prompt_attention_brgemm(on)
+def set_prompt_attention_brgemm(float32: bool, bfloat16: bool) -> tuple[bool, bool]:
+    """Whether prefill_attention's products go through oneDNN's block kernels from now on in this
+    process: those it computes in float32 (float32, float16, and bfloat16 without native bfloat16)
+    and its bfloat16 ones (AMX tiles on a CPU with AMX). The kernels' build sets them once
+    (cpu_features.brgemm_attention); tests switch them. Returns the old settings."""
+    return cpu_ops().set_prompt_attention_brgemm(float32, bfloat16)
 
 
 # --- sampling -------------------------------------------------------------------------------------

@@ -70,15 +70,16 @@ def build():
             )
             return None
     ops = torch.ops.splitserve_cpu
-    tiles, why = cpu_features.brgemm_attention()
-    ops.set_prompt_attention_brgemm(tiles)
+    float32, bfloat16, why = cpu_features.brgemm_attention()
+    ops.set_prompt_attention_brgemm(float32, bfloat16)
     logger.info(
         "CPU kernels (%s code, %s) ready in %.1f s (built once per machine, then loaded from torch's cache); "
-        "bfloat16 prompt attention multiplies %s (%s).",
+        "prompt attention multiplies through oneDNN's block kernels: float32 %s, bfloat16 %s (%s).",
         _ISA_NAMES[cpu_features.isa()],
         cpu_features.describe(),
         time.perf_counter() - start,
-        "through oneDNN's block kernels" if tiles else "in splitserve's own vector loops",
+        "yes" if float32 else "no",
+        "yes" if bfloat16 else "no",
         why,
     )
     return ops

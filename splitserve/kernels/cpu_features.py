@@ -65,20 +65,22 @@ def amx_tiles() -> bool:
     return bool(init()) if init is not None else True
 
 
-def brgemm_attention() -> tuple[bool, str]:
-    """Whether prompt attention multiplies bfloat16 through oneDNN's block kernels (AMX tiles where
-    the CPU has them) rather than its own AVX512-BF16 loops, and why, for the log.
-    SPLITSERVE_CPU_AMX_ATTENTION: auto (with AMX), 1 (wherever bfloat16 is native), 0 (never)."""
-    setting = envs.SPLITSERVE_CPU_AMX_ATTENTION
+def brgemm_attention() -> tuple[bool, bool, str]:
+    """Which of prompt attention's products go through oneDNN's block kernels rather than its own
+    vector loops: (float32, bfloat16, why, for the log). SPLITSERVE_CPU_ATTENTION_BRGEMM: auto
+    (float32 everywhere: faster on AVX2 and AVX-512 alike; bfloat16 where the CPU has AMX, whose
+    tiles oneDNN uses), 1 (bfloat16 wherever it is native, too), 0 (neither)."""
+    setting = envs.SPLITSERVE_CPU_ATTENTION_BRGEMM
     if setting == "0":
-        return False, "SPLITSERVE_CPU_AMX_ATTENTION=0"
+        return False, False, "SPLITSERVE_CPU_ATTENTION_BRGEMM=0"
     if not native_bf16():
-        return False, "no native bfloat16 on this CPU"
+        return True, False, "no native bfloat16 on this CPU"
     if amx_tiles():
-        return True, "the CPU has AMX"
+        return True, True, "bfloat16 on AMX tiles"
     if setting == "1":
-        return True, "SPLITSERVE_CPU_AMX_ATTENTION=1 (no AMX here: oneDNN's AVX512-BF16 kernels)"
-    return False, "no AMX on this CPU" if "amx_bf16" not in cpu_flags() else "Linux did not grant AMX to this process"
+        return True, True, "SPLITSERVE_CPU_ATTENTION_BRGEMM=1; no AMX here: bfloat16 in oneDNN's AVX512-BF16 code"
+    why = "no AMX on this CPU" if "amx_bf16" not in cpu_flags() else "Linux did not grant AMX to this process"
+    return True, False, f"bfloat16 in splitserve's AVX512-BF16 loops: {why}"
 
 
 def describe() -> str:

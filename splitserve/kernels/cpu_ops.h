@@ -36,9 +36,10 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
                        const at::Tensor& query_start_loc, int64_t first, double scale, int64_t sliding_window);
-// Whether prompt attention multiplies bfloat16 through oneDNN's block kernels (AMX tiles on a CPU
-// with AMX) instead of its own AVX512-BF16 loops, from now on in this process; returns the old value.
-bool set_prompt_attention_brgemm(bool on);
+// Whether prompt attention's products go through oneDNN's block kernels instead of its own vector
+// loops, from now on in this process: those it computes in float32, and its bfloat16 pairs (AMX
+// tiles on a CPU with AMX). Returns the old settings.
+std::tuple<bool, bool> set_prompt_attention_brgemm(bool float32, bool bfloat16);
 
 std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& temperature,
                                           const at::Tensor& u);

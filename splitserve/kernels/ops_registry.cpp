@@ -18,7 +18,8 @@ TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int first, float scale, int sliding_window) -> ()",
         &splitserve::prefill_attention);
-  m.def("set_prompt_attention_brgemm(bool on) -> bool", &splitserve::set_prompt_attention_brgemm);
+  m.def("set_prompt_attention_brgemm(bool float32, bool bfloat16) -> (bool, bool)",
+        &splitserve::set_prompt_attention_brgemm);
   m.def("gguf_mm(Tensor x, Tensor w, int qtype, int N, int K, bool native_bf16=False, int path=0) -> Tensor",
         &splitserve::gguf_mm);
   m.def("gguf_dequantize(Tensor w, int qtype, int N, int K, ScalarType dtype) -> Tensor",

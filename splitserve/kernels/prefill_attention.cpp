@@ -17,7 +17,12 @@
 //    to bfloat16 for P V;
 //  - everything else (float32, float16, bfloat16 on AVX2 or AVX-512 without BF16): float32 FMAs
 //    on AVX-512 or AVX2 vectors, plain loops elsewhere.
-// Head dims are zero-padded to a multiple of 32 and keys to a multiple of 32 in the buffers.
+// Or the same buffers are the operands of oneDNN's block kernels (at::native::cpublas::brgemm,
+// products_brgemm), as set by set_prompt_attention_brgemm: their float32 kernels beat the FMA loops
+// on AVX2 and AVX-512 alike, and their bfloat16 kernels run on AMX tiles where the CPU has them
+// (without AMX, on AVX512-BF16, they are slower than the vdpbf16ps loops for short prompts).
+// Head dims are zero-padded to a multiple of 32 and keys to a multiple of 32 in the buffers (of
+// kBN in the block kernels).
 // Registered in ops_registry.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -32,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -43,8 +49,9 @@ constexpr int kRB = 4;          // query rows per register block
 constexpr int64_t kBM = 64;     // query rows per oneDNN block product (the brgemm path)
 constexpr int64_t kBN = 64;     // keys per oneDNN block product; keys are padded to it there
 
-// Whether bfloat16 products go through oneDNN's block kernels (set_prompt_attention_brgemm).
-std::atomic<bool> g_brgemm{false};
+// Which products go through oneDNN's block kernels (set_prompt_attention_brgemm): float32 ones
+// (the float buffers: float32, float16, bfloat16 without AVX512-BF16) and bfloat16 pairs.
+std::atomic<bool> g_brgemm_f32{false}, g_brgemm_bf16{false};
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -179,7 +186,7 @@ struct Kernel {
   int64_t window;
   Shape shape;
   bool bf16_dot;  // the AVX512-BF16 path
-  bool brgemm;    // bfloat16 products through oneDNN's block kernels (AMX tiles where the CPU has them)
+  bool brgemm;    // the products through oneDNN's block kernels (products_brgemm)
 
   const T* row(const T* cache, int64_t req, int64_t head, int64_t token) const {
     const int32_t block = tables[req * table_stride + token / bs];
@@ -251,28 +258,40 @@ struct Kernel {
     finish(it, rows, b);
   }
 
-  // Both products of the item by oneDNN's block kernels (at::native::cpublas::brgemm on the
-  // buffers pack() wrote: Q [rows][Dp], K^T as [Dp/2][npad] pairs and V as [npad/2][Dp] pairs are
-  // the A and VNNI-packed B operands it takes), kBM rows at a time over blocks of kBN keys, so that
-  // it compiles a few kernel shapes once; the softmax between them is the same as the vector path's.
+  // Both products of the item by oneDNN's block kernels (at::native::cpublas::brgemm), kBM rows at
+  // a time over blocks of kBN keys, so that oneDNN compiles a few kernel shapes once; the softmax
+  // between them is the vector path's. The buffers pack() wrote are the operands it takes: Q
+  // [rows][Dp] is A; K^T [Dp][npad] and V [npad][Dp] are B, in bfloat16 as pairs of rows
+  // interleaved ([Dp/2][npad][2] and [npad/2][Dp][2]: oneDNN's VNNI layout) with P in bfloat16, in
+  // float32 plain with P in place of S.
   template <typename LastKey, typename FirstKey>
   void products_brgemm(const Shape& s, int64_t rows, Scratch& b, LastKey last_key, FirstKey first_key) const {
-    using BF = at::BFloat16;
+    if (bf16_dot) {
+      using BF = at::BFloat16;
+      blocks(s, rows, b, last_key, first_key, reinterpret_cast<const BF*>(b.q.data()),
+             reinterpret_cast<const BF*>(b.k.data()), reinterpret_cast<const BF*>(b.v.data()),
+             reinterpret_cast<const BF*>(b.p.data()), 2);
+    } else {
+      blocks(s, rows, b, last_key, first_key, b.q.data(), b.k.data(), b.v.data(), b.s.data(), 1);
+    }
+  }
+
+  // E: bfloat16 (B operands VNNI-packed: pairs, pair = 2) or float32 (plain, pair = 1).
+  template <typename E, typename LastKey, typename FirstKey>
+  void blocks(const Shape& s, int64_t rows, Scratch& b, LastKey last_key, FirstKey first_key, const E* Q, const E* K,
+              const E* V, const E* P, int pair) const {
     const int64_t Dp = s.Dp;
-    const BF* Q = reinterpret_cast<const BF*>(b.q.data());
-    const BF* K = reinterpret_cast<const BF*>(b.k.data());
-    const BF* V = reinterpret_cast<const BF*>(b.v.data());
-    const BF* P = reinterpret_cast<const BF*>(b.p.data());
+    const bool vnni = pair == 2;
     for (int64_t r0 = 0; r0 < rows; r0 += kBM) {
       const int64_t rb = std::min(kBM, rows - r0);
       const int64_t kend = std::min(round_up(last_key(r0 + rb - 1) + 1, kBN), s.npad);
       float* S = b.s.data() + r0 * s.npad;
       for (int64_t k0 = 0; k0 < kend; k0 += kBN)
-        at::native::cpublas::brgemm(rb, kBN, Dp, Dp, s.npad, s.npad, false, Q + r0 * Dp, K + 2 * k0, S + k0, true);
+        at::native::cpublas::brgemm(rb, kBN, Dp, Dp, s.npad, s.npad, false, Q + r0 * Dp, K + pair * k0, S + k0, vnni);
       for (int64_t r = r0; r < r0 + rb; ++r) softmax_row(b, s, r, first_key(r), last_key(r), kend);
       float* O = b.o.data() + r0 * Dp;
       for (int64_t k0 = 0; k0 < kend; k0 += kBN)
-        at::native::cpublas::brgemm(rb, Dp, kBN, s.npad, Dp, Dp, k0 > 0, P + r0 * s.npad + k0, V + k0 * Dp, O, true);
+        at::native::cpublas::brgemm(rb, Dp, kBN, s.npad, Dp, Dp, k0 > 0, P + r0 * s.npad + k0, V + k0 * Dp, O, vnni);
     }
   }
 
@@ -401,7 +420,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 #else
   kern.bf16_dot = false;
 #endif
-  kern.brgemm = kern.bf16_dot && g_brgemm.load(std::memory_order_relaxed);
+  kern.brgemm = (kern.bf16_dot ? g_brgemm_bf16 : g_brgemm_f32).load(std::memory_order_relaxed);
 
   std::vector<Item> items;
   int64_t max_n = 1;
@@ -433,7 +452,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 namespace splitserve {
 
-bool set_prompt_attention_brgemm(bool on) { return g_brgemm.exchange(on); }
+std::tuple<bool, bool> set_prompt_attention_brgemm(bool float32, bool bfloat16) {
+  return {g_brgemm_f32.exchange(float32), g_brgemm_bf16.exchange(bfloat16)};
+}
 
 // Rows of out [T, Hq, D] (contiguous) for the tokens of requests [first, R): their attention over
 // their cached context and themselves. q [T, Hq, D] (any token and head strides, unit dim stride);

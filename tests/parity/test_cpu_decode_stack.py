@@ -197,14 +197,11 @@ def test_the_stack_kernels_are_profiler_events_inside_it(tiny_models, monkeypatc
 
 def test_prompt_attention_on_onednn_block_kernels_inside_the_stack(tiny_models, monkeypatch, stack_calls):
     """bfloat16 prompt attention through oneDNN's block kernels (what a CPU with AMX runs, on AMX
-    tiles) inside the stack: prompts past the kernels' blocks of 64 rows and 64 keys, whole and in
-    chunks after a cached prefix, stay as close to the float32 model's prompt logprobs as the vector
-    loops' bfloat16 does."""
+    tiles; float32 products where bfloat16 is not native) inside the stack: prompts past the
+    kernels' blocks of 64 rows and 64 keys, whole and in chunks after a cached prefix, stay as close
+    to the float32 model's prompt logprobs as the vector loops' bfloat16 does."""
     from splitserve import kernels
-    from splitserve.kernels import cpu_features
 
-    if not cpu_features.native_bf16():
-        pytest.skip("oneDNN's bfloat16 block kernels need native bfloat16 (AVX512-BF16 or AMX) and the AVX-512 build")
     shared = [t for p in PROMPTS[10:14] for t in p]  # 112 tokens
     prompts = [shared + PROMPTS[1], PROMPTS[19] * 5, shared + PROMPTS[2] * 20]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
@@ -214,12 +211,12 @@ def test_prompt_attention_on_onednn_block_kernels_inside_the_stack(tiny_models, 
         ("vector", "bfloat16", False),
         ("tiles", "bfloat16", True),
     ):
-        old = kernels.set_prompt_attention_brgemm(brgemm)
+        old = kernels.set_prompt_attention_brgemm(brgemm, brgemm)
         try:
             llm = _llm(tiny_models["qwen3"], monkeypatch, True, dtype=dtype, enable_prefix_caching=True)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         finally:
-            kernels.set_prompt_attention_brgemm(old)
+            kernels.set_prompt_attention_brgemm(*old)
         runs[name] = [
             lp for o, p in zip(outs, prompts) for lp in (s[t].logprob for s, t in zip(o.prompt_logprobs[1:], p[1:]))
         ]

@@ -190,13 +190,12 @@ PREFILL_SHAPES = [(4, 4, 16, None), (9, 3, 64, None), (8, 2, 80, None), (4, 2, 1
 @pytest.fixture(params=["vector", "brgemm"])
 def prompt_path(request, ops):
     """Prompt attention's products in its own vector loops, then through oneDNN's block kernels
-    (AMX tiles on a CPU with AMX, AVX512-BF16 code elsewhere), whatever the build chose."""
+    (float32; bfloat16 pairs where bfloat16 is native: on AMX tiles on a CPU with AMX), whatever
+    the build chose."""
     brgemm = request.param == "brgemm"
-    if brgemm and not cpu_features.native_bf16():
-        pytest.skip("oneDNN's bfloat16 block kernels need native bfloat16 (AVX512-BF16 or AMX) and the AVX-512 build")
-    old = kernels.set_prompt_attention_brgemm(brgemm)
+    old = kernels.set_prompt_attention_brgemm(brgemm, brgemm)
     yield request.param
-    kernels.set_prompt_attention_brgemm(old)
+    kernels.set_prompt_attention_brgemm(*old)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -207,8 +206,6 @@ def test_prefill_attention_matches_torch_reference(ops, prompt_path, dtype, hq, 
     keys and 64 rows in the block kernels: 70 and 150 query tokens, 160 keys)."""
     from splitserve.executor.attention.torch_ref import write_kv
 
-    if prompt_path == "brgemm" and dtype != torch.bfloat16:
-        pytest.skip("the block kernels take bfloat16 only; other dtypes keep the vector loops")
     gen = torch.Generator().manual_seed(hq * d + (window or 0))
     bs, num_blocks = 16, 64
     q_lens = [1, 1, 1, 5, 37, 13, 16, 70, 150]
@@ -416,15 +413,15 @@ def test_kernels_are_built_for_the_isa_asked_for(ops):
 @pytest.mark.parametrize(
     "flags,setting,granted,expected",
     [
-        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "auto", True, (True, "the CPU has AMX")),
-        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "auto", False, (False, "Linux did not grant AMX")),
-        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "0", True, (False, "SPLITSERVE_CPU_AMX_ATTENTION=0")),
-        ({"avx512_bf16"}, "auto", False, (False, "no AMX on this CPU")),
-        ({"avx512_bf16"}, "1", False, (True, "no AMX here: oneDNN's AVX512-BF16 kernels")),
-        (set(), "1", False, (False, "no native bfloat16")),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "auto", True, (True, True, "on AMX tiles")),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "auto", False, (True, False, "Linux did not grant AMX")),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, "0", True, (False, False, "SPLITSERVE_CPU_ATTENTION_BRGEMM=0")),
+        ({"avx512_bf16"}, "auto", False, (True, False, "no AMX on this CPU")),
+        ({"avx512_bf16"}, "1", False, (True, True, "no AMX here: bfloat16 in oneDNN's AVX512-BF16 code")),
+        (set(), "1", False, (True, False, "no native bfloat16")),
     ],
 )
-def test_prompt_attention_takes_onednn_block_kernels_where_the_cpu_has_amx(
+def test_prompt_attention_takes_onednn_block_kernels_for_float32_and_where_the_cpu_has_amx(
     monkeypatch, flags, setting, granted, expected
 ):
     import torch._C._cpu as torch_cpu
@@ -434,9 +431,9 @@ def test_prompt_attention_takes_onednn_block_kernels_where_the_cpu_has_amx(
     monkeypatch.setattr(cpu_features.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch_cpu, "_init_amx", lambda: granted)
     monkeypatch.setenv("SPLITSERVE_CPU_ISA", "native")
-    monkeypatch.setenv("SPLITSERVE_CPU_AMX_ATTENTION", setting)
-    on, why = cpu_features.brgemm_attention()
-    assert on == expected[0] and expected[1] in why, (on, why)
+    monkeypatch.setenv("SPLITSERVE_CPU_ATTENTION_BRGEMM", setting)
+    float32, bfloat16, why = cpu_features.brgemm_attention()
+    assert (float32, bfloat16) == expected[:2] and expected[2] in why, (float32, bfloat16, why)
 
 
 def test_a_built_library_is_loaded_again_only_while_it_is_the_same(ops, tmp_path):
