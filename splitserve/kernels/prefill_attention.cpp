@@ -382,7 +382,7 @@ struct Kernel {
     const float sum = hsum(total);
     b.inv_sum[r] = 1.f / sum;
 #if defined(SPLITSERVE_HAS_AVX512BF16)
-    if (bf16_dot || brgemm) {
+    if (bf16_dot) {  // P V multiplies bfloat16 probabilities (both paths)
       uint16_t* p = b.p.data() + r * s.npad;
       for (int64_t k = 0; k < end; k += 16)
         store(reinterpret_cast<c10::BFloat16*>(p + k), _mm512_loadu_ps(row_s + k));
