@@ -184,7 +184,8 @@ inline __m512 hsum_x16(const __m512* v) {
 // give 0 (e^-87.3 is the smallest normal float), -inf included. It comes in two forms, the same
 // steps (exp_steps) with the same constants and roundings (-ffp-contract=off: no fused multiply-adds):
 //  - exp_approx(float): plain C++, which the compiler vectorises inside the `#pragma omp simd` loops
-//    that call it (SiLU, decode attention's softmax, sampling);
+//    that call it (SiLU, decode attention's softmax, sampling); on AVX2, which has no mask
+//    registers, only because the build passes -fno-trapping-math (build.py);
 //  - vexp(vec): on explicit vectors, for prefill attention's register-blocked softmax.
 // They return the same bits for every float but NaN (checked over all 2^32 inputs, on the AVX-512,
 // AVX2 and plain builds). For a NaN, the scalar form returns NaN and the vector form 0: std::max
