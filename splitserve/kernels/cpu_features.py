@@ -3,7 +3,8 @@
 Two kinds of x86 machines matter: AVX-512 ones, some with bfloat16 dot products (avx512_bf16, or
 AMX), and AVX2 + FMA ones, where bfloat16 matmuls are emulated (about four times slower than
 float32). The kernels are compiled for the kind found (`isa()`), and `dtype="auto"` picks bfloat16
-only where the CPU computes it natively (`native_bf16()`).
+only where the CPU computes it natively (`native_bf16()`). Prompt attention multiplies through
+oneDNN's block kernels where they pay (`brgemm_attention()`: AMX tiles for bfloat16, `amx_tiles()`).
 
 SPLITSERVE_CPU_ISA=avx2 makes an AVX-512 machine behave as an AVX2 one: kernels compiled without
 AVX-512 (a build of their own) and no native bfloat16. The kernel tests use it so that the AVX2
@@ -73,6 +74,8 @@ def brgemm_attention() -> tuple[bool, bool, str]:
     setting = envs.SPLITSERVE_CPU_ATTENTION_BRGEMM
     if setting == "0":
         return False, False, "SPLITSERVE_CPU_ATTENTION_BRGEMM=0"
+    if isa() == "generic":  # oneDNN's block kernels need AVX2 at least; torch's fallback is a plain GEMM
+        return False, False, "no AVX2 on this CPU"
     if not native_bf16():
         return True, False, "no native bfloat16 on this CPU"
     if amx_tiles():

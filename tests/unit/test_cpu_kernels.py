@@ -419,6 +419,7 @@ def test_kernels_are_built_for_the_isa_asked_for(ops):
         ({"avx512_bf16"}, "auto", False, (True, False, "no AMX on this CPU")),
         ({"avx512_bf16"}, "1", False, (True, True, "no AMX here: bfloat16 in oneDNN's AVX512-BF16 code")),
         (set(), "1", False, (True, False, "no native bfloat16")),
+        (None, "auto", False, (False, False, "no AVX2")),
     ],
 )
 def test_prompt_attention_takes_onednn_block_kernels_for_float32_and_where_the_cpu_has_amx(
@@ -427,7 +428,8 @@ def test_prompt_attention_takes_onednn_block_kernels_for_float32_and_where_the_c
     import torch._C._cpu as torch_cpu
 
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
-    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(avx512 | flags))
+    listed = frozenset() if flags is None else frozenset(avx512 | flags)  # None: a CPU without AVX2
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: listed)
     monkeypatch.setattr(cpu_features.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch_cpu, "_init_amx", lambda: granted)
     monkeypatch.setenv("SPLITSERVE_CPU_ISA", "native")
