@@ -5,16 +5,17 @@ on a CPU with AMX), the two alternated twice in one process, and how far apart t
     .venv/bin/python scripts/bench_prompt_attention.py [--prompts 16] [--prompt-len 128]
         [--context 0] [--dtype bfloat16]
 
-Prints the best mean of 7 runs of 5 calls for each path and round. With SPLITSERVE_CPU_ISA=avx2
-it times the AVX2 build (add ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN's AVX2 kernels, as on an AVX2 host).
+Prints the best mean of 5 runs of 5 calls for each path and round (bench_cpu_kernels.best_of).
+With SPLITSERVE_CPU_ISA=avx2 it times the AVX2 build (add ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN's
+AVX2 kernels, as on an AVX2 host).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from bench_cpu_kernels import best_of  # scripts/, next to this one
 
 from splitserve import kernels
 from splitserve.kernels import cpu_features
@@ -46,15 +47,11 @@ def main() -> None:
             on = path != "own loops"
             kernels.set_prompt_attention_brgemm(on, on)
             out = torch.empty_like(q)
-            for _ in range(3):
+
+            def call(out=out):
                 kernels.prefill_attention(out, q, cache, tables, seq_lens, starts, 0, HEAD_DIM**-0.5, None)
-            best = float("inf")
-            for _ in range(7):
-                start = time.perf_counter()
-                for _ in range(5):
-                    kernels.prefill_attention(out, q, cache, tables, seq_lens, starts, 0, HEAD_DIM**-0.5, None)
-                best = min(best, (time.perf_counter() - start) / 5)
-            times.setdefault(path, []).append(best * 1e3)
+
+            times.setdefault(path, []).append(best_of(call, 5) * 1e3)
             outs[path] = out.float()
     finally:
         kernels.set_prompt_attention_brgemm(*old)
