@@ -270,18 +270,19 @@ struct Kernel {
       using BF = at::BFloat16;
       blocks(s, rows, b, last_key, first_key, reinterpret_cast<const BF*>(b.q.data()),
              reinterpret_cast<const BF*>(b.k.data()), reinterpret_cast<const BF*>(b.v.data()),
-             reinterpret_cast<const BF*>(b.p.data()), 2);
+             reinterpret_cast<const BF*>(b.p.data()));
     } else {
-      blocks(s, rows, b, last_key, first_key, b.q.data(), b.k.data(), b.v.data(), b.s.data(), 1);
+      blocks(s, rows, b, last_key, first_key, b.q.data(), b.k.data(), b.v.data(), b.s.data());
     }
   }
 
-  // E: bfloat16 (B operands VNNI-packed: pairs, pair = 2) or float32 (plain, pair = 1).
+  // E: bfloat16 (B operands VNNI-packed, two rows per pair) or float32 (plain).
   template <typename E, typename LastKey, typename FirstKey>
   void blocks(const Shape& s, int64_t rows, Scratch& b, LastKey last_key, FirstKey first_key, const E* Q, const E* K,
-              const E* V, const E* P, int pair) const {
+              const E* V, const E* P) const {
     const int64_t Dp = s.Dp;
-    const bool vnni = pair == 2;
+    constexpr bool vnni = std::is_same_v<E, at::BFloat16>;
+    constexpr int64_t pair = vnni ? 2 : 1;
     for (int64_t r0 = 0; r0 < rows; r0 += kBM) {
       const int64_t rb = std::min(kBM, rows - r0);
       const int64_t kend = std::min(round_up(last_key(r0 + rb - 1) + 1, kBN), s.npad);
