@@ -159,15 +159,19 @@ class OutputProcessor:
         ends the sample at the token that completed it, and the tokens after it are dropped. True
         when a stop string ended the sample here."""
         params = sample.params
-        stopped_by_token = out.finish_reason == "stop"  # the core stops on eos / stop_token_ids only
-        detokenize = sample.detokenizer is not None and not (stopped_by_token and not params.include_stop_str_in_output)
+        # The core stops on eos / stop_token_ids only, and that token is the step's last (speculative
+        # decoding's accepted run is cut there): its text is left out unless asked for, the text of
+        # the tokens accepted before it is not.
+        stop_token_at = len(out.new_token_ids) - 1 if out.finish_reason == "stop" else -1
+        if params.include_stop_str_in_output:
+            stop_token_at = -1
         for i, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             if out.new_logprobs is not None:
                 self._add_sample_logprobs(sample, out.new_logprobs[i])
             elif out.new_token_logprobs is not None:  # AIAK's cum_log_probs on every choice
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + out.new_token_logprobs[i]
-            if not detokenize:
+            if sample.detokenizer is None or i == stop_token_at:
                 continue
             new_chars = len(sample.detokenizer.add_token(token))
             sample.text = sample.detokenizer.output_text

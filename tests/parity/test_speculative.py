@@ -94,12 +94,13 @@ def test_stops_inside_an_accepted_run_cut_it_there(plain, speculative):
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     full = _run(plain, PROMPTS[:2], greedy)
     _with_oracle(speculative, {tuple(p): o.token_ids for p, o in zip(PROMPTS[:2], full)})
-    # max_tokens inside a run of drafts, a stop token id met within one, and a stop string.
-    stop_id = full[1].token_ids[9]
+    # max_tokens inside a run of drafts, a stop token id met at each place of one (its first, middle
+    # and last token: the text of the tokens accepted before it stays), and a stop string.
+    stop_ids = [[full[1].token_ids[at]] for at in (8, 9, 10)]
     stop_text = full[0].text[12:16]
     for params in (
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]),
+        *(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=ids) for ids in stop_ids),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_text]),
     ):
         expected, got = _run(plain, PROMPTS[:2], params), _run(speculative, PROMPTS[:2], params)

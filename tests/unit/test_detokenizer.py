@@ -104,3 +104,40 @@ def test_outputs_without_tokens_end_the_request_and_carry_refusals():
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert isinstance(refused, InvalidRequestError) and refused.status == 404 and refused.request_id == "refused"
     assert not processor.requests
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("stop_by", ["eos", "stop_token_ids"])
+def test_a_speculative_run_that_ends_on_a_stop_token_keeps_the_text_before_it(smollm_tokenizer, stop_by, include_stop):
+    """Speculative decoding hands several tokens in one output; when the core stopped the request on
+    its last token (eos or stop_token_ids), the tokens accepted before it are text like any other:
+    the answer equals the same tokens handed one by one, the stop token's own text left out unless
+    include_stop_str_in_output."""
+    from splitserve.engine.messages import EngineCoreOutput
+    from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
+    from splitserve.sampling_params import SamplingParams
+
+    tokenizer = smollm_tokenizer
+    body = tokenizer.encode(" The capital of France is Paris", add_special_tokens=False)
+    stop_token = tokenizer.eos_token_id if stop_by == "eos" else tokenizer.encode(".", add_special_tokens=False)[0]
+    extra = {"stop_token_ids": [stop_token]} if stop_by == "stop_token_ids" else {}
+    prompt = tokenizer.encode("Question:", add_special_tokens=False)
+
+    def answer(steps):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(include_stop_str_in_output=include_stop, **extra)
+        sample = SampleState(0, params, processor.new_detokenizer(prompt, params))
+        processor.add_request(RequestState("r", None, prompt, RequestOutputKind.FINAL_ONLY, {"r": sample}))
+        outputs = []
+        for j, step in enumerate(steps):
+            last = j == len(steps) - 1
+            core_out = EngineCoreOutput("r", step, finish_reason="stop" if last else None, stop_reason=None)
+            outputs += processor.process_outputs([core_out])[0]
+        return outputs[-1].outputs[0]
+
+    tokens = body + [stop_token]
+    one_by_one = answer([[t] for t in tokens])
+    speculative = answer([tokens[:2], tokens[2:]])  # the stop token inside an accepted run of several
+    expected = tokenizer.decode(tokens if include_stop else body, skip_special_tokens=True)
+    assert one_by_one.text == speculative.text == expected
+    assert "Paris" in speculative.text and speculative.token_ids == tokens
