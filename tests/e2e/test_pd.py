@@ -268,6 +268,30 @@ def test_beam_search_and_best_of_through_the_router(shared_pd_cluster, offline):
     assert metric(decode.url, "splitserve:kv_transfer_pull_failures_total") == failures
 
 
+def test_prompt_logprobs_and_echo_through_the_router(shared_pd_cluster, offline):
+    """A request that scores its prompt (evaluation harnesses: prompt_logprobs, echo with logprobs)
+    gets the prompt's logprobs through the router, as a mixed engine computes them."""
+    prefill, decode, router = shared_pd_cluster
+    prompt = PROMPTS[1]
+    reference = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0, logprobs=0), use_tqdm=False
+    )[0]
+    expected = [None] + [max(d.values(), key=lambda lp: lp.logprob).logprob for d in reference.prompt_logprobs[1:]]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{router.url}/v1/completions", json={**body, "prompt_logprobs": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(expected) and got[0] is None
+    for entry, want in zip(got[1:], expected[1:]):
+        assert max(v["logprob"] for v in entry.values()) == pytest.approx(want, abs=1e-4)
+    r = httpx.post(f"{router.url}/v1/completions", json={**body, "echo": True, "logprobs": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    num_prompt = len(reference.prompt_token_ids)
+    assert len(logprobs["token_logprobs"]) == num_prompt + 2 and logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:num_prompt] == pytest.approx(expected[1:], abs=1e-4)
+
+
 def test_killed_prefill_engine_is_survived(pd_cluster, offline):
     prefill, decode, router = pd_cluster
     os.kill(engine_pid(prefill[0]), signal.SIGKILL)

@@ -57,6 +57,16 @@ def is_batch(body: dict) -> bool:
     return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
 
 
+def scores_the_prompt(body: dict) -> bool:
+    """A request that asks for its prompt's logprobs: `prompt_logprobs` (0 included: the prompt's own
+    tokens), or a completion's `echo` with `logprobs`."""
+
+    def asked(field: str) -> bool:  # 0 asks too (the chosen tokens alone); `in (None, False)` would take it for False
+        return body.get(field) is not None and body.get(field) is not False
+
+    return asked("prompt_logprobs") or (body.get("echo") is True and asked("logprobs"))
+
+
 def kv_params(data: bytes) -> dict | None:
     """The kv_transfer_params of a prefill answer; None when it has none, so that the instance counts as failed."""
     try:

@@ -12,9 +12,11 @@ A completion or chat request goes through two instances:
    `do_remote_prefill: true`; it pulls the KV and generates. Its answer (JSON or SSE stream) goes
    back to the client byte for byte.
 
-Two kinds of request run whole on one decode instance instead (prompt and output, no transfer): a
-completion with several prompts, and a beam search (`use_beam_search`), whose beams grow from the
-prompt's KV step by step; the answer is then what a mixed instance gives.
+Three kinds of request run whole on one decode instance instead (prompt and output, no transfer): a
+completion with several prompts; a beam search (`use_beam_search`), whose beams grow from the
+prompt's KV step by step; and a request that scores its prompt (`prompt_logprobs`, or `echo` with
+`logprobs`), whose logprobs come from the pass that computes the prompt. The answer is then what a
+mixed instance gives.
 
 Failures: a prefill instance that cannot be reached, times out, answers 5xx, or forgets the
 `kv_transfer_params` is marked down and the next one is tried (--max-retries); when none succeeds
@@ -53,6 +55,7 @@ from splitserve.entrypoints.router.relay import (
     is_batch,
     kv_params,
     prefill_request_body,
+    scores_the_prompt,
     sse_error_event,
     status_reason,
     unavailable_before_output,
@@ -113,6 +116,13 @@ class Router(UpstreamPool):
                 # A beam search grows its beams' KV step by step from the prompt's: it runs whole
                 # (prompt and steps) on one decode instance, which answers as a mixed instance would.
                 trace.notes.append("beam search runs whole on a decode instance")
+                return await self._decode(request, path, fallback_request_body(body), trace)
+            elif scores_the_prompt(body):
+                # The prompt's logprobs come from the pass that computes the prompt, which a decode
+                # instance skips when it pulls the KV: such a request runs whole on one decode instance.
+                trace.notes.append(
+                    "prompt logprobs (prompt_logprobs, or echo with logprobs) run whole on a decode instance"
+                )
                 return await self._decode(request, path, fallback_request_body(body), trace)
             else:
                 prefilled = await self._prefill(request, path, body, trace)
