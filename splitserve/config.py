@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve import envs
+from splitserve.sampling_params import StructuredOutputsConfig
 
 if TYPE_CHECKING:  # torch is imported where it is used: `splitserve serve` parses its flags and
     import torch  # starts its engine process before its own torch import (1 s)
@@ -53,6 +54,8 @@ class ModelConfig:
     runner_type: str = "generate"  # "pooling": requests ask for embeddings (pooling_params.py)
     pooler_config: object | None = None  # pooling_params.PoolerConfig, with the pooling runner
     limit_mm_per_prompt: dict = field(default_factory=dict)  # most images per prompt ({"image": N}; none: 999)
+    # sampling_params.StructuredOutputsConfig: structured output's defaults (--structured-outputs-config)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
     def architecture(self) -> str:

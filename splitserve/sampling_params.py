@@ -23,6 +23,10 @@ class GuidedDecodingParams:
     json_object: bool | None = None
     backend: str | None = None
     whitespace_pattern: str | None = None
+    # JSON guides: True gives one-line JSON (", " and ": " between items, nothing else), False lets the
+    # model put whitespace anywhere JSON allows; None: the server's --structured-outputs-config
+    # (whitespace_pattern, vLLM's older field, decides when it is given).
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _GUIDE_KINDS if getattr(self, name) not in (None, False)]
@@ -32,7 +36,8 @@ class GuidedDecodingParams:
                 f"got {given or 'none'}."
             )
         if isinstance(self.json, dict):
-            self.json = json.dumps(self.json, sort_keys=True)  # one string per schema: the grammar cache's key
+            # A string: the grammar cache's key. Not sorted: the properties are generated in this order.
+            self.json = json.dumps(self.json)
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("choice must be a non-empty list of strings.")
         if self.backend is not None and self.backend.split(":")[0] not in GUIDED_BACKENDS:
@@ -48,6 +53,41 @@ class GuidedDecodingParams:
 
 _GUIDE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 StructuredOutputsParams = GuidedDecodingParams
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's --structured-outputs-config keys that splitserve has: the server's structured-output
+    defaults. `disable_any_whitespace` defaults to True here (vLLM's default is False): with free
+    whitespace, small models spend their token budget on newlines and spaces inside the JSON and are
+    cut off by max_tokens (llama.cpp's JSON grammars likewise allow only compact whitespace)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = True
+
+    @classmethod
+    def from_value(cls, value: dict | str | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        from splitserve.json_config import config_from_json
+
+        if isinstance(value, cls):
+            return value
+        config = cls() if value is None else config_from_json(cls, value, "--structured-outputs-config")
+        if config.backend.split(":")[0] not in GUIDED_BACKENDS:
+            raise ValueError(
+                f"--structured-outputs-config backend {config.backend!r} is not available: splitserve uses "
+                f"xgrammar (accepted: {', '.join(GUIDED_BACKENDS)})."
+            )
+        if not isinstance(config.disable_any_whitespace, bool):
+            raise ValueError("--structured-outputs-config disable_any_whitespace must be true or false.")
+        return config
+
+    def complete(self, guide: GuidedDecodingParams) -> GuidedDecodingParams:
+        """The guide with the server's whitespace default where the request left it open (a copy)."""
+        if guide.disable_any_whitespace is not None or guide.whitespace_pattern is not None:
+            return guide
+        from dataclasses import replace
+
+        return replace(guide, disable_any_whitespace=self.disable_any_whitespace)
 
 
 @dataclass

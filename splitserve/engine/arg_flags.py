@@ -65,6 +65,9 @@ _ENGINE_HELP = {
     "tokenizer_extension_path": "AIAK's tokenizer extension module: refused (use --tokenizer)",
     "enable_mm": "multimodal input (FastDeploy's flag): accepted for a vision-language model, which takes images "
     "without it (docs/multimodal.md); refused for a text-only model",
+    "structured_outputs_config": "structured output's defaults, as JSON (vLLM's keys): {\"disable_any_whitespace\": "
+    "false} lets JSON guides place whitespace anywhere JSON allows (default true: one-line JSON, which keeps small "
+    'models from spending max_tokens on whitespace); {"backend": "xgrammar"}',
     "limit_mm_per_prompt": 'most images one prompt may carry, as JSON: {"image": N} (default 999; vLLM\'s flag)',
     "async_scheduling": "overlap scheduling: prepare step N+1 while the device runs step N (default: on for "
     "CUDA, off for CPU, where the forward runs on the host's own cores)",

@@ -20,6 +20,7 @@ from splitserve.config import (
 )
 from splitserve.engine import startup
 from splitserve.engine.kv_events import KVEventsConfig
+from splitserve.sampling_params import StructuredOutputsConfig
 from splitserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class EngineArgs:
     pooler_config: dict | None = None  # PoolerConfig's keys: pooling_type, normalize, matryoshka_dimensions
     kv_events_config: dict | None = None  # vLLM's KVEventsConfig keys (engine/kv_events.py)
     limit_mm_per_prompt: dict | None = None  # vLLM's: most items per prompt by modality, {"image": N}
+    structured_outputs_config: dict | None = None  # vLLM's StructuredOutputsConfig keys (sampling_params.py)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -113,6 +115,7 @@ class EngineArgs:
             model_config.sampling_defaults = sampling_defaults(model_config)
             self._resolve_runner(model_config)
             self._resolve_multimodal(model_config)
+            model_config.structured_outputs_config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -127,6 +127,7 @@ class Processor:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
         params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         if params.guided_decoding is not None:
+            params.guided_decoding = self.model_config.structured_outputs_config.complete(params.guided_decoding)
             self._check_guide(params)
         return params
 

@@ -63,8 +63,12 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def _any_whitespace(guide: GuidedDecodingParams) -> bool:
-    """vLLM's guided_whitespace_pattern, as xgrammar can honour it: a pattern that admits no
-    whitespace at all gives compact JSON; any other lets the model place whitespace freely."""
+    """Free whitespace in JSON, or one-line JSON: `disable_any_whitespace` when set (the front-end's
+    Processor fills it from --structured-outputs-config), else vLLM's guided_whitespace_pattern as
+    xgrammar can honour it (a pattern that admits no whitespace at all gives compact JSON; any
+    other lets the model place whitespace freely), else xgrammar's own default (free)."""
+    if guide.disable_any_whitespace is not None:
+        return not guide.disable_any_whitespace
     pattern = guide.whitespace_pattern
     return pattern is None or re.fullmatch(pattern, " ") is not None or re.fullmatch(pattern, "\n") is not None
 

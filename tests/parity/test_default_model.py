@@ -50,3 +50,26 @@ def test_chat_and_tokenizer(llm):
     assert out.prompt.startswith("<|im_start|>system") and out.prompt.endswith("<|im_start|>assistant\n")
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_json_answers_fit_a_small_token_budget(llm):
+    """Structured output's default is one-line JSON: with free whitespace the default model spent a
+    32-token budget on newlines inside the object (LangChain's with_structured_output failed so);
+    a guide that asks for free whitespace still gets it."""
+    import json
+
+    from splitserve import GuidedDecodingParams
+
+    schema = {
+        "type": "object",
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+        "required": ["country", "capital"],
+    }
+    messages = [{"role": "user", "content": "Tell me about France."}]
+    params = SamplingParams(temperature=0, max_tokens=32, guided_decoding=GuidedDecodingParams(json=schema))
+    out = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert list(json.loads(out.text)) == ["country", "capital"] and "\n" not in out.text  # the schema's order
+    free = GuidedDecodingParams(json=schema, disable_any_whitespace=False)
+    loose = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32, guided_decoding=free), use_tqdm=False)
+    assert "\n" in loose[0].outputs[0].text  # the model's own whitespace, not the compact form

@@ -16,7 +16,12 @@ from splitserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from splitserve.entrypoints.openai.tool_calling import plan_tools, tool_guide
 from splitserve.entrypoints.openai.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
 from splitserve.executor.sampler import apply_token_bitmask
-from splitserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from splitserve.sampling_params import (
+    GuidedDecodingParams,
+    SamplingParams,
+    StructuredOutputsConfig,
+    StructuredOutputsParams,
+)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 USER = [{"role": "user", "content": "Hi"}]
@@ -39,7 +44,7 @@ def compiler(smollm_tokenizer) -> GuideCompiler:
 
 # --- parameters --------------------------------------------------------------------------------
 def test_exactly_one_guide_and_a_known_backend():
-    assert GuidedDecodingParams(json=SCHEMA).json == json.dumps(SCHEMA, sort_keys=True)
+    assert GuidedDecodingParams(json=SCHEMA).json == json.dumps(SCHEMA)  # in its order: xgrammar follows it
     assert GuidedDecodingParams(choice=["a", "b"]).kind == "choice"
     for bad in ({}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"json_object": True, "backend": "outlines"}):
         with pytest.raises(ValueError):
@@ -118,6 +123,41 @@ def test_whitespace_pattern_without_whitespace_gives_compact_json(compiler):
     assert not compact.accept_string('{ "name"')
     loose = xgr.GrammarMatcher(compiler.compile(GuidedDecodingParams(json=SCHEMA)))
     assert loose.accept_string('{ "name"')
+
+
+def test_disable_any_whitespace_gives_one_line_json(compiler):
+    compact = xgr.GrammarMatcher(compiler.compile(GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=True)))
+    assert compact.accept_string('{"name": "x"}') and compact.is_completed()
+    compact = xgr.GrammarMatcher(compiler.compile(GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=True)))
+    assert not compact.accept_string('{\n "name"')
+    free = GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=False, whitespace_pattern="")  # the flag wins
+    assert xgr.GrammarMatcher(compiler.compile(free)).accept_string('{\n "name"')
+
+
+def test_the_servers_whitespace_default_fills_what_the_request_left_open():
+    guide = GuidedDecodingParams(json=SCHEMA)
+    completed = StructuredOutputsConfig().complete(guide)
+    assert completed.disable_any_whitespace is True and guide.disable_any_whitespace is None  # a copy
+    assert (
+        StructuredOutputsConfig.from_value('{"disable_any_whitespace": false}').complete(guide).disable_any_whitespace
+        is False
+    )
+    for given in (
+        GuidedDecodingParams(json=SCHEMA, whitespace_pattern=" *"),
+        GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=False),
+    ):
+        assert StructuredOutputsConfig().complete(given) is given
+    for bad, message in (
+        ('{"disable_whitespace": true}', "unknown keys"),
+        ({"backend": "outlines"}, "xgrammar"),
+        ({"disable_any_whitespace": "no"}, "true or false"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputsConfig.from_value(bad)
+    request = ChatCompletionRequest.model_validate(
+        {"messages": USER, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": False}}
+    )
+    assert request.guided_decoding_params().disable_any_whitespace is False
 
 
 # --- the bitmask -------------------------------------------------------------------------------
