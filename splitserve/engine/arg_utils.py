@@ -18,7 +18,7 @@ from splitserve.config import (
     SchedulerConfig,
     resolve_device,
 )
-from splitserve.engine import startup
+from splitserve.engine import compatibility, startup
 from splitserve.engine.kv_events import KVEventsConfig
 from splitserve.sampling_params import StructuredOutputsConfig
 from splitserve.spec_decode.config import SpeculativeConfig
@@ -193,9 +193,11 @@ class EngineArgs:
                 f"{model_config.architecture} is a classification model (a reranker or classifier): it scores and "
                 "classifies with the pooling runner (--runner pooling, the default for it), it cannot generate."
             )
-        if runner == "pooling":
-            if self.speculative_config or self.pd_role != "mixed":
-                raise ValueError("The pooling runner (embeddings) takes no speculative decoding and no PD role.")
+        if runner == "pooling":  # chosen from the model's architecture too: compatibility.check could not see it
+            if self.speculative_config:
+                raise compatibility.refusal("pooling+speculative")
+            if self.pd_role != "mixed":
+                raise compatibility.refusal("pooling+pd_role")
             directory = model_config.model if os.path.isdir(model_config.model) else None
             model_config.pooler_config = PoolerConfig.resolve(directory, model_config.hf_config, self.pooler_config)
         elif self.pooler_config:
@@ -258,16 +260,7 @@ class EngineArgs:
         """vLLM's --disable-async-output-proc turns off the overlap of one step's output handling with
         the next step's forward, which is what overlap scheduling does here. Speculative decoding
         needs each step's tokens before it can propose the next step's drafts: no overlap."""
-        if speculative is not None:
-            if self.async_scheduling:
-                raise ValueError(
-                    "--async-scheduling and speculative decoding exclude each other: the next step's drafts "
-                    "are proposed from this step's tokens."
-                )
-            return False
-        if self.disable_async_output_proc:
-            if self.async_scheduling:
-                raise ValueError("--async-scheduling and --disable-async-output-proc contradict each other.")
+        if speculative is not None or self.disable_async_output_proc:  # asked for too: refused by compatibility.py
             return False
         return _resolve_async_scheduling(self.async_scheduling, device, parallel)
 
@@ -298,7 +291,9 @@ class EngineArgs:
         return config
 
     def _verify_supported(self) -> None:
-        """Refuse settings whose feature does not exist yet, instead of silently ignoring them."""
+        """Refuse settings whose feature does not exist yet, instead of silently ignoring them, and
+        combinations of features that do not go together (engine/compatibility.py)."""
+        compatibility.check(self)
         if self.swap_space < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):
             raise ValueError("swap_space and num_cpu_blocks must be >= 0.")
         swap_memory = self.swap_space > 0 or bool(self.num_cpu_blocks)
@@ -343,12 +338,7 @@ def _resolve_async_scheduling(asked: bool | None, device: torch.device, parallel
     """Overlap pays where the device computes while the host works: on a GPU. A CPU forward runs
     on the host's own cores, so there it only reorders work (it stays available, for testing).
     Pipeline stages run one after another within a step, so with several there is no overlap."""
-    if parallel.pipeline_parallel_size > 1:
-        if asked:
-            raise ValueError(
-                "async_scheduling does not work with pipeline_parallel_size > 1 yet: the first "
-                "stage would need the last stage's sampled tokens on its own device."
-            )
+    if parallel.pipeline_parallel_size > 1:  # asked for too: refused by compatibility.py
         return False
     return device.type == "cuda" if asked is None else asked
 

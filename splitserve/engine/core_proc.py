@@ -265,7 +265,10 @@ def run_engine_core(source, address: str, ready_pipe) -> None:
             configure_cpu_threads()
         proc = EngineCoreProc(config, address)
     except Exception as exc:  # report any start-up failure to the parent, then exit
-        logger.exception("Engine start-up failed")
+        if isinstance(exc, ValueError):  # a setting refused, in words: no traceback to read past
+            logger.error("Engine start-up refused: %s", exc)
+        else:
+            logger.exception("Engine start-up failed")
         ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return
     signal.signal(signal.SIGTERM, lambda *_: _stop_ranks_and_exit(proc))

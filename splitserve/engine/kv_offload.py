@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from splitserve.engine import compatibility
 from splitserve.engine.kv_disk_tier import DiskTierIndex
 from splitserve.engine.messages import KVOffloadStats
 from splitserve.executor.kv_tier_files import layout_key, tier_directory
@@ -118,10 +119,8 @@ def make_offload_tier(config, executor) -> KVOffloadTier | None:
     cc = config.cache_config
     if not cc.offloads_kv:
         return None
-    if config.kv_transfer_config.pd_role == "decode":
-        # A pull writes into fresh blocks as soon as it is submitted, before the step that would
-        # first keep what those blocks held.
-        raise ValueError("KV offloading is not supported on PD decode instances yet: give it to the prefill ones.")
+    if config.kv_transfer_config.pd_role == "decode":  # EngineArgs refuse it first; a config built by hand too
+        raise compatibility.refusal("kv_offloading+pd_decode")
     if cc.kv_offloading_bytes:
         cc.num_offload_blocks = executor.determine_num_cpu_blocks(cc.kv_offloading_bytes)
         if cc.num_offload_blocks < 1:

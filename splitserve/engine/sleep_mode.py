@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from splitserve.engine import compatibility
 from splitserve.engine.errors import EngineAsleepError
 
 logger = logging.getLogger(__name__)
@@ -48,12 +49,16 @@ class EngineSleep:
 
     def check_idle(self, action: str) -> None:
         """Refuse (ValueError) to drop the runner while a request is in the engine, or where the
-        engine holds more than its runner (a draft model, a PD KV connector)."""
+        engine holds more than its runner (a draft model, a PD KV connector, an offloading tier:
+        engine/compatibility.py says why). N-gram speculation keeps nothing on the device."""
         core = self.core
-        if core.config.speculative_config is not None or core.connector is not None or core.kv_manager.pool.tier:
-            raise ValueError(
-                f"{action.capitalize()} does not cover speculative decoding, PD instances or KV offloading yet."
-            )
+        speculative = core.config.speculative_config
+        if speculative is not None and speculative.method == "draft_model":
+            raise compatibility.refusal("sleep+speculative")
+        if core.connector is not None:
+            raise compatibility.refusal("sleep+pd")
+        if core.kv_manager.pool.tier:
+            raise compatibility.refusal("sleep+kv_offloading")
         busy = len(core.scheduler.requests) + len(core._compiling) + (core._in_flight is not None)
         if busy:
             raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before {action}.")

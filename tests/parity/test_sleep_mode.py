@@ -121,3 +121,19 @@ def test_update_weights_refusals_change_nothing(llm, tiny_models, tmp_path):
         llm.update_weights(tiny_models["qwen3"])
     llm.wake_up()
     assert _tokens(llm) == before
+
+
+def test_ngram_speculation_sleeps_and_wakes_a_draft_model_is_refused(tiny_models):
+    """N-gram speculation keeps nothing on the device: its engine sleeps and wakes to the same tokens.
+    A draft model's weights and KV are not released yet: sleep is refused with the table's reason."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(tiny_models["qwen3"], dtype="float32", max_num_seqs=4, use_tqdm_on_load=False, speculative_config=ngram)
+    before = _tokens(llm)
+    llm.sleep(2)
+    llm.wake_up()
+    assert _tokens(llm) == before
+    draft = {"model": tiny_models["qwen3"], "num_speculative_tokens": 2}
+    llm = LLM(tiny_models["qwen3"], dtype="float32", max_num_seqs=4, use_tqdm_on_load=False, speculative_config=draft)
+    with pytest.raises(ValueError, match="speculative decoding with a draft model: the draft model's weights"):
+        llm.sleep(1)
+    assert _tokens(llm) and not llm.is_sleeping()

@@ -55,7 +55,7 @@ def test_aiak_table_flags_are_recognised():
         (["--num-scheduler-steps", "8"], "multi-step decoding is not implemented"),
         (["--tokenizer-extension-path", "/x/vllm_extension.py"], "--tokenizer"),
         (["--enable-mm"], "has no vision encoder"),
-        (["--async-scheduling", "--disable-async-output-proc"], "contradict"),
+        (["--async-scheduling", "--disable-async-output-proc"], "turns off the overlap that the first asks for"),
         (["--max-seq-len-to-capture", "0"], "max_seq_len_to_capture"),
     ],
 )

@@ -1,0 +1,152 @@
+"""The combinations of features splitserve refuses, and why: one table, in one place.
+
+Each rule names its two features as a user writes them and the sentence that explains the refusal.
+A rule with `applies` is checked before anything starts (`check`, called by
+EngineArgs.create_engine_config): the server, the offline LLM and each `serve --pd` instance stop
+with one line naming both features. A rule without it is raised by the code that knows (a request
+that finds the engine in that state, or a choice made from the model's config), through `refusal`,
+so that the words are this table's. docs/compatibility.md is `markdown_table()`; a test keeps the
+two equal, and gives every rule an example that it refuses and the same example without its second
+feature, which starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    first: str  # the features as a user writes them
+    second: str
+    reason: str
+    where: str = "start-up"  # where it is refused: "start-up", or the request or call that is refused
+    applies: Callable | None = None  # (EngineArgs) -> bool, for the start-up rules
+    example: dict = field(default_factory=dict)  # EngineArgs fields that trip it (start-up rules; tests)
+    without_second: dict = field(default_factory=dict)  # the example's fields with the second feature taken off
+
+    def message(self) -> str:
+        return f"{self.first} with {self.second}: {self.reason}"
+
+
+def _speculative(args) -> bool:
+    return bool(args.speculative_config)
+
+
+def _pooling(args) -> bool:
+    return args.runner == "pooling" or args.task in ("embed", "embedding", "classify", "score", "rerank")
+
+
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+
+RULES = [
+    Rule(
+        "async_scheduling+speculative",
+        "--async-scheduling",
+        "speculative decoding",
+        "the drafts of the next step are proposed from this step's sampled tokens, so the next step cannot be "
+        "prepared while this one runs.",
+        applies=lambda a: a.async_scheduling is True and _speculative(a),
+        example={"async_scheduling": True, "speculative_config": _NGRAM},
+        without_second={"async_scheduling": True},
+    ),
+    Rule(
+        "async_scheduling+pipeline_parallel",
+        "--async-scheduling",
+        "pipeline parallelism (-pp > 1)",
+        "the first stage would need the last stage's sampled tokens on its own device before the step ends.",
+        applies=lambda a: a.async_scheduling is True and a.pipeline_parallel_size > 1,
+        example={"async_scheduling": True, "pipeline_parallel_size": 2},
+        without_second={"async_scheduling": True},
+    ),
+    Rule(
+        "async_scheduling+disable_async_output_proc",
+        "--async-scheduling",
+        "--disable-async-output-proc",
+        "the second turns off the overlap that the first asks for.",
+        applies=lambda a: a.async_scheduling is True and a.disable_async_output_proc,
+        example={"async_scheduling": True, "disable_async_output_proc": True},
+        without_second={"async_scheduling": True},
+    ),
+    Rule(
+        "kv_offloading+pd_decode",
+        "KV offloading (--kv-offloading-size, --kv-cache-dir)",
+        "--pd-role decode",
+        "a KV pull writes into its blocks as soon as it is submitted, before the step that would first save "
+        "what those blocks held; give the offloading to the prefill instances.",
+        applies=lambda a: bool(a.kv_offloading_size or a.kv_cache_dir) and a.pd_role == "decode",
+        example={"kv_offloading_size": 0.1, "pd_role": "decode"},
+        without_second={"kv_offloading_size": 0.1},
+    ),
+    Rule(
+        "pooling+speculative",
+        "the pooling runner (embeddings, --runner pooling)",
+        "speculative decoding",
+        "a pooling request computes its prompt once and generates nothing to speculate on.",
+        applies=lambda a: _pooling(a) and _speculative(a),
+        example={"runner": "pooling", "speculative_config": _NGRAM},
+        without_second={"runner": "pooling"},
+    ),
+    Rule(
+        "pooling+pd_role",
+        "the pooling runner (embeddings, --runner pooling)",
+        "a PD role (--pd-role prefill or decode)",
+        "a pooling request ends with its prompt: there is no decode to hand it to.",
+        applies=lambda a: _pooling(a) and a.pd_role != "mixed",
+        example={"runner": "pooling", "pd_role": "prefill"},
+        without_second={"runner": "pooling"},
+    ),
+    Rule(
+        "sleep+speculative",
+        "sleep mode and weight updates (/sleep, /update_weights)",
+        "speculative decoding with a draft model",
+        "the draft model's weights and KV cache are not released or reloaded with the target's yet.",
+        where="the /sleep or /update_weights call (400)",
+    ),
+    Rule(
+        "sleep+pd",
+        "sleep mode and weight updates (/sleep, /update_weights)",
+        "a PD instance (--pd-role prefill or decode)",
+        "the KV transfer server keeps the KV cache's memory registered for pulls; releasing it under the "
+        "transfer is not built yet.",
+        where="the /sleep or /update_weights call (400)",
+    ),
+    Rule(
+        "sleep+kv_offloading",
+        "sleep mode and weight updates (/sleep, /update_weights)",
+        "KV offloading (--kv-offloading-size, --kv-cache-dir)",
+        "the offloading tier's copies are made from the KV cache that sleep releases; reconnecting them on "
+        "wake-up is not built yet.",
+        where="the /sleep or /update_weights call (400)",
+    ),
+]
+_BY_NAME = {rule.name: rule for rule in RULES}
+
+
+class CombinationRefused(ValueError):
+    """Two features that do not go together (a ValueError: start-up reports it in one line)."""
+
+    def __init__(self, rule: Rule):
+        super().__init__(rule.message())
+        self.rule = rule
+
+
+def refusal(name: str) -> CombinationRefused:
+    """The error of the rule `name`, for the code that finds the combination itself."""
+    return CombinationRefused(_BY_NAME[name])
+
+
+def check(args) -> None:
+    """Refuse EngineArgs that combine features of a start-up rule (the first such rule)."""
+    for rule in RULES:
+        if rule.applies is not None and rule.applies(args):
+            raise CombinationRefused(rule)
+
+
+def markdown_table() -> str:
+    lines = ["| feature | with | refused at | why |", "|---|---|---|---|"]
+    for rule in RULES:
+        lines.append(f"| {rule.first} | {rule.second} | {rule.where} | {rule.reason} |")
+    return "\n".join(lines) + "\n"
