@@ -71,16 +71,6 @@ RULES = [
         without_second={"async_scheduling": True},
     ),
     Rule(
-        "kv_offloading+pd_decode",
-        "KV offloading (--kv-offloading-size, --kv-cache-dir)",
-        "--pd-role decode",
-        "a KV pull writes into its blocks as soon as it is submitted, before the step that would first save "
-        "what those blocks held; give the offloading to the prefill instances.",
-        applies=lambda a: bool(a.kv_offloading_size or a.kv_cache_dir) and a.pd_role == "decode",
-        example={"kv_offloading_size": 0.1, "pd_role": "decode"},
-        without_second={"kv_offloading_size": 0.1},
-    ),
-    Rule(
         "pooling+speculative",
         "the pooling runner (embeddings, --runner pooling)",
         "speculative decoding",

@@ -247,8 +247,9 @@ class EngineCore:
         for request in sched.expired:
             ttl = self.config.scheduler_config.waiting_ttl
             self._pending_outputs.append(messages.queue_ttl_expired(request.request_id, ttl))
-        for request, first_block, dest in sched.kv_pulls:
-            self.connector.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
+        if sched.kv_pulls:  # the offloading tier's copies go to the ranks before the pulls, not with the step
+            offload_ops, sched.kv_offload = sched.kv_offload, None
+            self.connector.submit_pulls(sched.kv_pulls, offload_ops)
         return None if sched.is_empty else sched
 
     @staticmethod

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from splitserve.engine import compatibility
 from splitserve.engine.kv_disk_tier import DiskTierIndex
 from splitserve.engine.messages import KVOffloadStats
 from splitserve.executor.kv_tier_files import layout_key, tier_directory
@@ -119,8 +118,6 @@ def make_offload_tier(config, executor) -> KVOffloadTier | None:
     cc = config.cache_config
     if not cc.offloads_kv:
         return None
-    if config.kv_transfer_config.pd_role == "decode":  # EngineArgs refuse it first; a config built by hand too
-        raise compatibility.refusal("kv_offloading+pd_decode")
     if cc.kv_offloading_bytes:
         cc.num_offload_blocks = executor.determine_num_cpu_blocks(cc.kv_offloading_bytes)
         if cc.num_offload_blocks < 1:

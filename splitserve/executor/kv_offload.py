@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 
+import msgspec
 import torch
 
 from splitserve.executor.kv_swap import BLOCK_DIM, copy_blocks, host_blocks_like
@@ -30,7 +31,11 @@ class KVOffloadCopier:
         self.rank = rank
         self._writer: _DiskWriter | None = None
 
-    def apply(self, ops: KVOffloadOps) -> None:
+    def apply(self, ops: KVOffloadOps | list) -> None:
+        """Make a step's copies (also given alone, as a rank call's decoded argument: the copies a
+        decode instance's KV pulls wait for, distributed/kv_transfer/connector.py)."""
+        if not isinstance(ops, KVOffloadOps):
+            ops = msgspec.convert(ops, KVOffloadOps)
         for kind, run in _runs(ops.copies):
             if kind == OFFLOAD_STORE:
                 self._store(run, ops.disk_dir)

@@ -47,3 +47,23 @@ def test_bad_offloading_flags_stop_the_server_with_the_reason(tiny_chat_model):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode != 0 and "LMCache is not integrated" in done.stderr
+
+
+def test_a_pd_decode_instance_offloads_the_blocks_it_pulled(tiny_chat_model):
+    """KV offloading on a PD decode instance: blocks pulled from the prefill instance and evicted from
+    the decode instance's small cache are saved before a later pull overwrites them, and come back
+    from host memory (the decode instance then pulls only what it lacks) with the same answers."""
+    decode_flags = (*FLAGS, "--kv-offloading-size", "0.01")
+    with (
+        RemoteServer(tiny_chat_model, "--max-model-len", "256", "--pd-role", "prefill") as prefill,
+        RemoteServer(tiny_chat_model, *decode_flags, "--pd-role", "decode") as decode,
+        RemoteServer(None, "router", "--prefill", prefill.url, "--decode", decode.url) as router,
+    ):
+        first = [_ask(router, p)[0] for p in PROMPTS]
+        received = metric(decode, "splitserve:kv_transfer_blocks_received_total")
+        again = [_ask(router, p)[0] for p in PROMPTS]
+        assert again == first
+        assert metric(decode, "splitserve:kv_offload_stored_blocks_total") > 0
+        assert metric(decode, "splitserve:kv_offload_host_hit_blocks_total") > 0
+        # The second round's prefixes came from host memory: fewer blocks crossed the network.
+        assert metric(decode, "splitserve:kv_transfer_blocks_received_total") - received < received

@@ -182,3 +182,29 @@ def test_fault_injection_delays_each_block(monkeypatch, caplog):
     assert "Fault injection (SPLITSERVE_FAULT_KV_BLOCK_DELAY_S): sending 3 KV blocks of request p1" in caplog.text
     prefill.shutdown()
     decode.shutdown()
+
+
+def test_a_decode_instances_offload_copies_reach_the_ranks_before_its_pulls():
+    """With KV offloading on a decode instance, a pull's destination blocks may hold prefix blocks
+    the tier must save first: the group sends the step's copies before any pull, then each pull."""
+    from types import SimpleNamespace
+
+    from splitserve.distributed.kv_transfer.connector import KVConnectorGroup
+    from splitserve.executor.step_input import OFFLOAD_STORE, KVOffloadOps
+
+    calls = []
+
+    def call(method, *args):
+        calls.append((method, *args))
+        return [("127.0.0.1", 1)] if method == "start" else [None]
+
+    group = KVConnectorGroup(call)
+    ops = KVOffloadOps([(OFFLOAD_STORE, 3, 0, "")])
+    params = KVTransferParams(remote_host="127.0.0.1", remote_port=1, remote_request_id="p1")
+    pulls = [(SimpleNamespace(request_id=r, kv_transfer=params), 0, [3, 4]) for r in ("a", "b")]
+    group.submit_pulls(pulls, ops)
+    assert [c[0] for c in calls] == ["start", "apply_offload", "submit_pull", "submit_pull"]
+    assert calls[1][1] is ops and calls[2][1] == "a"
+    calls.clear()
+    group.submit_pulls(pulls[:1], None)
+    assert [c[0] for c in calls] == ["submit_pull"]

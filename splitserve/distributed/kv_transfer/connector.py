@@ -63,6 +63,16 @@ class KVConnectorGroup:
             self._call("release_lease", request_id)
 
     # --- decode side ------------------------------------------------------------------------
+    def submit_pulls(self, pulls: list, offload_ops=None) -> None:
+        """A step's pulls, (request, first block, destination block ids) each. The offloading tier's
+        copies decided with them (`offload_ops`, KVOffloadOps taken out of the step) are made first:
+        a pull writes into its blocks as soon as it is submitted, and a block it was given may hold
+        a prefix block that the tier must save before it is overwritten."""
+        if offload_ops is not None:
+            self._call("apply_offload", offload_ops)
+        for request, first_block, dest in pulls:
+            self.submit_pull(request.request_id, request.kv_transfer, first_block, dest)
+
     def submit_pull(self, request_id: str, params, first_block: int, dest_block_ids: list[int]) -> None:
         """Pull blocks first_block.. of the remote request named in `params` (KVTransferParams)."""
         endpoints = params.remote_endpoints or [(params.remote_host, params.remote_port)]

@@ -36,6 +36,8 @@ class KVTransferHandler:
             return self.connector.end_lease(*args)
         if method == "submit_pull":
             return self.submit_pull(*args)
+        if method == "apply_offload":  # the tier's copies that must land before a pull (connector.submit_pulls)
+            return runner.offload.apply(args[0])
         if method == "poll":
             released = self.connector.poll_released()
             pulled = [(r.request_id, r.error) for r in self.connector.poll_pulled()]
