@@ -96,14 +96,6 @@ RULES = [
         where="the /sleep or /update_weights call (400)",
     ),
     Rule(
-        "sleep+pd",
-        "sleep mode and weight updates (/sleep, /update_weights)",
-        "a PD instance (--pd-role prefill or decode)",
-        "the KV transfer server keeps the KV cache's memory registered for pulls; releasing it under the "
-        "transfer is not built yet.",
-        where="the /sleep or /update_weights call (400)",
-    ),
-    Rule(
         "sleep+kv_offloading",
         "sleep mode and weight updates (/sleep, /update_weights)",
         "KV offloading (--kv-offloading-size, --kv-cache-dir)",

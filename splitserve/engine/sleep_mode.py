@@ -2,10 +2,11 @@
 idle engine hands its accelerator memory back between rollouts of a reinforcement-learning loop
 and takes it again, ready to serve as before (executor/sleep_mode.py says what each rank does).
 
-An engine sleeps only when idle: a request in it, or a KV lease of a PD prefill instance, makes
-sleep refuse, naming them. Requests sent while it sleeps are refused (EngineAsleepError, 503 at
-the server). Waking allocates an empty KV cache: the prefix cache starts empty, as after start-up;
-CUDA graphs are captured again and, after level 2, the LoRA adapters in use are read again."""
+An engine sleeps only when idle: a request in it, a KV lease of a PD prefill instance or a pull
+of a decode instance makes sleep refuse, naming them. Requests sent while it sleeps are refused
+(EngineAsleepError, 503 at the server). Waking allocates an empty KV cache: the prefix cache starts
+empty, as after start-up; CUDA graphs are captured again and, after level 2, the LoRA adapters in
+use are read again. A PD instance's KV connector lets go of the cache and takes the new one."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class EngineSleep:
         self.check_idle("sleeping")
         start = time.perf_counter()
         core.executor.sleep(level)
+        if core.connector is not None:  # a PD instance: its KV connector lets go of the released cache
+            core.connector.rebind()
         core.kv_manager.pool.reset_prefix_cache()
         self.level = level
         logger.info(
@@ -49,17 +52,22 @@ class EngineSleep:
 
     def check_idle(self, action: str) -> None:
         """Refuse (ValueError) to drop the runner while a request is in the engine, or where the
-        engine holds more than its runner (a draft model, a PD KV connector, an offloading tier:
-        engine/compatibility.py says why). N-gram speculation keeps nothing on the device."""
+        engine holds more than its runner (a draft model, an offloading tier: engine/compatibility.py
+        says why), or while a PD instance has KV leased or being pulled. N-gram speculation keeps
+        nothing on the device; a PD instance's KV connector follows the cache (rebind)."""
         core = self.core
         speculative = core.config.speculative_config
         if speculative is not None and speculative.method == "draft_model":
             raise compatibility.refusal("sleep+speculative")
-        if core.connector is not None:
-            raise compatibility.refusal("sleep+pd")
         if core.kv_manager.pool.tier:
             raise compatibility.refusal("sleep+kv_offloading")
-        busy = len(core.scheduler.requests) + len(core._compiling) + (core._in_flight is not None)
+        sched = core.scheduler
+        if sched.leased or sched.receiving:  # a PD instance's KV on its way out or in
+            raise ValueError(
+                f"{len(sched.leased)} KV lease(s) and {len(sched.receiving)} KV pull(s) are open: wait until the "
+                f"decode instances have pulled (or the leases expired) before {action}."
+            )
+        busy = len(sched.requests) + len(core._compiling) + (core._in_flight is not None)
         if busy:
             raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before {action}.")
 
@@ -73,6 +81,8 @@ class EngineSleep:
         cc = core.config.cache_config
         core.executor.wake_up(cc.num_gpu_blocks, cc.num_cpu_blocks, weights)
         core.executor.capture_cuda_graphs()
+        if core.connector is not None:
+            core.connector.rebind()
         if self.level == 2:
             for lora in core.loras.list():
                 core.executor.add_lora(lora)

@@ -292,6 +292,25 @@ def test_prompt_logprobs_and_echo_through_the_router(shared_pd_cluster, offline)
     assert logprobs["token_logprobs"][1:num_prompt] == pytest.approx(expected[1:], abs=1e-4)
 
 
+def test_pd_instances_sleep_and_wake_and_answer_as_before(shared_pd_cluster, offline):
+    """Sleep mode on PD instances: an idle prefill or decode instance sleeps (its KV connector lets
+    go of the released cache), wakes with a new cache that pulls and leases use, and the router's
+    answers are what a mixed engine gives."""
+    prefill, decode, router = shared_pd_cluster
+    instances = [*prefill, decode]
+    for level in (1, 2):
+        wait_for(lambda: all(idle(i.url) for i in instances), 30, "idle instances (leases ended)")
+        for instance in instances:
+            answer = httpx.post(f"{instance.url}/sleep", params={"level": level}, timeout=60)
+            assert answer.status_code == 200 and answer.json()["is_sleeping"], answer.text
+        for instance in instances:
+            assert httpx.post(f"{instance.url}/wake_up", timeout=60).json()["is_sleeping"] is False
+        body = {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _expected(offline, PROMPTS[2]), r.text
+    wait_for(lambda: all(idle(i.url) for i in instances), 30, "idle instances after the requests")
+
+
 def test_killed_prefill_engine_is_survived(pd_cluster, offline):
     prefill, decode, router = pd_cluster
     os.kill(engine_pid(prefill[0]), signal.SIGKILL)

@@ -95,6 +95,11 @@ class KVConnectorGroup:
         self._pulls[request_id] = []
 
     # --- both -------------------------------------------------------------------------------
+    def rebind(self) -> None:
+        """Every rank's connector takes its runner's KV cache again: after sleep released it (so that
+        its memory is freed) and after waking allocated a new one (so that pulls and leases use it)."""
+        self._call("rebind")
+
     def poll(self) -> tuple[list[str], list[PullResult]]:
         """Leases that ended on every rank, and pulls that finished on every rank. Asks the ranks
         at every call while something is outstanding, else once a second (for their counters)."""
