@@ -115,6 +115,8 @@ class OutputProcessor:
                 continue  # aborted while the step ran
             state = self.requests[rid]
             sample = state.samples[out.request_id]
+            if sample.finished:  # a stop string ended it: the core's next tokens (sent before the abort) go
+                continue
             if out.new_prompt_logprobs:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             if out.pooled is not None:

@@ -141,3 +141,26 @@ def test_a_speculative_run_that_ends_on_a_stop_token_keeps_the_text_before_it(sm
     expected = tokenizer.decode(tokens if include_stop else body, skip_special_tokens=True)
     assert one_by_one.text == speculative.text == expected
     assert "Paris" in speculative.text and speculative.token_ids == tokens
+
+
+def test_tokens_that_come_after_a_stop_string_are_dropped(smollm_tokenizer):
+    """A front-end that reads several of the core's messages at once (data parallelism, a busy
+    server) may get a sample's next tokens in the same call as the one that completed its stop
+    string (they were sampled before the abort arrived): the answer stays cut at the stop."""
+    from splitserve.engine.messages import EngineCoreOutput
+    from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
+    from splitserve.sampling_params import SamplingParams
+
+    tokens = smollm_tokenizer.encode(" one two three four five", add_special_tokens=False)
+    processor = OutputProcessor(smollm_tokenizer)
+    for rid, n in (("single", 1), ("pair", 2)):
+        params = SamplingParams(stop=[" three"], n=n)
+        samples = {f"{rid}-{i}": SampleState(i, params, processor.new_detokenizer([5], params)) for i in range(n)}
+        processor.add_request(RequestState(rid, None, [5], RequestOutputKind.FINAL_ONLY, samples))
+    steps = [EngineCoreOutput(core_id, [t]) for t in tokens for core_id in ("single-0", "pair-0")]
+    steps.append(EngineCoreOutput("pair-1", tokens[:1], finish_reason="length"))
+    outputs, to_abort = processor.process_outputs(steps)
+    assert sorted(to_abort) == ["pair-0", "single-0"]
+    by_id = {o.request_id: o for o in outputs}
+    assert [(c.text, c.finish_reason) for c in by_id["single"].outputs] == [(" one two", "stop")]
+    assert [(c.text, c.finish_reason) for c in by_id["pair"].outputs] == [(" one two", "stop"), (" one", "length")]

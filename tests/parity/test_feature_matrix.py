@@ -1,0 +1,168 @@
+"""Every deployment feature with every request feature, offline on a tiny model: each pair runs, its
+answer is valid for the request's feature, and where the deployment does not change the numbers it
+is the plain engine's answer exactly.
+
+A deployment (a column) is an engine started with one feature (speculative decoding, no prefix
+caching, a small step budget, async scheduling, KV offloading, priority scheduling, a quantized KV
+cache, batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request kind (a
+row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of, structured
+output, min_tokens, allowed tokens, beam search) in one batch. Requests of a batch are independent, so the
+plain engine answers the same batch for the exact columns. A pair that is refused must be in
+docs/compatibility.md; none of these is. The server-level pairs (PD, --workers, the APIs) are in the
+e2e tests; this is the engine's share, kept to about a minute by sharing one engine per column.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, SamplingParams
+
+pytestmark = pytest.mark.slow  # about fifteen engines, three of them with worker processes
+
+PROMPT = {"prompt_token_ids": list(range(40, 75))}  # two full blocks of 16 and a tail
+MAX_TOKENS = 10
+REGEX = r"[0-9]{3}-[a-z]{2}"
+ALLOWED = list(range(300, 340))
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    args: dict
+    exact: bool  # the same numbers as the plain engine: the same answers
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+COLUMNS = [
+    Column("speculative", {"speculative_config": NGRAM}, True),
+    Column("no_prefix_caching", {"enable_prefix_caching": False}, True),
+    Column("small_step_budget", {"max_num_batched_tokens": 16, "max_num_seqs": 4}, False),
+    Column("async_scheduling", {"async_scheduling": True}, True),
+    Column("kv_offloading", {"kv_offloading_size": 0.001}, True),
+    Column("priority", {"scheduling_policy": "priority"}, True),
+    Column("kv_int8", {"kv_cache_dtype": "int8"}, False),
+    Column("kv_fp8", {"kv_cache_dtype": "fp8"}, False),
+    Column("batch_invariant", {"batch_invariant": True}, False),
+    Column("tensor_parallel", {"tensor_parallel_size": 2}, False),
+    Column("pipeline_parallel", {"pipeline_parallel_size": 2}, True),
+    Column("data_parallel", {"data_parallel_size": 2}, True),
+]
+
+
+def _rows(greedy) -> dict[str, SamplingParams]:
+    """The request kinds; the stops come from this engine's own greedy answer (`greedy`)."""
+    base = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+    return {
+        "greedy": SamplingParams(temperature=0, logprobs=2, **base),
+        "stop_string": SamplingParams(temperature=0, stop=[greedy.text[6:9]], **base),
+        "stop_string_kept": SamplingParams(
+            temperature=0, stop=[greedy.text[6:9]], include_stop_str_in_output=True, **base
+        ),
+        "stop_token": SamplingParams(temperature=0, stop_token_ids=[greedy.token_ids[5]], **base),
+        "seed": SamplingParams(temperature=1.0, top_p=0.9, seed=7, **base),
+        "penalties": SamplingParams(
+            temperature=0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, **base
+        ),
+        "prompt_logprobs": SamplingParams(temperature=0, prompt_logprobs=1, **base),
+        "n_best_of": SamplingParams(temperature=1.0, n=2, best_of=3, seed=3, **base),
+        "structured": SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, guided_decoding=GuidedDecodingParams(regex=REGEX)
+        ),
+        "min_tokens": SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=4),
+        "allowed_tokens": SamplingParams(temperature=0, allowed_token_ids=ALLOWED, **base),
+    }
+
+
+def _check_valid(kind: str, params: SamplingParams, out) -> None:
+    """What the request's feature promises, whatever the deployment's numbers."""
+    samples = out.outputs
+    assert len(samples) == params.n, kind
+    for s in samples:
+        assert s.finish_reason in ("stop", "length"), (kind, s.finish_reason)
+        assert len(s.token_ids) <= (params.max_tokens or MAX_TOKENS), kind
+    s = samples[0]
+    if kind == "greedy":
+        assert len(s.token_ids) == MAX_TOKENS and len(s.logprobs) == MAX_TOKENS
+        assert all(t in lp for t, lp in zip(s.token_ids, s.logprobs))
+    elif kind.startswith("stop_string"):
+        stop = params.stop[0]
+        if s.finish_reason == "stop":
+            assert s.text.endswith(stop) if params.include_stop_str_in_output else stop not in s.text, (kind, s.text)
+    elif kind == "stop_token":
+        stop = params.stop_token_ids[0]
+        assert stop not in s.token_ids[:-1] and (s.token_ids[-1] == stop) == (s.finish_reason == "stop"), kind
+    elif kind == "prompt_logprobs":
+        assert len(out.prompt_logprobs) == len(PROMPT["prompt_token_ids"]) and out.prompt_logprobs[0] is None
+    elif kind == "structured":
+        assert s.finish_reason == "stop" and re.fullmatch(REGEX, s.text), s.text
+    elif kind == "allowed_tokens":
+        assert set(s.token_ids) <= set(ALLOWED)
+
+
+def _answers(llm: LLM) -> dict:
+    """Every row's answer from one engine: the greedy answer first (the stops come from it), then
+    every row in one batch, then a beam search."""
+    greedy = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
+    rows = _rows(greedy[0].outputs[0])
+    outputs = llm.generate([PROMPT] * len(rows), list(rows.values()), use_tqdm=False)
+    answers = {}
+    for (kind, params), out in zip(rows.items(), outputs):
+        _check_valid(kind, params, out)
+        answers[kind] = _summary(out)
+    beams = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    assert len(beams[0].sequences) == 2
+    answers["beam_search"] = [seq.tokens for seq in beams[0].sequences]
+    return answers
+
+
+def _summary(out) -> tuple:
+    samples = tuple(
+        (s.token_ids, s.text, s.finish_reason, None if s.logprobs is None else _rounded(s.logprobs))
+        for s in out.outputs
+    )
+    prompt = None if out.prompt_logprobs is None else _rounded(out.prompt_logprobs[1:])
+    return samples, prompt
+
+
+def _rounded(logprobs) -> tuple:
+    return tuple(tuple(sorted((t, round(lp.logprob, 3)) for t, lp in entry.items())) for entry in logprobs)
+
+
+def _engine(model: str, **args) -> LLM:
+    return LLM(model, dtype="float32", max_model_len=256, seed=0, use_tqdm_on_load=False, **args)
+
+
+def _close(llm: LLM) -> None:
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def plain(model) -> dict:
+    llm = _engine(model)
+    try:
+        return _answers(llm)
+    finally:
+        _close(llm)
+
+
+@pytest.mark.parametrize("column", COLUMNS, ids=lambda c: c.name)
+def test_every_request_kind_on_every_deployment(model, plain, column):
+    llm = _engine(model, **column.args)
+    try:
+        answers = _answers(llm)
+    finally:
+        _close(llm)
+    if column.exact:
+        for kind, expected in plain.items():
+            assert answers[kind] == expected, f"{column.name} x {kind}"
