@@ -173,6 +173,14 @@ _DECLARED = [
         "resources",
     ),
     EnvVar(
+        "SPLITSERVE_DATA_PARALLEL_RANK",
+        _optional_int,
+        "",
+        "This engine's replica index under --data-parallel-size (set for each replica; its KV events sockets "
+        "are offset by it).",
+        "resources",
+    ),
+    EnvVar(
         "SPLITSERVE_RAY_CPUS_PER_RANK",
         int,
         "1",

@@ -166,7 +166,7 @@ class EngineArgs:
             async_scheduling=self._async_scheduling(device, parallel_config, speculative),
             use_tqdm_on_load=self.use_tqdm_on_load,
             kv_transfer_config=kv_transfer_config,
-            kv_events_config=KVEventsConfig.from_value(self.kv_events_config),
+            kv_events_config=self._kv_events_config(),
             lora_config=self._lora_config(),
             speculative_config=speculative,
             batch_invariant=self.batch_invariant or envs.SPLITSERVE_BATCH_INVARIANT,
@@ -243,6 +243,12 @@ class EngineArgs:
                 f"{target.vocab_size}: speculative decoding needs a draft that shares the target's tokenizer."
             )
         return draft
+
+    def _kv_events_config(self) -> KVEventsConfig | None:
+        config = KVEventsConfig.from_value(self.kv_events_config)
+        if config is not None:  # each replica publishes on its own sockets (vLLM's port offset)
+            config.check_ranks(self.data_parallel_size)
+        return config
 
     def _lora_config(self) -> LoRAConfig | None:
         from splitserve.lora.request import parse_lora_modules

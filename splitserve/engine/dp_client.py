@@ -24,6 +24,7 @@ from splitserve.executor.cpu_binding import CPU_CORES_ENV, available_cores, spli
 
 logger = logging.getLogger(__name__)
 
+RANK_ENV = "SPLITSERVE_DATA_PARALLEL_RANK"  # envs.py
 _POLL_MS = 100  # how long a step waits for the replicas before it looks at their processes
 
 
@@ -126,8 +127,13 @@ class DataParallelEngineClient:
 
 
 def replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:
-    """Each replica's share of the machine: its CPU cores, or its GPUs (world_size of them); with
-    Ray actors as the ranks, Ray gives each its share wherever it places it."""
+    """Each replica's environment: its rank (SPLITSERVE_DATA_PARALLEL_RANK: its KV events sockets
+    are offset by it) and its share of the machine: its CPU cores, or its GPUs (world_size of them);
+    with Ray actors as the ranks, Ray gives each its share wherever it places it."""
+    return [{RANK_ENV: str(rank), **env} for rank, env in enumerate(_replica_shares(config, size))]
+
+
+def _replica_shares(config: EngineConfig, size: int) -> list[dict[str, str]]:
     if config.parallel_config.distributed_executor_backend == "ray":
         return [{} for _ in range(size)]
     if config.device.type == "cuda":

@@ -24,6 +24,7 @@ that changed the cache; off (the default) costs nothing: no events are recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -34,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from splitserve import envs
 from splitserve.json_config import config_from_json
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,35 @@ class KVEventsConfig:
         if config.buffer_steps < 1 or config.hwm < 1 or config.max_queue_size < 1:
             raise ValueError("kv-events buffer_steps, hwm and max_queue_size must be >= 1.")
         return config
+
+    def for_rank(self, rank: int, tag: str = "dp") -> KVEventsConfig:
+        """Replica (or instance) `rank`'s own sockets, by vLLM's rule: offset_endpoint."""
+        replay = offset_endpoint(self.replay_endpoint, rank, tag) if self.replay_endpoint else None
+        return dataclasses.replace(self, endpoint=offset_endpoint(self.endpoint, rank, tag), replay_endpoint=replay)
+
+    def check_ranks(self, count: int, what: str = "data-parallel ranks") -> None:
+        """Refuse `count` ranks whose offset sockets would collide (endpoint 5557 and replay 5558, two ranks)."""
+        if self.publisher != "zmq" or count < 2:
+            return
+        sockets = [e for r in range(count) for e in (self.for_rank(r).endpoint, self.for_rank(r).replay_endpoint) if e]
+        if len(set(sockets)) != len(sockets):
+            raise ValueError(
+                f"--kv-events-config: {count} {what} publish on the endpoint's port + rank, so endpoint "
+                f"{self.endpoint} and replay_endpoint {self.replay_endpoint} need at least {count} ports between them."
+            )
+
+
+def offset_endpoint(endpoint: str, rank: int, tag: str = "dp") -> str:
+    """vLLM's rule for the sockets of data-parallel rank `rank`: a tcp endpoint's port plus the rank
+    (tcp://*:5557 -> tcp://*:5558 for rank 1), an ipc or inproc one with `_dp<rank>` appended."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_{tag}{rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        raise ValueError(
+            f"--kv-events-config endpoint {endpoint!r}: with several ranks it needs tcp://HOST:PORT or ipc://."
+        )
+    return f"{base}:{int(port) + rank}"
 
 
 # --- recording (the KV cache manager's side) -----------------------------------------------------
@@ -236,7 +267,10 @@ def make_publisher(config: KVEventsConfig | None, data_parallel_rank: int | None
 def attach_events(core, config: KVEventsConfig | None):
     """Events on for an EngineCore (engine/engine_core.py): its block pool records them and every
     step (core.step_fn) publishes its batch. Returns the publisher (None when off: nothing attached)."""
-    publisher = make_publisher(config)
+    rank = envs.SPLITSERVE_DATA_PARALLEL_RANK  # a data-parallel replica's: its own sockets
+    if config is not None and rank is not None:
+        config = config.for_rank(rank)
+    publisher = make_publisher(config, rank)
     if publisher is None:
         return None
     medium = "GPU" if core.config.device.type == "cuda" else "CPU"

@@ -5,6 +5,7 @@ adds their stats up, sleep mode reaches both, and a replica that dies is restart
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from splitserve.process_utils import free_port
 from tests.helpers.server import RemoteServer, comm, metric
 
 pytestmark = pytest.mark.slow  # starts a server with two engine processes
@@ -45,7 +47,12 @@ def test_two_replicas_behind_one_server(tiny_chat_model):
     llm.llm_engine.shutdown()
 
     flags = ("--data-parallel-size", "2", "--api-server-count", "2", "--dtype", "float32", "--max-model-len", "256")
-    with RemoteServer(tiny_chat_model, *flags, "--disable-log-requests") as server:
+    port = free_port()
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})
+    with RemoteServer(tiny_chat_model, *flags, "--kv-events-config", events, "--disable-log-requests") as server:
+        # Each replica publishes its KV events on its own port (the endpoint's + its rank), both reported.
+        endpoints = httpx.get(f"{server.url}/pd_role", timeout=30).json()["kv_events_endpoint"]
+        assert endpoints == [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"]
         engines = _engines(server)
         assert len(engines) == 2
         before = [_cpu_seconds(p) for p in engines]

@@ -3,10 +3,16 @@ engine processes give one engine's greedy tokens, share the work, and refuse wha
 
 from __future__ import annotations
 
+import socket
+import time
+
+import msgspec
 import pytest
+import zmq
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.arg_utils import EngineArgs
+from splitserve.engine.kv_events import KVEventBatch
 from splitserve.entrypoints.openai.server import refuse_data_parallel
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j) % 900 + 5 for j in range(12 + 3 * i)]} for i in range(8)]
@@ -51,3 +57,44 @@ def test_data_parallel_size_is_checked():
         EngineArgs(data_parallel_backend="ray", distributed_executor_backend="mp")._parallel_config(None)
     ray = EngineArgs(data_parallel_size=2, data_parallel_backend="ray")._parallel_config(None)
     assert ray.distributed_executor_backend == "ray"
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (replica 1 publishes on P + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_each_replica_publishes_kv_events_on_its_own_port(tiny_models):
+    """vLLM's rule: replica r publishes on the endpoint's port + r (both binding one port crashed)."""
+    port = _two_free_ports()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"}
+    dp = _llm(tiny_models["qwen3"], data_parallel_size=2, kv_events_config=events, block_size=16)
+    ctx = zmq.Context()
+    try:
+        subs = []
+        for rank in (0, 1):
+            sub = ctx.socket(zmq.SUB)
+            sub.connect(f"tcp://127.0.0.1:{port + rank}")
+            sub.setsockopt_string(zmq.SUBSCRIBE, "")
+            subs.append(sub)
+        time.sleep(0.5)  # a SUB socket hears only what is sent after it joined
+        prompts = [{"prompt_token_ids": [5 + i] * 40} for i in range(4)]  # two full blocks each
+        dp.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        for rank, sub in enumerate(subs):
+            assert sub.poll(5000), f"no KV events from replica {rank}"
+            batch = decoder.decode(sub.recv_multipart()[2])
+            assert batch.data_parallel_rank == rank and batch.events
+            sub.close(0)
+    finally:
+        ctx.term()
+        dp.llm_engine.shutdown()

@@ -24,6 +24,8 @@ def reachable_endpoint(endpoint: str, instance_url: str) -> str:
     """The instance's publishing address as the router reaches it: a wildcard host (`*`, 0.0.0.0)
     becomes the host of the instance's URL."""
     scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":  # ipc://, inproc://: a path on the instance's own machine
+        return endpoint
     host, _, port = rest.rpartition(":")
     if host in ("*", "0.0.0.0", "", "[::]"):
         host = urlsplit(instance_url).hostname or "127.0.0.1"
@@ -56,17 +58,21 @@ class KVEventIndex:
         self._ctx = None
 
     def watch(self, inst: Upstream, info: dict) -> None:
-        """Subscribe to `inst`'s events (its /pd_role answer says where), once."""
+        """Subscribe to `inst`'s events (its /pd_role answer says where: one endpoint, or a list of
+        its data-parallel replicas', whose events fill one index), once."""
         endpoint = info.get("kv_events_endpoint")
-        if id(inst) in self._tasks or not isinstance(endpoint, str):
+        endpoints = [endpoint] if isinstance(endpoint, str) else endpoint
+        valid = isinstance(endpoints, list) and endpoints and all(isinstance(e, str) for e in endpoints)
+        if id(inst) in self._tasks or not valid:
             return
         if inst.cached is None:
             inst.cached = set()
         inst.block_size = int(info.get("block_size") or 16)
-        address = reachable_endpoint(endpoint, inst.url)
+        addresses = [reachable_endpoint(e, inst.url) for e in endpoints]
         topic = str(info.get("kv_events_topic") or "")
-        self._tasks[id(inst)] = asyncio.create_task(self._follow(inst, address, topic))
-        logger.info("cache_aware: following the KV cache events of %s at %s", inst.url, address)
+        follows = (self._follow(inst, address, topic) for address in addresses)
+        self._tasks[id(inst)] = asyncio.ensure_future(asyncio.gather(*follows))
+        logger.info("cache_aware: following the KV cache events of %s at %s", inst.url, ", ".join(addresses))
 
     async def _follow(self, inst: Upstream, address: str, topic: str) -> None:
         import zmq
