@@ -27,7 +27,10 @@ from splitserve.process_utils import exit_with_parent, free_port
 logger = logging.getLogger("splitserve.pd")
 
 _STARTUP_TIMEOUT_S = 600.0
-SERVER_MODULE = "splitserve.entrypoints.openai.api_server"  # what an instance process runs
+SERVER_MODULE = "splitserve.entrypoints.openai.api_server"  # FastDeploy's server command
+# What an instance process runs: `splitserve serve`'s defaults (SERVER_MODULE's --default-max-tokens
+# differs), so that the launcher's flags mean the same there.
+INSTANCE_MODULE = "splitserve.entrypoints.serve"
 
 
 def parse_pd_spec(spec: str) -> tuple[int, int]:
@@ -106,11 +109,12 @@ class LocalInstance:
 
 
 def start_instance(role: str, flags: list[str], env: dict[str, str] | None = None) -> LocalInstance:
-    """A server process (`python -m SERVER_MODULE FLAGS`) on a free loopback port."""
+    """A server process (`python -m INSTANCE_MODULE FLAGS`) on a free loopback port."""
     port = free_port()
-    cmd = [sys.executable, "-m", SERVER_MODULE, *flags, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", INSTANCE_MODULE, *flags, "--host", "127.0.0.1", "--port", str(port)]
     env = env or {}
-    logger.info("Starting %s instance on port %d%s", role, port, "".join(f", {k}={v}" for k, v in env.items()))
+    shown = "".join(f", {k}={v}" for k, v in env.items() if "KEY" not in k)  # not the API key
+    logger.info("Starting %s instance on port %d%s", role, port, shown)
     return LocalInstance(role, f"http://127.0.0.1:{port}", _popen(cmd, env), cmd, env)
 
 

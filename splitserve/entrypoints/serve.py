@@ -18,29 +18,15 @@ from typing import TYPE_CHECKING
 
 from splitserve import envs
 from splitserve.disagg.environment import resolve_pd_environment
-from splitserve.engine.arg_flags import engine_flags
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server
+from splitserve.entrypoints.pd_flags import check_pd_flags, instance_env, instance_flags
 
 if TYPE_CHECKING:
     from splitserve.entrypoints.router import RouterConfig
 
 logger = logging.getLogger("splitserve.serve")
-
-# Server flags that every instance of a local PD deployment gets from the launcher's own.
-_INSTANCE_SERVER_FLAGS = (
-    "chat_template",
-    "reasoning_parser",
-    "max_queued_requests",
-    "tool_call_parser",
-    "default_max_tokens",
-    "metrics_prefix",
-    "max_engine_restarts",
-    "engine_restart_window",
-    "otlp_traces_endpoint",
-)
-_INSTANCE_SERVER_SWITCHES = ("disable_log_requests", "enable_auto_tool_choice", "strict_request_fields")
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
@@ -78,12 +64,8 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
     from splitserve.disagg import launch
 
     num_prefill, num_decode = launch.parse_pd_spec(spec)
-    if engine_args.kv_events_config:
-        raise ValueError(
-            "serve --pd gives every instance the same flags, so their KV events would share one endpoint: start the "
-            "instances by hand (--pd-role), each with its own --kv-events-config endpoint."
-        )
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+    check_pd_flags(engine_args, server_args, len(roles))  # every flag reaches what it concerns, or is refused
     instances: list[launch.LocalInstance] = []
     keeper = None
     # SIGTERM (also re-raised by uvicorn once the router has shut down) unwinds through `finally`,
@@ -93,8 +75,9 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
-        for role, env in zip(roles, launch.split_devices(len(roles), world)):
-            instances.append(launch.start_instance(role, instance_flags(engine_args, server_args, role), env))
+        for index, (role, env) in enumerate(zip(roles, launch.split_devices(len(roles), world))):
+            flags = instance_flags(engine_args, server_args, role, index)
+            instances.append(launch.start_instance(role, flags, {**env, **instance_env(server_args)}))
         launch.wait_healthy(instances)
         keeper = launch.InstanceKeeper(instances).start()
         config = _router_config(
@@ -130,17 +113,6 @@ def _ranks_from_devices(engine_args: EngineArgs, device_ids: list[int]) -> None:
         )
 
 
-def instance_flags(engine_args: EngineArgs, server_args: ServerArgs, role: str) -> list[str]:
-    """The command-line flags of one instance of a local PD deployment (host and port aside)."""
-    flags = [*engine_flags(engine_args, skip=("pd_role", "kv_port")), "--pd-role", role]
-    for name in _INSTANCE_SERVER_FLAGS:
-        value = getattr(server_args, name)
-        if value is not None:
-            flags += ["--" + name.replace("_", "-"), str(value)]
-    flags += ["--" + name.replace("_", "-") for name in _INSTANCE_SERVER_SWITCHES if getattr(server_args, name)]
-    return flags
-
-
 def run_router(config: RouterConfig, host: str, port: int) -> None:
     """The router; its web stack (aiohttp, the router's app) is imported only when it runs, so that
     a model server starts its engine process without waiting for it."""
@@ -157,6 +129,8 @@ def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls
         decode_urls=decode_urls,
         policy=server_args.policy,
         api_key=server_args.api_key,
+        instance_api_key=server_args.api_key,
+        metrics_api_key=server_args.metrics_api_key,
         otlp_traces_endpoint=server_args.otlp_traces_endpoint,
     )
 
@@ -172,3 +146,7 @@ def main(argv: list[str] | None = None, default_max_tokens: int | None = None) -
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("%s", exc)
         sys.exit(2)
+
+
+if __name__ == "__main__":  # what `serve --pd` starts its instances with (launch.INSTANCE_MODULE)
+    main()

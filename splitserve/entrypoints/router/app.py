@@ -66,11 +66,12 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     document_routes(app)
-    if config.api_key:  # load balancers and Prometheus need no key
+    if config.api_key or config.metrics_api_key:  # load balancers and Prometheus need no key, unless given one
         app.add_middleware(
             ApiKeyMiddleware,
             api_key=config.api_key,
             open_paths=("/health", "/metrics", "/openapi.json", "/docs", "/redoc"),
+            path_keys={"/metrics": config.metrics_api_key},
         )
     return app
 

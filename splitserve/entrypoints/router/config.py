@@ -27,6 +27,7 @@ class RouterConfig:
     policy: str = "round_robin"
     api_key: str | None = None  # what clients must send (Authorization: Bearer ...)
     instance_api_key: str | None = None  # what the router sends to the instances
+    metrics_api_key: str | None = None  # what /metrics requires (serve --pd's --metrics-api-key); None: open
     max_retries: int = 2  # further instances tried after a failure, per role
     health_interval: float = 2.0  # seconds between health checks
     request_timeout: float = 3600.0  # seconds for a whole upstream request, stream included
