@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
+from starlette.datastructures import Headers
+
 from splitserve.entrypoints.http import APIError, error_body
 from splitserve.entrypoints.openai.batch_protocol import BatchError, BatchErrors, BatchObject
 from splitserve.entrypoints.openai.batch_store import BatchStore, process_identity
@@ -26,7 +28,10 @@ LineHandler = Callable[[int, str], Awaitable[dict]]
 
 
 class _NoClient:
-    """Stands for the HTTP request the handlers watch for a client that left: here, none ever does."""
+    """Stands for the HTTP request the handlers watch for a client that left: here, none ever does;
+    it sends no header (the PD router's handler reads them)."""
+
+    headers = Headers()
 
     async def is_disconnected(self) -> bool:
         return False

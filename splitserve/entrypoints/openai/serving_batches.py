@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import partial
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -43,7 +43,6 @@ from splitserve.entrypoints.openai.batch_protocol import (
 from splitserve.entrypoints.openai.batch_runner import BatchJob, run_line
 from splitserve.entrypoints.openai.batch_store import BatchStore, is_running, process_identity
 from splitserve.entrypoints.openai.request_model import STRICT_FIELDS, validation_error_message
-from splitserve.entrypoints.openai.serving_base import json_response
 
 logger = logging.getLogger("splitserve.batches")
 
@@ -259,6 +258,12 @@ def batch_serving(completion, chat, pooling, config, server_args) -> BatchServin
         strict_fields=server_args.strict_request_fields,
         model=config.model_config.served_model_name,
     )
+
+
+def json_response(model) -> Response:
+    """The model as JSON (serving_base.py's, which this module does not import: the PD router
+    serves these routes without the engine)."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def add_batch_routes(app: FastAPI, serving: BatchServing) -> None:

@@ -11,10 +11,10 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from splitserve.entrypoints.http import APIError, error_response
+from splitserve.entrypoints.http import APIError, error_response, read_json_body
 from splitserve.entrypoints.openai.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
@@ -56,7 +56,7 @@ class ResponsesServing:
                 )
             history = stored[1]
         chat_body = to_chat_body(req, history)
-        model = self.chat._response_model(req)
+        model = await self._model(req)
         response_id = new_id("resp")
         if req.background:
             if not req.store:
@@ -69,10 +69,18 @@ class ResponsesServing:
         if answer.status_code != 200:
             return answer
         if isinstance(answer, StreamingResponse):
-            events = self._events(req, chat_body, response_id, model, answer.body_iterator)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return self._streamed(answer, self._events(req, chat_body, response_id, model, answer.body_iterator))
         response = self._finished(req, chat_body, response_id, model, json.loads(answer.body))
         return JSONResponse(response.model_dump())
+
+    async def _model(self, req: ResponsesRequest) -> str:
+        """The response's `model` (the PD router asks an instance for the served name)."""
+        return self.chat._response_model(req)
+
+    def _streamed(self, answer: StreamingResponse, events: AsyncIterator[str]) -> Response:
+        """The streamed response of `events`, made from the chat stream `answer` (the PD router's
+        keeps the decode instance's connection until the client has it all)."""
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def _finished(self, req, chat_body: dict, response_id: str, model: str, chat: dict) -> ResponseObject:
         choice = chat["choices"][0]
@@ -177,6 +185,26 @@ class ResponsesServing:
         self._store(req, chat_body, state.response, message)
         name = "response.completed" if status == "completed" else f"response.{status}"
         yield state.event(name, response=state.response.model_dump())
+
+
+def add_responses_routes(app: FastAPI, serving: ResponsesServing) -> None:
+    """POST /v1/responses; GET and DELETE /v1/responses/{id}; POST /v1/responses/{id}/cancel."""
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await serving.create(await read_json_body(request), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return await serving.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await serving.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await serving.cancel(response_id)
 
 
 class _Detached:
