@@ -293,22 +293,44 @@ def test_prompt_logprobs_and_echo_through_the_router(shared_pd_cluster, offline)
 
 
 def test_pd_instances_sleep_and_wake_and_answer_as_before(shared_pd_cluster, offline):
-    """Sleep mode on PD instances: an idle prefill or decode instance sleeps (its KV connector lets
-    go of the released cache), wakes with a new cache that pulls and leases use, and the router's
-    answers are what a mixed engine gives."""
+    """Sleep mode on PD instances: the router's /sleep puts every idle prefill and decode instance
+    to sleep (its KV connector lets go of the released cache), /wake_up wakes them with a new cache
+    that pulls and leases use, and the router's answers are what a mixed engine gives."""
     prefill, decode, router = shared_pd_cluster
     instances = [*prefill, decode]
     for level in (1, 2):
         wait_for(lambda: all(idle(i.url) for i in instances), 30, "idle instances (leases ended)")
+        answer = httpx.post(f"{router.url}/sleep", params={"level": level}, timeout=60)  # every instance
+        assert answer.status_code == 200 and answer.json() == {"is_sleeping": True, "level": level}, answer.text
         for instance in instances:
-            answer = httpx.post(f"{instance.url}/sleep", params={"level": level}, timeout=60)
-            assert answer.status_code == 200 and answer.json()["is_sleeping"], answer.text
-        for instance in instances:
-            assert httpx.post(f"{instance.url}/wake_up", timeout=60).json()["is_sleeping"] is False
+            assert httpx.get(f"{instance.url}/is_sleeping", timeout=60).json()["is_sleeping"] is True
+        assert httpx.post(f"{router.url}/wake_up", timeout=60).json()["is_sleeping"] is False
+        assert httpx.get(f"{router.url}/is_sleeping", timeout=60).json()["is_sleeping"] is False
         body = {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
         r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == _expected(offline, PROMPTS[2]), r.text
     wait_for(lambda: all(idle(i.url) for i in instances), 30, "idle instances after the requests")
+
+
+def test_responses_api_through_the_router(shared_pd_cluster):
+    """/v1/responses at the router: the answer of the same chat request through prefill and
+    decode, stored, continued by previous_response_id, streamed."""
+    prefill, decode, router = shared_pd_cluster
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=120)
+    expected = r.json()["choices"][0]["message"]["content"]
+    body = {"input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{router.url}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    first = r.json()
+    assert [i for i in first["output"] if i["type"] == "message"][0]["content"][0]["text"] == expected
+    assert first["model"] == httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    follow = {"input": "Another one.", "previous_response_id": first["id"], "max_output_tokens": 4, "stream": True}
+    r = httpx.post(f"{router.url}/v1/responses", json=follow, timeout=120)
+    assert r.status_code == 200 and r.text.rstrip().splitlines()[0] == "event: response.created", r.text
+    assert "event: response.completed" in r.text or "event: response.incomplete" in r.text, r.text
+    instances = [*prefill, decode]
+    wait_for(lambda: all(idle(i.url) for i in instances), 30, "idle instances after the responses")
 
 
 def test_killed_prefill_engine_is_survived(pd_cluster, offline):

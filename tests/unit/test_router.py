@@ -105,6 +105,7 @@ class FakeInstance:
                 web.get("/v1/models", self.models),
                 web.post("/tokenize", self.tokenize),
                 web.post("/kv_transfer/release", self.release_kv),
+                *self.extra_routes(),
             ]
         )
         self.sock = socket.socket()
@@ -116,6 +117,10 @@ class FakeInstance:
     async def _start(self) -> None:
         await self.runner.setup()
         await web.SockSite(self.runner, self.sock).start()
+
+    def extra_routes(self) -> list:
+        """Further routes of a subclass's (test_router_routes.py)."""
+        return []
 
     def stop(self) -> None:
         """From now on: connection refused."""
@@ -314,13 +319,16 @@ def fake_loop():
 
 @pytest.fixture
 def cluster(fake_loop):
-    """cluster(n_prefill, n_decode, **config) -> (router server, prefill fakes, decode fakes, call log)."""
+    """cluster(n_prefill, n_decode, fake=FakeInstance, **config) -> (router server, prefill fakes, decode
+    fakes, call log)."""
     made: list = []
 
-    def make(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls=None, decode_urls=None, **config):
+    def make(
+        n_prefill: int = 1, n_decode: int = 1, *, prefill_urls=None, decode_urls=None, fake=FakeInstance, **config
+    ):
         log: list = []
-        prefills = [FakeInstance(fake_loop, PREFILL, f"p{i}", log) for i in range(n_prefill)]
-        decodes = [FakeInstance(fake_loop, DECODE, f"d{i}", log) for i in range(n_decode)]
+        prefills = [fake(fake_loop, PREFILL, f"p{i}", log) for i in range(n_prefill)]
+        decodes = [fake(fake_loop, DECODE, f"d{i}", log) for i in range(n_decode)]
         made.extend(prefills + decodes)
         config.setdefault("health_interval", 60.0)  # no periodic check unless a test asks for one
         server = RouterServer(

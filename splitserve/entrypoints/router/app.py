@@ -20,7 +20,9 @@ from splitserve.entrypoints.openai.api_docs import document_routes
 from splitserve.entrypoints.openai.serving_anthropic import (
     anthropic_answer,
 )
+from splitserve.entrypoints.router.adapters import add_adapter_routes
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
+from splitserve.entrypoints.router.control import add_control_routes
 from splitserve.entrypoints.router.relay import RelayResponse
 from splitserve.entrypoints.router.router import Router
 from splitserve.version import __version__
@@ -50,8 +52,10 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     if config.openai_api:
         _add_openai_routes(app, router)
+        add_adapter_routes(app, router)  # /v1/responses, /v1/files, /v1/batches
     else:
         _refuse_openai_routes(app)
+    add_control_routes(app, router)  # sleep mode and weight updates, on every instance
 
     @app.get("/version")
     async def version(request: Request):

@@ -29,7 +29,6 @@ closes the upstream connection at once, so that the instance aborts the request 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -42,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from splitserve.disagg.policies import Upstream
 from splitserve.entrypoints.http import error_body, error_response, parse_json_object, read_body, read_json_body
 from splitserve.entrypoints.router.config import DECODE, PREFILL
+from splitserve.entrypoints.router.control import broadcast_json
 from splitserve.entrypoints.router.pool import UpstreamPool
 from splitserve.entrypoints.router.relay import (
     UPSTREAM_ERRORS,
@@ -343,34 +343,9 @@ class Router(UpstreamPool):
         )
 
     async def broadcast(self, request: Request, path: str) -> Response:
-        """/v1/load_lora_adapter, /v1/unload_lora_adapter and /abort_requests: every instance, prefill
-        and decode, must act alike (serve the same adapters; end the named requests wherever they
-        run), so the call goes to all of them at once. The answer is the first failure (naming the
-        instance) or, when all agree, their answer."""
-        data = await read_body(request)
-        parse_json_object(data)
-        content_type = request.headers.get("content-type")
-        instances = self.all_instances()
-        calls = [
-            self._exchange(request, inst, "POST", path, data=data, content_type=content_type) for inst in instances
-        ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for inst, result in zip(instances, results):
-            if isinstance(result, ClientGone):
-                return Response(status_code=499)
-            if isinstance(result, UPSTREAM_ERRORS):
-                reason = describe_error(result, self.config.request_timeout)
-                return error_response(
-                    f"{inst.url} could not be reached for {path}: {reason}.", 503, "service_unavailable"
-                )
-            if isinstance(result, BaseException):
-                raise result
-            status, body, ctype = result
-            if status >= 400:
-                logger.warning("%s %s answered %d: %s", inst.url, path, status, body[:200])
-                return Response(body, status_code=status, media_type=ctype)
-        status, body, ctype = results[0]
-        return Response(body, status_code=status, media_type=ctype)
+        """/v1/load_lora_adapter, /v1/unload_lora_adapter and /abort_requests: on every instance,
+        prefill and decode (control.py)."""
+        return await broadcast_json(self, request, path)
 
     def health(self) -> Response:
         """200 when every serving role has an up instance; otherwise a 503 saying which has none and why."""
