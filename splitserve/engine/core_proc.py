@@ -148,7 +148,7 @@ class EngineCoreProc:
         elif isinstance(msg, Ping):
             self._send_to(identity, EngineCoreOutputs(stats=self._stats(), pong=msg.nonce))
         elif isinstance(msg, LoRACall):
-            reply = self.core.lora_call(msg)
+            reply = self.core.loras.call(msg)
             self._send_to(identity, EngineCoreOutputs(stats=self._stats(), lora_reply=reply))
             self.last_stats = 0.0  # every client hears the new registry version at the next send
         elif isinstance(msg, GrammarVocabulary):

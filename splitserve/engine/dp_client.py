@@ -6,7 +6,8 @@ Each request goes to the replica with the fewest requests in flight (the lowest 
 over the same ZMQ messages the API server's AsyncLLM uses (engine/core_proc.py); the front-end's
 step collects whatever the replicas have sent. On a CPU each replica gets its own share of the cores
 (SPLITSERVE_CPU_CORES), on CUDA its own GPUs (CUDA_VISIBLE_DEVICES), so that replicas never compete
-for one. This client stands where LLMEngine otherwise holds an EngineCore (`engine_core`).
+for one. LoRA adapters are added to and removed from every replica. This client stands where
+LLMEngine otherwise holds an EngineCore (`engine_core`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ import zmq
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine_process import EngineProcess
-from splitserve.engine.messages import AbortRequests, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from splitserve.engine.lora_registry import LoRANotFoundError
+from splitserve.engine.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LoRACall,
+    LoRAReply,
+)
 from splitserve.executor.cpu_binding import CPU_CORES_ENV, available_cores, split_cores
+from splitserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,9 @@ class DataParallelEngineClient:
         self.owner: dict[str, int] = {}  # core request id -> replica
         self.in_flight = [0] * size
         self.num_requests = [0] * size  # sent to each replica since start
+        self._outputs: list[EngineCoreOutput] = []  # read but not yet handed to a step
+        self._next_call = 0
+        self.loras = ReplicaLoRAs(self)
         logger.info("Data parallelism: %d engine replicas (pids %s)", size, ", ".join(str(e.pid) for e in self.engines))
 
     # --- what LLMEngine calls on its engine core ------------------------------------------------
@@ -85,8 +98,18 @@ class DataParallelEngineClient:
 
     def step_fn(self) -> list[EngineCoreOutput]:
         """The outputs the replicas sent since the last call, waiting for at least one message."""
-        outputs: list[EngineCoreOutput] = []
-        ready = dict(self.poller.poll(_POLL_MS))
+        if self._outputs:  # read while waiting for a LoRA call's answers
+            outputs, self._outputs = self._outputs, []
+            return outputs
+        self._read(_POLL_MS)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _read(self, timeout_ms: int) -> list[tuple[int, LoRAReply]]:
+        """Read what the replicas sent (waiting up to `timeout_ms` for the first message): outputs
+        are kept for step_fn, LoRA answers returned with their replica."""
+        replies = []
+        ready = dict(self.poller.poll(timeout_ms))
         if not ready:
             self._check_alive()
         for replica, socket in enumerate(self.sockets):
@@ -102,8 +125,21 @@ class DataParallelEngineClient:
                 for output in message.outputs:
                     if output.finished and self.owner.pop(output.request_id, None) is not None:
                         self.in_flight[replica] -= 1
-                outputs.extend(message.outputs)
-        return outputs
+                self._outputs.extend(message.outputs)
+                if message.lora_reply is not None:
+                    replies.append((replica, message.lora_reply))
+        return replies
+
+    def lora_call(self, call: LoRACall) -> list[LoRAReply]:
+        """A LoRA call on every replica, so that each serves the same adapters under the same ids;
+        their answers, in replica order."""
+        call.call_id = self._next_call = self._next_call + 1
+        for socket in self.sockets:
+            socket.send(self.encoder.encode(call))
+        answers: dict[int, LoRAReply] = {}
+        while len(answers) < len(self.sockets):
+            answers.update((r, reply) for r, reply in self._read(_POLL_MS) if reply.call_id == call.call_id)
+        return [answers[r] for r in range(len(self.sockets))]
 
     def _check_alive(self) -> None:
         for replica, engine in enumerate(self.engines):
@@ -112,11 +148,11 @@ class DataParallelEngineClient:
                 raise RuntimeError(f"Data-parallel replica {replica} exited ({engine.describe_exit()}):\n{lines}")
 
     def __getattr__(self, name: str):
-        # What only an EngineCore in this process has: sleep mode, weight updates, LoRA adapters,
-        # expert load, its scheduler. Refused by name rather than failing deep inside.
+        # What only an EngineCore in this process has: sleep mode, weight updates, expert load, its
+        # scheduler. Refused by name rather than failing deep inside.
         raise NotImplementedError(
             f"LLM(data_parallel_size > 1) does not support what needs the engine core's {name!r} yet (sleep "
-            "mode, weight updates, LoRA adapters, expert load): use one replica for it."
+            "mode, weight updates, expert load): use one replica for it."
         )
 
     def shutdown(self) -> None:
@@ -124,6 +160,32 @@ class DataParallelEngineClient:
             socket.close()
         for engine in self.engines:
             engine.shutdown()
+
+
+class ReplicaLoRAs:
+    """The LoRA adapters of every replica, where LLMEngine uses an EngineCore's LoRARegistry: each
+    change goes to every replica (under the id the caller chose), and a replica's refusal is the
+    caller's error (a ValueError naming what does not fit, as the registry's own)."""
+
+    def __init__(self, client: DataParallelEngineClient):
+        self.client = client
+        self.by_id: dict[int, LoRARequest] = {}
+
+    def add(self, lora: LoRARequest) -> LoRARequest:
+        if self.by_id.get(lora.lora_int_id) == lora:
+            return lora
+        self._call(LoRACall(0, "add", lora.lora_name, lora.lora_path, lora.base_model_name, lora.lora_int_id))
+        self.by_id[lora.lora_int_id] = lora
+        return lora
+
+    def remove(self, name: str) -> None:
+        self._call(LoRACall(0, "remove", name))
+        self.by_id = {i: lora for i, lora in self.by_id.items() if lora.lora_name != name}
+
+    def _call(self, call: LoRACall) -> None:
+        for reply in self.client.lora_call(call):
+            if reply.error is not None:
+                raise (LoRANotFoundError if reply.not_found else ValueError)(reply.error)
 
 
 def replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:

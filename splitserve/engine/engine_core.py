@@ -22,8 +22,8 @@ from splitserve.engine import messages, pd, startup
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_events import attach_events
 from splitserve.engine.kv_offload import make_offload_tier
-from splitserve.engine.lora_registry import LoRANotFoundError, LoRARegistry
-from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, LoRACall, LoRAReply, SchedulerStats
+from splitserve.engine.lora_registry import LoRARegistry
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.schedule_plan import SchedulePlan
 from splitserve.engine.scheduler import Scheduler
@@ -138,21 +138,6 @@ class EngineCore:
             self.scheduler.add_request(core_request)
         else:  # the scheduler sees it once its grammar is compiled, off the engine loop
             self._compiling[core_request.request_id] = (core_request, self.structured_output.submit(guide))
-
-    def lora_call(self, call: LoRACall) -> LoRAReply:
-        """A front-end's LoRA call (add, remove, list), answered with the adapters after it."""
-        try:
-            if call.op == "add":
-                self.loras.add_named(call.name, call.path, call.base_model_name)
-            elif call.op == "remove":
-                self.loras.remove(call.name)
-            elif call.op != "list":
-                raise ValueError(f"unknown LoRA call {call.op!r}")
-        except LoRANotFoundError as exc:
-            return LoRAReply(call.call_id, self.loras.version, self.loras.list(), str(exc), not_found=True)
-        except ValueError as exc:
-            return LoRAReply(call.call_id, self.loras.version, self.loras.list(), str(exc))
-        return LoRAReply(call.call_id, self.loras.version, self.loras.list())
 
     def abort_requests(self, request_ids) -> None:
         """Abort requests by id. A prefill instance's leased request (finished, its KV kept for a

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from splitserve.config import EngineConfig
+from splitserve.engine.messages import LoRACall, LoRAReply
 from splitserve.lora.peft import BaseModelShapes, load_lora_model
 from splitserve.lora.request import LoRARequest
 
@@ -85,6 +86,23 @@ class LoRARegistry:
         self.version += 1
         logger.info("Stopped serving LoRA adapter %r (id %d)", name, lora.lora_int_id)
         return lora
+
+    def call(self, call: LoRACall) -> LoRAReply:
+        """A front-end's LoRA call (add, remove, list), answered with the adapters after it."""
+        try:
+            if call.op == "add" and call.lora_int_id:  # the caller's id (the offline API's, data parallel)
+                self.add(LoRARequest(call.name, call.lora_int_id, call.path, call.base_model_name))
+            elif call.op == "add":
+                self.add_named(call.name, call.path, call.base_model_name)
+            elif call.op == "remove":
+                self.remove(call.name)
+            elif call.op != "list":
+                raise ValueError(f"unknown LoRA call {call.op!r}")
+        except LoRANotFoundError as exc:
+            return LoRAReply(call.call_id, self.version, self.list(), str(exc), not_found=True)
+        except ValueError as exc:
+            return LoRAReply(call.call_id, self.version, self.list(), str(exc))
+        return LoRAReply(call.call_id, self.version, self.list())
 
     def list(self) -> list[LoRARequest]:
         return sorted(self.by_id.values(), key=lambda lora: lora.lora_int_id)

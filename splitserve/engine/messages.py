@@ -98,13 +98,15 @@ class GrammarVocabulary(msgspec.Struct, tag="grammar_vocabulary", array_like=Tru
 
 class LoRACall(msgspec.Struct, tag="lora", array_like=True, omit_defaults=True):
     """A front-end's change to, or look at, the engine's LoRA adapters (engine/lora_registry.py):
-    op "add" (name, path, base_model_name), "remove" (name) or "list". Answered by a LoRAReply."""
+    op "add" (name, path, base_model_name; lora_int_id: the id the caller chose, as the offline API
+    lets it, 0 for the engine's next), "remove" (name) or "list". Answered by a LoRAReply."""
 
     call_id: int
     op: str
     name: str = ""
     path: str = ""
     base_model_name: str | None = None
+    lora_int_id: int = 0
 
 
 class LoRAReply(msgspec.Struct, array_like=True, omit_defaults=True):

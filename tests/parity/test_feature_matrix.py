@@ -6,7 +6,8 @@ A deployment (a column) is an engine started with one feature (speculative decod
 caching, a small step budget, async scheduling, KV offloading, priority scheduling, a quantized KV
 cache, batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request kind (a
 row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of, structured
-output, min_tokens, allowed tokens, beam search) in one batch. Requests of a batch are independent, so the
+output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one batch. Requests of a batch
+are independent, so the
 plain engine answers the same batch for the exact columns. A pair that is refused must be in
 docs/compatibility.md; none of these is. The server-level pairs (PD, --workers, the APIs) are in the
 e2e tests; this is the engine's share, kept to about a minute by sharing one engine per column.
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, SamplingParams
+from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, LoRARequest, SamplingParams
+from tests.helpers.models import make_peft_adapter
 
 pytestmark = pytest.mark.slow  # about fifteen engines, three of them with worker processes
 
@@ -39,6 +41,7 @@ class Column:
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 COLUMNS = [
     Column("speculative", {"speculative_config": NGRAM}, True),
+    Column("draft_model", {"speculative_config": "draft"}, True),
     Column("no_prefix_caching", {"enable_prefix_caching": False}, True),
     Column("small_step_budget", {"max_num_batched_tokens": 16, "max_num_seqs": 4}, False),
     Column("async_scheduling", {"async_scheduling": True}, True),
@@ -50,6 +53,10 @@ COLUMNS = [
     Column("tensor_parallel", {"tensor_parallel_size": 2}, False),
     Column("pipeline_parallel", {"pipeline_parallel_size": 2}, True),
     Column("data_parallel", {"data_parallel_size": 2}, True),
+    Column("no_chunked_prefill", {"enable_chunked_prefill": False}, True),
+    Column("swap_preemption", {"preemption_mode": "swap", "swap_space": 0.01}, True),
+    Column("fp8_weights", {"quantization": "fp8"}, False),
+    Column("int8_weights", {"quantization": "weight_only_int8"}, False),
 ]
 
 
@@ -103,15 +110,16 @@ def _check_valid(kind: str, params: SamplingParams, out) -> None:
         assert set(s.token_ids) <= set(ALLOWED)
 
 
-def _answers(llm: LLM) -> dict:
+def _answers(llm: LLM, adapter: LoRARequest) -> dict:
     """Every row's answer from one engine: the greedy answer first (the stops come from it), then
-    every row in one batch, then a beam search."""
-    greedy = llm.generate(
-        [PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
-    )
-    rows = _rows(greedy[0].outputs[0])
-    outputs = llm.generate([PROMPT] * len(rows), list(rows.values()), use_tqdm=False)
-    answers = {}
+    every row in one batch (a LoRA adapter's greedy answer among them), then a beam search."""
+    plain_greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    greedy = llm.generate([PROMPT], plain_greedy, use_tqdm=False)[0].outputs[0]
+    rows = _rows(greedy)
+    loras = [None] * len(rows) + [adapter]
+    outputs = llm.generate([PROMPT] * len(loras), [*rows.values(), plain_greedy], lora_request=loras, use_tqdm=False)
+    assert outputs[-1].outputs[0].token_ids != greedy.token_ids  # the adapter changes the answer
+    answers = {"lora": _summary(outputs[-1])}
     for (kind, params), out in zip(rows.items(), outputs):
         _check_valid(kind, params, out)
         answers[kind] = _summary(out)
@@ -135,7 +143,7 @@ def _rounded(logprobs) -> tuple:
 
 
 def _engine(model: str, **args) -> LLM:
-    return LLM(model, dtype="float32", max_model_len=256, seed=0, use_tqdm_on_load=False, **args)
+    return LLM(model, dtype="float32", max_model_len=256, seed=0, use_tqdm_on_load=False, enable_lora=True, **args)
 
 
 def _close(llm: LLM) -> None:
@@ -148,19 +156,28 @@ def model(tiny_models) -> str:
 
 
 @pytest.fixture(scope="module")
-def plain(model) -> dict:
+def adapter(model, tmp_path_factory) -> LoRARequest:
+    path = make_peft_adapter(model, str(tmp_path_factory.mktemp("matrix_lora")), ["q_proj", "v_proj", "down_proj"])
+    return LoRARequest("matrix", 1, path)
+
+
+@pytest.fixture(scope="module")
+def plain(model, adapter) -> dict:
     llm = _engine(model)
     try:
-        return _answers(llm)
+        return _answers(llm, adapter)
     finally:
         _close(llm)
 
 
 @pytest.mark.parametrize("column", COLUMNS, ids=lambda c: c.name)
-def test_every_request_kind_on_every_deployment(model, plain, column):
-    llm = _engine(model, **column.args)
+def test_every_request_kind_on_every_deployment(model, adapter, plain, column):
+    args = dict(column.args)
+    if args.get("speculative_config") == "draft":  # the model drafts for itself
+        args["speculative_config"] = {"model": model, "num_speculative_tokens": 3}
+    llm = _engine(model, **args)
     try:
-        answers = _answers(llm)
+        answers = _answers(llm, adapter)
     finally:
         _close(llm)
     if column.exact:
