@@ -3,11 +3,11 @@
 Each rule names its two features as a user writes them and the sentence that explains the refusal.
 A rule with `applies` is checked before anything starts (`check`, called by
 EngineArgs.create_engine_config): the server, the offline LLM and each `serve --pd` instance stop
-with one line naming both features. A rule without it is raised by the code that knows (a request
-that finds the engine in that state, or a choice made from the model's config), through `refusal`,
-so that the words are this table's. docs/compatibility.md is `markdown_table()`; a test keeps the
-two equal, and gives every rule an example that it refuses and the same example without its second
-feature, which starts.
+with one line naming both features. A rule without it is raised by the code that knows (the
+server's flags, a request that finds the engine in that state, or a choice made from the model's
+config), through `refusal`, so that the words are this table's. docs/compatibility.md is
+`markdown_table()`; a test keeps the two equal, and gives every start-up rule an example that it
+refuses and the same example without its second feature, which starts.
 """
 
 from __future__ import annotations
@@ -87,6 +87,37 @@ RULES = [
         applies=lambda a: _pooling(a) and a.pd_role != "mixed",
         example={"runner": "pooling", "pd_role": "prefill"},
         without_second={"runner": "pooling"},
+    ),
+    Rule(
+        "global_scheduler+pd",
+        "--scheduler-name global",
+        "PD (--pd-role, serve --pd)",
+        "the shared queue hands whole requests to mixed instances, while the PD router splits each request "
+        "between a prefill and a decode instance.",
+    ),
+    Rule(
+        "data_parallel+pd",
+        "--data-parallel-size > 1",
+        "PD (--pd-role, serve --pd)",
+        "the replicas behind one server answer whole requests; give PD more instances instead (--pd XpYd).",
+    ),
+    Rule(
+        "data_parallel+global_scheduler",
+        "--data-parallel-size > 1",
+        "--scheduler-name global",
+        "run one server per replica, each taking work from the shared queue.",
+    ),
+    Rule(
+        "serve_pd+metrics_port",
+        "serve --pd",
+        "--metrics-port",
+        "the router serves /metrics on --port, and every instance on its own port.",
+    ),
+    Rule(
+        "serve_pd+pd_role",
+        "serve --pd",
+        "--pd-role",
+        "serve --pd gives each instance its role.",
     ),
     Rule(
         "sleep+speculative",

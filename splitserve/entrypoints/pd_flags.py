@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 
+from splitserve.engine import compatibility
 from splitserve.engine.arg_flags import engine_flags
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.kv_events import KVEventsConfig
@@ -34,11 +35,12 @@ SERVER_PLACES = {
     "otlp_traces_endpoint": BOTH,
 }
 
-# Flags refused under --pd when they differ from their default, and why.
+# Flags refused under --pd when they differ from their default: their rule in the table of refused
+# combinations (engine/compatibility.py, docs/compatibility.md) says why.
 REFUSED = {
-    "metrics_port": "the router serves /metrics on --port (the instances on their own ports)",
-    "pd_role": "serve --pd gives each instance its role",
-    "data_parallel_size": "PD instances serve one replica each: give more instances (--pd XpYd) instead",
+    "metrics_port": "serve_pd+metrics_port",
+    "pd_role": "serve_pd+pd_role",
+    "data_parallel_size": "data_parallel+pd",
 }
 
 # Engine fields written per instance (offset by its index) rather than as they are.
@@ -52,7 +54,7 @@ def check_pd_flags(engine_args: EngineArgs, server_args: ServerArgs, num_instanc
     for args in (engine_args, server_args):
         for field in dataclasses.fields(args):
             if field.name in REFUSED and getattr(args, field.name) != field.default:
-                raise ValueError(f"--{field.name.replace('_', '-')} is refused with --pd: {REFUSED[field.name]}.")
+                raise compatibility.refusal(REFUSED[field.name])
     events = KVEventsConfig.from_value(engine_args.kv_events_config)
     if events is not None:
         events.check_ranks(num_instances, "PD instances")

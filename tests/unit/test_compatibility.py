@@ -45,3 +45,21 @@ def test_docs_hold_the_table():
     assert compatibility.markdown_table() in DOCS.read_text(), (
         "docs/compatibility.md is stale: put `splitserve.engine.compatibility.markdown_table()` in it"
     )
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--pd-role", "prefill", "--scheduler-name", "global"], "global_scheduler+pd"),
+        (["--pd", "1p1d", "--scheduler-name", "global"], "global_scheduler+pd"),
+        (["--data-parallel-size", "2", "--pd-role", "decode"], "data_parallel+pd"),
+        (["--data-parallel-size", "2", "--scheduler-name", "global"], "data_parallel+global_scheduler"),
+    ],
+)
+def test_server_flag_combinations_are_refused_with_the_tables_words_before_anything_is_reached(flags, name):
+    """The global scheduler's Redis is not there: the refusal comes first, in the table's words."""
+    from splitserve.entrypoints.openai.args import make_arg_parser, split_args
+
+    with pytest.raises(compatibility.CombinationRefused) as info:
+        split_args(make_arg_parser().parse_args(flags))
+    assert info.value.rule.name == name

@@ -9,6 +9,7 @@ import os
 import re
 
 from splitserve import envs
+from splitserve.engine import compatibility
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.tracing import check_endpoint
@@ -244,15 +245,14 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
             raise ValueError(f"Two models given: {ns.model_tag!r} and --model {ns.model!r}.")
         ns.model = ns.model_tag
     server = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
-    check_server_args(server)
     engine = engine_args_from(ns)
     if server.scheduler_name == "global" and engine.pd_role != "mixed":
-        raise ValueError("--scheduler-name global shares whole requests between mixed instances: not with --pd-role.")
-    if engine.data_parallel_size > 1 and (server.scheduler_name == "global" or engine.pd_role != "mixed"):
-        raise ValueError(
-            "--data-parallel-size > 1 serves whole requests from its replicas: not with --pd-role or --scheduler-name "
-            "global (run one instance per replica for those)."
-        )
+        raise compatibility.refusal("global_scheduler+pd")
+    if engine.data_parallel_size > 1 and engine.pd_role != "mixed":
+        raise compatibility.refusal("data_parallel+pd")
+    if engine.data_parallel_size > 1 and server.scheduler_name == "global":
+        raise compatibility.refusal("data_parallel+global_scheduler")
+    check_server_args(server)  # after the combinations: it may reach out (the global scheduler's Redis)
     return engine, server
 
 
@@ -314,7 +314,7 @@ def _check_scheduler(args: ServerArgs) -> None:
 
 def _check_global_scheduler(args: ServerArgs) -> None:
     if args.pd is not None:
-        raise ValueError("--scheduler-name global shares whole requests between mixed instances: not with --pd.")
+        raise compatibility.refusal("global_scheduler+pd")
     if args.scheduler_max_size != -1 or args.max_queued_requests is not None:
         raise ValueError(
             "--scheduler-max-size and --max-queued-requests limit the local scheduler's queue: with --scheduler-name "
