@@ -120,13 +120,6 @@ RULES = [
         "serve --pd gives each instance its role.",
     ),
     Rule(
-        "sleep+speculative",
-        "sleep mode and weight updates (/sleep, /update_weights)",
-        "speculative decoding with a draft model",
-        "the draft model's weights and KV cache are not released or reloaded with the target's yet.",
-        where="the /sleep or /update_weights call (400)",
-    ),
-    Rule(
         "sleep+kv_offloading",
         "sleep mode and weight updates (/sleep, /update_weights)",
         "KV offloading (--kv-offloading-size, --kv-cache-dir)",

@@ -52,13 +52,10 @@ class EngineSleep:
 
     def check_idle(self, action: str) -> None:
         """Refuse (ValueError) to drop the runner while a request is in the engine, or where the
-        engine holds more than its runner (a draft model, an offloading tier: engine/compatibility.py
-        says why), or while a PD instance has KV leased or being pulled. N-gram speculation keeps
-        nothing on the device; a PD instance's KV connector follows the cache (rebind)."""
+        engine holds more than its runner (an offloading tier: engine/compatibility.py says why), or
+        while a PD instance has KV leased or being pulled. A draft model sleeps with its runner; a PD
+        instance's KV connector follows the cache (rebind)."""
         core = self.core
-        speculative = core.config.speculative_config
-        if speculative is not None and speculative.method == "draft_model":
-            raise compatibility.refusal("sleep+speculative")
         if core.kv_manager.pool.tier:
             raise compatibility.refusal("sleep+kv_offloading")
         sched = core.scheduler

@@ -1,9 +1,9 @@
 """Sleep mode on a rank (vLLM's LLM.sleep / wake_up, for reinforcement-learning loops that hand the
 accelerator to a trainer between rollouts): what one rank's model runner releases and takes back.
 
-- level 1: the KV cache (and the host swap space) is released; on a GPU the weights move to host
-  memory (on a CPU they already are there, and stay). Waking moves them back and allocates a new,
-  empty KV cache.
+- level 1: the KV cache (and the host swap space) is released, a draft model's too; on a GPU the
+  weights (a draft model's too) move to host memory (on a CPU they already are there, and stay).
+  Waking moves them back and allocates a new, empty KV cache.
 - level 2: the runner itself is dropped, weights and all; waking builds it again, which reads the
   weights from the model's files (dummy weights are drawn again from the same seed).
 
@@ -21,9 +21,13 @@ logger = logging.getLogger(__name__)
 
 
 def release_kv_cache(runner) -> None:
-    for layer in runner.model.attention_layers():
+    for layer in _attention_layers(runner):
         layer.kv_cache = None
         layer.kv_scales = None
+    if runner.draft is not None:  # speculative decoding's draft model: its KV and what it knew of requests
+        runner.draft.decode_stack = None
+        runner.draft.tokens.clear()
+        runner.draft.computed.clear()
     runner.kv_caches, runner.kv_scales = [], None
     runner.swap = None
     runner.graph_runner = None
@@ -35,21 +39,30 @@ def offload_weights(runner) -> None:
     """Parameters and buffers to pinned host memory (a GPU runner); nothing on a CPU."""
     if runner.device.type != "cuda":
         return
-    for tensor in _tensors(runner.model):
+    for tensor in _tensors(runner):
         tensor.data = tensor.data.to("cpu").pin_memory()
 
 
 def reload_weights(runner) -> None:
     if runner.device.type != "cuda":
         return
-    for tensor in _tensors(runner.model):
+    for tensor in _tensors(runner):
         tensor.data = tensor.data.to(runner.device, non_blocking=True)
     torch.cuda.synchronize(runner.device)
 
 
-def _tensors(model: torch.nn.Module):
-    yield from model.parameters()
-    yield from model.buffers()
+def _attention_layers(runner):
+    yield from runner.model.attention_layers()
+    if runner.draft is not None:
+        yield from runner.draft.model.attention_layers()
+
+
+def _tensors(runner):
+    """The weights of the runner's model, and of its draft model if it has one."""
+    for model in (runner.model, runner.draft.model if runner.draft is not None else None):
+        if model is not None:
+            yield from model.parameters()
+            yield from model.buffers()
 
 
 def free_memory(device: torch.device) -> None:

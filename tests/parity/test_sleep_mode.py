@@ -123,17 +123,19 @@ def test_update_weights_refusals_change_nothing(llm, tiny_models, tmp_path):
     assert _tokens(llm) == before
 
 
-def test_ngram_speculation_sleeps_and_wakes_a_draft_model_is_refused(tiny_models):
-    """N-gram speculation keeps nothing on the device: its engine sleeps and wakes to the same tokens.
-    A draft model's weights and KV are not released yet: sleep is refused with the table's reason."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = LLM(tiny_models["qwen3"], dtype="float32", max_num_seqs=4, use_tqdm_on_load=False, speculative_config=ngram)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_engines_sleep_and_wake_to_the_same_tokens(tiny_models, method):
+    """N-gram speculation keeps nothing on the device; a draft model's KV cache is released and its
+    weights offloaded or dropped with the target's, and both come back: the same tokens after."""
+    model = tiny_models["qwen3"]
+    spec = {"method": "ngram"} if method == "ngram" else {"model": model}
+    config = {**spec, "num_speculative_tokens": 3}
+    llm = LLM(model, dtype="float32", max_num_seqs=4, use_tqdm_on_load=False, speculative_config=config)
     before = _tokens(llm)
-    llm.sleep(2)
-    llm.wake_up()
-    assert _tokens(llm) == before
-    draft = {"model": tiny_models["qwen3"], "num_speculative_tokens": 2}
-    llm = LLM(tiny_models["qwen3"], dtype="float32", max_num_seqs=4, use_tqdm_on_load=False, speculative_config=draft)
-    with pytest.raises(ValueError, match="speculative decoding with a draft model: the draft model's weights"):
-        llm.sleep(1)
-    assert _tokens(llm) and not llm.is_sleeping()
+    runner = llm.llm_engine.engine_core.executor.runner
+    for level in (1, 2):
+        llm.sleep(level)
+        if method == "draft_model" and level == 1:
+            assert all(layer.kv_cache is None for layer in runner.draft.model.attention_layers())
+        llm.wake_up()
+        assert _tokens(llm) == before
