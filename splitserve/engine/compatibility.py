@@ -119,14 +119,6 @@ RULES = [
         "--pd-role",
         "serve --pd gives each instance its role.",
     ),
-    Rule(
-        "sleep+kv_offloading",
-        "sleep mode and weight updates (/sleep, /update_weights)",
-        "KV offloading (--kv-offloading-size, --kv-cache-dir)",
-        "the offloading tier's copies are made from the KV cache that sleep releases; reconnecting them on "
-        "wake-up is not built yet.",
-        where="the /sleep or /update_weights call (400)",
-    ),
 ]
 _BY_NAME = {rule.name: rule for rule in RULES}
 

@@ -105,6 +105,15 @@ class KVOffloadTier:
         self.host.clear()
         self.free_slots = list(range(self.num_host_blocks - 1, -1, -1))
 
+    def new_weights(self, config) -> None:
+        """The model's weights changed (a weight update): nothing kept here holds their KV. The host
+        tier is forgotten and the disk tier moves to the new weights' directory (its key changed)."""
+        self.reset()
+        if self.disk is not None:
+            key = layout_key(tier_layout(config))
+            self.disk_dir = tier_directory(os.path.dirname(self.disk_dir), key)
+            self.disk = DiskTierIndex(self.disk_dir, key, config.parallel_config.world_size, self.disk.capacity_blocks)
+
     def check_invariants(self) -> None:
         slots = list(self.host.values())
         assert len(set(slots)) == len(slots), "a host slot holds two blocks"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 
-from splitserve.engine import compatibility
 from splitserve.engine.errors import EngineAsleepError
 
 logger = logging.getLogger(__name__)
@@ -51,13 +50,10 @@ class EngineSleep:
         )
 
     def check_idle(self, action: str) -> None:
-        """Refuse (ValueError) to drop the runner while a request is in the engine, or where the
-        engine holds more than its runner (an offloading tier: engine/compatibility.py says why), or
-        while a PD instance has KV leased or being pulled. A draft model sleeps with its runner; a PD
-        instance's KV connector follows the cache (rebind)."""
+        """Refuse (ValueError) to drop the runner while a request is in the engine, or while a PD
+        instance has KV leased or being pulled. A draft model sleeps with its runner, a PD instance's
+        KV connector and a KV offloading tier follow the cache (rebind)."""
         core = self.core
-        if core.kv_manager.pool.tier:
-            raise compatibility.refusal("sleep+kv_offloading")
         sched = core.scheduler
         if sched.leased or sched.receiving:  # a PD instance's KV on its way out or in
             raise ValueError(

@@ -92,6 +92,8 @@ def update_weights(core, path: str, load_format: str = "auto") -> float:
             f"Loading the weights of {path} failed: {exc}. The previous weights were loaded again."
         ) from exc
     mc.model, mc.load_format = path, fmt
+    if (tier := core.kv_manager.pool.tier) is not None:  # the KV offloading tier keeps no block of the old weights
+        tier.new_weights(core.config)
     seconds = time.perf_counter() - start
     logger.info("Weights updated from %s (%s) in %.2f s; prefix cache emptied", path, fmt, seconds)
     return seconds

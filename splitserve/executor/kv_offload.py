@@ -84,6 +84,12 @@ class KVOffloadCopier:
         if self._writer is not None:
             self._writer.flush()
 
+    def rebind(self, caches: list[torch.Tensor], scales: list[torch.Tensor] | None) -> KVOffloadCopier:
+        """Copy to and from another device KV cache (none while asleep: executor/sleep_mode.py); the
+        host blocks and the disk writer stay."""
+        self.device_tensors = list(caches) + list(scales or [])
+        return self
+
 
 def _runs(copies: list[tuple[int, int, int, str]]):
     """Consecutive copies of one kind, cut where a destination repeats (the later copy must see

@@ -78,6 +78,7 @@ class RankSleep:
         self.make_runner = make_runner  # builds a new ModelRunner (level 2's wake-up)
         self.model_config = model_config  # what make_runner reads the weights from
         self.level = 0
+        self.offload = None  # while asleep: the KV offloading tier's copier (kv_offload.py), rebound on waking
 
     def sleep(self, runner, level: int):
         """Returns the runner to keep (None at level 2)."""
@@ -87,6 +88,11 @@ class RankSleep:
             self.level = 2
             return None
         device = runner.device
+        self.offload = runner.offload  # the KV offloading tier's host memory and disk writer stay
+        if self.offload is not None:
+            self.offload.close()  # its queued disk writes read the cache that goes now
+            self.offload.rebind([], None)
+            runner.offload = None
         release_kv_cache(runner)
         if level == 1:
             offload_weights(runner)
@@ -107,6 +113,8 @@ class RankSleep:
             runner = self.make_runner()
         else:
             reload_weights(runner)
-        runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+        runner.initialize_kv_cache(num_blocks, num_cpu_blocks)  # an offloading tier: a stand-in with no host blocks
+        if self.offload is not None:
+            runner.offload, self.offload = self.offload.rebind(runner.kv_caches, runner.kv_scales), None
         self.level = 0
         return runner

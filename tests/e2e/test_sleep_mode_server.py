@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.helpers.models import perturbed_copy
 from tests.helpers.server import RemoteServer
-from tests.parity.test_sleep_mode import perturbed_copy
 
 pytestmark = pytest.mark.slow  # starts a server
 

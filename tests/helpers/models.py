@@ -106,3 +106,17 @@ def make_tiny_moe_chat_model(directory: str, tokenizer) -> str:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def perturbed_copy(src: str, dst: str, seed: int) -> str:
+    """The checkpoint at `src` with every weight changed a little: the same model, trained further."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + 0.5 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(dst)
+    return dst

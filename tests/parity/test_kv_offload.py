@@ -150,6 +150,32 @@ def test_offloading_flags_are_checked(tiny_models):
         _llm(tiny_models["qwen3"], kv_offloading_size=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         _llm(tiny_models["qwen3"], kv_offloading_size=1e-9)
-    llm = _llm(tiny_models["qwen3"], kv_offloading_size=0.001)
-    with pytest.raises(ValueError, match="with KV offloading .*: the offloading tier"):
-        llm.sleep()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_tier_sleeps_and_wakes_with_the_engine(tiny_models, references, tmp_path, level):
+    """Sleep mode with offloading: the tier's host memory and disk writer outlive the released KV
+    cache and work on the new one (the host tier starts empty, as the prefix cache does)."""
+    llm = _llm(tiny_models["qwen3"], kv_offloading_size=0.001, kv_cache_dir=str(tmp_path))
+    _run(llm, references)
+    llm.sleep(level)
+    llm.wake_up()
+    hits = _tier(llm).stats.host_hit_blocks
+    outputs = _run(llm, references)  # the same tokens (checked against transformers)
+    assert _tier(llm).stats.host_hit_blocks > hits  # the host copies made after waking come back
+    assert all(o.num_cached_tokens == 36 for o in outputs)  # the first pass from disk, the second from host
+
+
+def test_a_weight_update_moves_the_disk_tier_to_the_new_weights(tiny_models, references, tmp_path):
+    """Blocks of the old weights are never read after a weight update: the disk tier's directory is
+    keyed by the weights, so it changes with them."""
+    from tests.helpers.models import perturbed_copy
+
+    llm = _llm(tiny_models["qwen3"], kv_cache_dir=str(tmp_path / "tier"))
+    _run(llm, references)
+    old_dir = _tier(llm).disk_dir
+    llm.update_weights(perturbed_copy(tiny_models["qwen3"], str(tmp_path / "new"), seed=3))
+    assert _tier(llm).disk_dir != old_dir and os.path.dirname(_tier(llm).disk_dir) == os.path.dirname(old_dir)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # nothing of the old weights' KV came back

@@ -10,6 +10,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.errors import EngineAsleepError
+from tests.helpers.models import perturbed_copy
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 40))}, {"prompt_token_ids": [7, 8, 9]}]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -59,20 +60,6 @@ def test_a_busy_engine_does_not_sleep(llm):
 
 
 # --- weights updated from disk (engine/weight_update.py) ----------------------------------------
-def perturbed_copy(src: str, dst: str, seed: int) -> str:
-    """The checkpoint at `src` with every weight changed a little: the same model, trained further."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(1 + 0.5 * torch.randn(param.shape, generator=generator))
-    model.save_pretrained(dst)
-    return dst
-
-
 def test_update_weights_gives_the_new_checkpoints_tokens(llm, tiny_models, tmp_path):
     original = tiny_models["qwen3"]
     before = _tokens(llm)

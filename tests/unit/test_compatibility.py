@@ -34,9 +34,9 @@ def test_the_refusal_reaches_start_up_before_the_model_is_read(tmp_path):
 
 
 def test_rules_raised_by_the_code_that_knows_carry_the_tables_words():
-    assert {r.name for r in compatibility.RULES} >= {"sleep+kv_offloading", "pooling+pd_role"}
-    error = compatibility.refusal("sleep+kv_offloading")
-    assert str(error) == error.rule.message() and error.rule.where != "start-up"
+    assert {r.name for r in compatibility.RULES} >= {"global_scheduler+pd", "pooling+pd_role"}
+    error = compatibility.refusal("global_scheduler+pd")
+    assert str(error) == error.rule.message() and error.rule.applies is None
     names = [r.name for r in compatibility.RULES]
     assert len(names) == len(set(names))
 
