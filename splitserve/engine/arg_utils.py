@@ -265,9 +265,14 @@ class EngineArgs:
     def _async_scheduling(self, device: torch.device, parallel: ParallelConfig, speculative) -> bool:
         """vLLM's --disable-async-output-proc turns off the overlap of one step's output handling with
         the next step's forward, which is what overlap scheduling does here. Speculative decoding
-        needs each step's tokens before it can propose the next step's drafts: no overlap."""
-        if speculative is not None or self.disable_async_output_proc:  # asked for too: refused by compatibility.py
+        needs each step's tokens before it can propose the next step's drafts: overlap only when
+        asked for, and then of the output handling (EngineCore.step_with_overlap)."""
+        if self.disable_async_output_proc:  # asked for too: refused by compatibility.py
             return False
+        if speculative is not None and self.async_scheduling is None:
+            return (
+                False  # off unless asked: each step's drafts wait for the step before (engine_core.step_with_overlap)
+            )
         return _resolve_async_scheduling(self.async_scheduling, device, parallel)
 
     @property

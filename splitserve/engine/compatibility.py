@@ -43,16 +43,6 @@ _NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 
 RULES = [
     Rule(
-        "async_scheduling+speculative",
-        "--async-scheduling",
-        "speculative decoding",
-        "the drafts of the next step are proposed from this step's sampled tokens, so the next step cannot be "
-        "prepared while this one runs.",
-        applies=lambda a: a.async_scheduling is True and _speculative(a),
-        example={"async_scheduling": True, "speculative_config": _NGRAM},
-        without_second={"async_scheduling": True},
-    ),
-    Rule(
         "async_scheduling+pipeline_parallel",
         "--async-scheduling",
         "pipeline parallelism (-pp > 1)",

@@ -192,8 +192,12 @@ class EngineCore:
 
     def step_with_overlap(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N+1, then finish step N while the device computes N+1. A step
-        that needs step N's tokens on the host (see _can_overlap) waits for them first."""
+        that needs step N's tokens on the host (see _can_overlap) waits for them first; so does every
+        step with speculative decoding, whose drafts follow step N's tokens: N+1 is scheduled after
+        them, and step N's outputs go to the front-end while the device computes N+1."""
         outputs = self._take_pending_outputs()
+        if self.speculator.enabled and self._in_flight is not None:
+            outputs += self._finish_in_flight()
         sched = self._schedule()
         if sched is not None and self._in_flight is not None and not self._can_overlap(sched):
             outputs += self._finish_in_flight()

@@ -42,6 +42,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 COLUMNS = [
     Column("speculative", {"speculative_config": NGRAM}, True),
     Column("draft_model", {"speculative_config": "draft"}, True),
+    Column("speculative_async", {"speculative_config": NGRAM, "async_scheduling": True}, True),
+    Column("draft_model_async", {"speculative_config": "draft", "async_scheduling": True}, True),
     Column("no_prefix_caching", {"enable_prefix_caching": False}, True),
     Column("small_step_budget", {"max_num_batched_tokens": 16, "max_num_seqs": 4}, False),
     Column("async_scheduling", {"async_scheduling": True}, True),

@@ -186,3 +186,27 @@ def test_preempted_requests_resume_with_their_blocks_starting_over(overlap):
             add(core, f"r{i}", 10 + i, max_tokens=12)
     assert run(roomy) == run(tight)
     assert tight.scheduler.num_preemptions > 0 and tight.executor.resumed > 0
+
+
+def test_with_speculation_each_step_is_collected_before_the_next_is_scheduled():
+    """Async scheduling with speculative decoding: the next step's drafts follow this step's tokens,
+    so step N is collected before N+1 is scheduled and launched (N's outputs go out while N+1
+    runs), never two launches in a row; the outputs are the plain loop's."""
+    from types import SimpleNamespace
+
+    from splitserve.spec_decode.config import SpeculativeConfig
+
+    expected = both([("a", 5, {}), ("b", 9, {})])[2]
+    core = make_core(True)
+    core.speculator.config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    proposed = []
+    core.speculator.proposer = SimpleNamespace(
+        propose=lambda rid, tokens, room: proposed.append((rid, len(tokens))) or [], finish=lambda *args: None
+    )
+    add(core, "a", 5)
+    add(core, "b", 9)
+    pending = core.executor.pending_inputs  # the warm-up's
+    assert run(core) == expected
+    kinds = [kind for kind, _ in core.executor.log]
+    assert kinds == ["launch", "collect"] * (len(kinds) // 2)
+    assert proposed and core.executor.pending_inputs == pending  # every step's inputs were known at its launch
