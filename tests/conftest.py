@@ -19,6 +19,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPLITSERVE_CPU_KVCACHE_SPACE", "0.25")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--matrix-pairs",
+        action="store_true",
+        help="tests/parity/test_feature_matrix.py also runs every pair of deployment columns (minutes; not in CI)",
+    )
+
+
 @pytest.fixture(autouse=True)
 def _splitserve_log_level():
     """pipeline() sets the `splitserve` logger's level for the process (log_level, 'ERROR' by

@@ -35,6 +35,18 @@ def _speculative(args) -> bool:
     return bool(args.speculative_config)
 
 
+def _draft_model(args) -> bool:
+    config = args.speculative_config
+    if isinstance(config, str):
+        import json
+
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return False  # SpeculativeConfig.parse says what is wrong with it
+    return isinstance(config, dict) and bool(config.get("model")) and config.get("method") in (None, "draft_model")
+
+
 def _pooling(args) -> bool:
     return args.runner == "pooling" or args.task in ("embed", "embedding", "classify", "score", "rerank")
 
@@ -59,6 +71,25 @@ RULES = [
         applies=lambda a: a.async_scheduling is True and a.disable_async_output_proc,
         example={"async_scheduling": True, "disable_async_output_proc": True},
         without_second={"async_scheduling": True},
+    ),
+    Rule(
+        "draft_model+pipeline_parallel",
+        "speculative decoding with a draft model",
+        "pipeline parallelism (-pp > 1)",
+        "the draft model runs whole beside the target on each rank, and a pipeline stage holds only some of "
+        "the target's layers; n-gram speculation works with pipeline parallelism.",
+        applies=lambda a: _draft_model(a) and a.pipeline_parallel_size > 1,
+        example={"speculative_config": {"model": "/draft", "num_speculative_tokens": 2}, "pipeline_parallel_size": 2},
+        without_second={"speculative_config": {"model": "/draft", "num_speculative_tokens": 2}},
+    ),
+    Rule(
+        "kv_offloading+no_prefix_caching",
+        "KV offloading (--kv-offloading-size, --kv-cache-dir)",
+        "--no-enable-prefix-caching",
+        "the offloading tier keeps prefix-cache blocks, and there are none without prefix caching.",
+        applies=lambda a: bool(a.kv_offloading_size or a.kv_cache_dir) and not a.enable_prefix_caching,
+        example={"kv_offloading_size": 0.1, "enable_prefix_caching": False},
+        without_second={"kv_offloading_size": 0.1},
     ),
     Rule(
         "pooling+speculative",

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import pytest
 
 from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, LoRARequest, SamplingParams
+from splitserve.engine import compatibility
+from splitserve.engine.compatibility import CombinationRefused
 from tests.helpers.models import make_peft_adapter
 
 pytestmark = pytest.mark.slow  # about fifteen engines, three of them with worker processes
@@ -172,12 +174,37 @@ def plain(model, adapter) -> dict:
         _close(llm)
 
 
-@pytest.mark.parametrize("column", COLUMNS, ids=lambda c: c.name)
+def _pairs() -> list[Column]:
+    """Every two columns in one engine (`pytest --matrix-pairs`, run apart from the suite): exact
+    when both are; pairs that set one argument twice are left out."""
+    pairs = []
+    for i, first in enumerate(COLUMNS):
+        for second in COLUMNS[i + 1 :]:
+            # A 16-token step cannot hold a prompt without chunking: two values that contradict, refused
+            # by the scheduler config's own check, not a pair of features.
+            if {first.name, second.name} == {"small_step_budget", "no_chunked_prefill"}:
+                continue
+            if not set(first.args) & set(second.args):
+                pairs.append(
+                    Column(f"{first.name}+{second.name}", {**first.args, **second.args}, first.exact and second.exact)
+                )
+    return pairs
+
+
+def pytest_generate_tests(metafunc):
+    if "column" in metafunc.fixturenames:
+        columns = COLUMNS + (_pairs() if metafunc.config.getoption("--matrix-pairs") else [])
+        metafunc.parametrize("column", columns, ids=[c.name for c in columns])
+
+
 def test_every_request_kind_on_every_deployment(model, adapter, plain, column):
-    args = dict(column.args)
-    if args.get("speculative_config") == "draft":  # the model drafts for itself
-        args["speculative_config"] = {"model": model, "num_speculative_tokens": 3}
-    llm = _engine(model, **args)
+    """`column`: each deployment (and with --matrix-pairs each pair of them)."""
+    refused = _refusal(_resolved(column.args, model))
+    if refused is not None:  # a combination the table refuses: refused at start-up, in its words
+        with pytest.raises(CombinationRefused, match=re.escape(refused.message())):
+            _engine(model, **_resolved(column.args, model))
+        return
+    llm = _engine(model, **_resolved(column.args, model))
     try:
         answers = _answers(llm, adapter)
     finally:
@@ -185,3 +212,21 @@ def test_every_request_kind_on_every_deployment(model, adapter, plain, column):
     if column.exact:
         for kind, expected in plain.items():
             assert answers[kind] == expected, f"{column.name} x {kind}"
+
+
+def _resolved(args: dict, model: str) -> dict:
+    args = dict(args)
+    if args.get("speculative_config") == "draft":  # the model drafts for itself
+        args["speculative_config"] = {"model": model, "num_speculative_tokens": 3}
+    return args
+
+
+def _refusal(args: dict):
+    """The table's rule that refuses this deployment at start-up, if one does."""
+    from splitserve.engine.arg_utils import EngineArgs
+
+    try:
+        compatibility.check(EngineArgs(**args))
+    except CombinationRefused as exc:
+        return exc.rule
+    return None

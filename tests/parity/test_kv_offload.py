@@ -146,7 +146,9 @@ def test_a_draft_model_proposes_as_well_when_blocks_come_back_from_the_tier(tiny
 def test_offloading_flags_are_checked(tiny_models):
     with pytest.raises(ValueError, match="LMCache is not integrated"):
         _llm(tiny_models["qwen3"], kv_offloading_size=1, kv_offloading_backend="lmcache")
-    with pytest.raises(ValueError, match="needs prefix caching"):
+    with pytest.raises(
+        ValueError, match="with --no-enable-prefix-caching: the offloading tier keeps prefix-cache blocks"
+    ):
         _llm(tiny_models["qwen3"], kv_offloading_size=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         _llm(tiny_models["qwen3"], kv_offloading_size=1e-9)
