@@ -6,8 +6,8 @@ Each request goes to the replica with the fewest requests in flight (the lowest 
 over the same ZMQ messages the API server's AsyncLLM uses (engine/core_proc.py); the front-end's
 step collects whatever the replicas have sent. On a CPU each replica gets its own share of the cores
 (SPLITSERVE_CPU_CORES), on CUDA its own GPUs (CUDA_VISIBLE_DEVICES), so that replicas never compete
-for one. LoRA adapters are added to and removed from every replica. This client stands where
-LLMEngine otherwise holds an EngineCore (`engine_core`).
+for one. LoRA adapters, sleep mode and weight updates act on every replica. This client stands
+where LLMEngine otherwise holds an EngineCore (`engine_core`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from splitserve.engine.messages import (
     EngineCoreRequest,
     LoRACall,
     LoRAReply,
+    SleepCall,
+    SleepReply,
 )
 from splitserve.executor.cpu_binding import CPU_CORES_ENV, available_cores, split_cores
 from splitserve.lora.request import LoRARequest
@@ -70,6 +72,7 @@ class DataParallelEngineClient:
         self._outputs: list[EngineCoreOutput] = []  # read but not yet handed to a step
         self._next_call = 0
         self.loras = ReplicaLoRAs(self)
+        self.sleeping = ReplicaSleep(self)
         logger.info("Data parallelism: %d engine replicas (pids %s)", size, ", ".join(str(e.pid) for e in self.engines))
 
     # --- what LLMEngine calls on its engine core ------------------------------------------------
@@ -105,9 +108,9 @@ class DataParallelEngineClient:
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def _read(self, timeout_ms: int) -> list[tuple[int, LoRAReply]]:
+    def _read(self, timeout_ms: int) -> list[tuple[int, LoRAReply | SleepReply]]:
         """Read what the replicas sent (waiting up to `timeout_ms` for the first message): outputs
-        are kept for step_fn, LoRA answers returned with their replica."""
+        are kept for step_fn, answers to calls (LoRA, sleep) returned with their replica."""
         replies = []
         ready = dict(self.poller.poll(timeout_ms))
         if not ready:
@@ -126,17 +129,16 @@ class DataParallelEngineClient:
                     if output.finished and self.owner.pop(output.request_id, None) is not None:
                         self.in_flight[replica] -= 1
                 self._outputs.extend(message.outputs)
-                if message.lora_reply is not None:
-                    replies.append((replica, message.lora_reply))
+                replies += [(replica, r) for r in (message.lora_reply, message.sleep_reply) if r is not None]
         return replies
 
-    def lora_call(self, call: LoRACall) -> list[LoRAReply]:
-        """A LoRA call on every replica, so that each serves the same adapters under the same ids;
-        their answers, in replica order."""
+    def call_replicas(self, call: LoRACall | SleepCall) -> list[LoRAReply | SleepReply]:
+        """A call on every replica (a LoRA change, sleep mode, a weight update), so that they stay
+        alike; their answers, in replica order."""
         call.call_id = self._next_call = self._next_call + 1
         for socket in self.sockets:
             socket.send(self.encoder.encode(call))
-        answers: dict[int, LoRAReply] = {}
+        answers: dict[int, LoRAReply | SleepReply] = {}
         while len(answers) < len(self.sockets):
             answers.update((r, reply) for r, reply in self._read(_POLL_MS) if reply.call_id == call.call_id)
         return [answers[r] for r in range(len(self.sockets))]
@@ -148,11 +150,11 @@ class DataParallelEngineClient:
                 raise RuntimeError(f"Data-parallel replica {replica} exited ({engine.describe_exit()}):\n{lines}")
 
     def __getattr__(self, name: str):
-        # What only an EngineCore in this process has: sleep mode, weight updates, expert load, its
-        # scheduler. Refused by name rather than failing deep inside.
+        # What only an EngineCore in this process has: expert load, its scheduler and executor.
+        # Refused by name rather than failing deep inside.
         raise NotImplementedError(
-            f"LLM(data_parallel_size > 1) does not support what needs the engine core's {name!r} yet (sleep "
-            "mode, weight updates, expert load): use one replica for it."
+            f"LLM(data_parallel_size > 1) does not support what needs the engine core's {name!r} yet (expert "
+            "load): use one replica for it."
         )
 
     def shutdown(self) -> None:
@@ -183,9 +185,44 @@ class ReplicaLoRAs:
         self.by_id = {i: lora for i, lora in self.by_id.items() if lora.lora_name != name}
 
     def _call(self, call: LoRACall) -> None:
-        for reply in self.client.lora_call(call):
+        for reply in self.client.call_replicas(call):
             if reply.error is not None:
                 raise (LoRANotFoundError if reply.not_found else ValueError)(reply.error)
+
+
+class ReplicaSleep:
+    """Sleep mode and weight updates on every replica, where LLM uses an EngineCore's EngineSleep.
+    A replica's refusal is the caller's ValueError, naming the replica and where the call took
+    effect (the replicas are asked together, as the PD router asks its instances)."""
+
+    def __init__(self, client: DataParallelEngineClient):
+        self.client = client
+        self.level = 0
+
+    def sleep(self, level: int) -> None:
+        self._call(SleepCall(0, "sleep", level))
+
+    def wake_up(self) -> None:
+        self._call(SleepCall(0, "wake_up"))
+
+    def update_weights(self, model_path: str, load_format: str = "auto") -> None:
+        self._call(SleepCall(0, "update_weights", model_path=model_path, load_format=load_format))
+
+    def reset_prefix_cache(self) -> bool:
+        try:
+            self._call(SleepCall(0, "reset_prefix_cache"))
+        except ValueError:
+            return False  # requests hold blocks on a replica (the others forgot theirs: no harm)
+        return True
+
+    def _call(self, call: SleepCall) -> None:
+        replies = self.client.call_replicas(call)
+        self.level = max(reply.sleep_level for reply in replies)
+        failed = [(i, reply.error) for i, reply in enumerate(replies) if reply.error is not None]
+        if failed:
+            done = [str(i) for i, reply in enumerate(replies) if reply.error is None]
+            where = f"; it took effect on replica(s) {', '.join(done)}" if done else ""
+            raise ValueError(f"Data-parallel replica {failed[0][0]}: {failed[0][1]}{where}")
 
 
 def replica_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:

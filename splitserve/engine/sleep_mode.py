@@ -82,6 +82,12 @@ class EngineSleep:
         self.level = 0
         logger.info("Engine awake in %.2f s", time.perf_counter() - start)
 
+    def update_weights(self, model_path: str, load_format: str = "auto") -> float:
+        """Load a new checkpoint of the same model (engine/weight_update.py); the seconds it took."""
+        from splitserve.engine.weight_update import update_weights
+
+        return update_weights(self.core, model_path, load_format)
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (after the weights changed); False while requests hold blocks."""
         return self.core.kv_manager.pool.reset_prefix_cache()

@@ -13,7 +13,6 @@ from splitserve.engine.beam_search import BeamSearch, step_params, top_candidate
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType
-from splitserve.engine.weight_update import update_weights
 from splitserve.lora.request import LoRARequest
 from splitserve.multimodal import chat as chat_images
 from splitserve.outputs import (
@@ -298,7 +297,7 @@ class LLM:
     def update_weights(self, model_path: str, load_format: str = "auto") -> None:
         """Load a new checkpoint of the same model (same architecture and shapes) into the idle
         engine, on every rank; the prefix cache is emptied (engine/weight_update.py)."""
-        update_weights(self.llm_engine.engine_core, model_path, load_format)
+        self.llm_engine.engine_core.sleeping.update_weights(model_path, load_format)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (after the weights changed); False while requests hold blocks."""

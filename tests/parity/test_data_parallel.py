@@ -40,8 +40,17 @@ def test_two_replicas_give_one_engines_tokens(tiny_models):
         # n > 1 and chat go through the same client
         (sampled,) = dp.generate(PROMPTS[:1], SamplingParams(n=3, max_tokens=4, seed=1), use_tqdm=False)
         assert len(sampled.outputs) == 3
-        with pytest.raises(NotImplementedError, match="sleeping"):
-            dp.sleep()
+        # Sleep mode acts on every replica; a refusal names the replica and where the call took effect.
+        dp.sleep(1)
+        assert dp.is_sleeping()
+        with pytest.raises(ValueError, match="Data-parallel replica 0: The engine is already asleep"):
+            dp.sleep(1)
+        dp.wake_up()
+        assert not dp.is_sleeping() and dp.reset_prefix_cache()
+        again = dp.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+        with pytest.raises(NotImplementedError, match="expert load"):
+            dp.llm_engine.expert_load()
     finally:
         dp.llm_engine.shutdown()
 

@@ -2,15 +2,16 @@
 answer is valid for the request's feature, and where the deployment does not change the numbers it
 is the plain engine's answer exactly.
 
-A deployment (a column) is an engine started with one feature (speculative decoding, no prefix
-caching, a small step budget, async scheduling, KV offloading, priority scheduling, a quantized KV
-cache, batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request kind (a
-row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of, structured
-output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one batch. Requests of a batch
-are independent, so the
-plain engine answers the same batch for the exact columns. A pair that is refused must be in
-docs/compatibility.md; none of these is. The server-level pairs (PD, --workers, the APIs) are in the
-e2e tests; this is the engine's share, kept to about a minute by sharing one engine per column.
+A deployment (a column) is an engine started with one feature (speculative decoding with n-gram or a
+draft model, async scheduling, no prefix caching, a small step budget, no chunked prefill, swap
+preemption, KV offloading, priority scheduling, a quantized KV cache or quantized weights,
+batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request kind (a row:
+stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of, structured
+output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one batch, then sleeps and
+wakes. Requests of a batch are independent, so the plain engine answers the same batch for the
+exact columns. A combination that is refused must be in docs/compatibility.md (the table in
+engine/compatibility.py); `--matrix-pairs` adds every pair of columns, run apart from the suite.
+The server-level pairs (PD, --workers, the APIs) are in tests/e2e/test_server_matrix.py.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ def _answers(llm: LLM, adapter: LoRARequest) -> dict:
     beams = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
     assert len(beams[0].sequences) == 2
     answers["beam_search"] = [seq.tokens for seq in beams[0].sequences]
+    llm.sleep(1)  # sleep mode: asleep and awake again, the engine answers as before
+    assert llm.is_sleeping()
+    llm.wake_up()
+    assert llm.generate([PROMPT], plain_greedy, use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
     return answers
 
 
