@@ -4,7 +4,8 @@ is the plain engine's answer exactly.
 
 A deployment (a column) is an engine started with one feature (speculative decoding with n-gram or a
 draft model, async scheduling, no prefix caching, a small step budget, no chunked prefill, swap
-preemption, KV offloading, priority scheduling, a quantized KV cache or quantized weights,
+preemption, KV offloading to host memory or disk, KV events, priority scheduling, a quantized KV
+cache or quantized weights,
 batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request kind (a row:
 stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of, structured
 output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one batch, then sleeps and
@@ -51,6 +52,8 @@ COLUMNS = [
     Column("small_step_budget", {"max_num_batched_tokens": 16, "max_num_seqs": 4}, False),
     Column("async_scheduling", {"async_scheduling": True}, True),
     Column("kv_offloading", {"kv_offloading_size": 0.001}, True),
+    Column("kv_disk_tier", {"kv_cache_dir": "tmp"}, True),
+    Column("kv_events", {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"}}, True),
     Column("priority", {"scheduling_policy": "priority"}, True),
     Column("kv_int8", {"kv_cache_dtype": "int8"}, False),
     Column("kv_fp8", {"kv_cache_dtype": "fp8"}, False),
@@ -202,14 +205,14 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("column", columns, ids=[c.name for c in columns])
 
 
-def test_every_request_kind_on_every_deployment(model, adapter, plain, column):
+def test_every_request_kind_on_every_deployment(model, adapter, plain, column, tmp_path):
     """`column`: each deployment (and with --matrix-pairs each pair of them)."""
-    refused = _refusal(_resolved(column.args, model))
+    refused = _refusal(_resolved(column.args, model, tmp_path))
     if refused is not None:  # a combination the table refuses: refused at start-up, in its words
         with pytest.raises(CombinationRefused, match=re.escape(refused.message())):
-            _engine(model, **_resolved(column.args, model))
+            _engine(model, **_resolved(column.args, model, tmp_path))
         return
-    llm = _engine(model, **_resolved(column.args, model))
+    llm = _engine(model, **_resolved(column.args, model, tmp_path))
     try:
         answers = _answers(llm, adapter)
     finally:
@@ -219,10 +222,12 @@ def test_every_request_kind_on_every_deployment(model, adapter, plain, column):
             assert answers[kind] == expected, f"{column.name} x {kind}"
 
 
-def _resolved(args: dict, model: str) -> dict:
+def _resolved(args: dict, model: str, tmp_path) -> dict:
     args = dict(args)
     if args.get("speculative_config") == "draft":  # the model drafts for itself
         args["speculative_config"] = {"model": model, "num_speculative_tokens": 3}
+    if args.get("kv_cache_dir") == "tmp":  # a directory of its own: no blocks of another column's run
+        args["kv_cache_dir"] = str(tmp_path / "kv")
     return args
 
 
