@@ -5,11 +5,10 @@ is the plain engine's answer exactly.
 A deployment (a column) is an engine started with one feature (speculative decoding with n-gram or a
 draft model, async scheduling, no prefix caching, a small step budget, no chunked prefill, swap
 preemption, KV offloading to host memory or disk, KV events, priority scheduling, a quantized KV
-cache or quantized weights,
-batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request kind (a row:
-stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of, structured
-output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one batch, then sleeps and
-wakes. Requests of a batch are independent, so the plain engine answers the same batch for the
+cache or quantized weights, batch-invariant kernels, tensor/pipeline/data parallelism); each takes
+every request kind (a row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n
+and best_of, structured output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one
+batch, then sleeps and wakes. Requests of a batch are independent, so the plain engine answers the same batch for the
 exact columns. A combination that is refused must be in docs/compatibility.md (the table in
 engine/compatibility.py); `--matrix-pairs` adds every pair of columns, run apart from the suite.
 The server-level pairs (PD, --workers, the APIs) are in tests/e2e/test_server_matrix.py.
