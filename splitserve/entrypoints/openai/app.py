@@ -27,7 +27,7 @@ from splitserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from splitserve.entrypoints.openai.serving_control import abort_by_client_ids, sleep_call, update_weights
 from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from splitserve.entrypoints.openai.serving_responses import ResponsesServing
+from splitserve.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from splitserve.tracing import TraceContextMiddleware
 from splitserve.version import __version__
@@ -83,21 +83,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
     async def count_tokens(request: Request):
         return await anthropic.count_tokens(await read_json_body(request))
 
-    @app.post("/v1/responses")
-    async def create_response(request: Request):
-        return await responses.create(await read_json_body(request), request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
-        return await responses.retrieve(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return await responses.delete(response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str):
-        return await responses.cancel(response_id)
+    add_responses_routes(app, responses)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
