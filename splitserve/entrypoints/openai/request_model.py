@@ -3,10 +3,16 @@ error that names a parameter, and turning pydantic's validation errors into a 40
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, WithJsonSchema, model_validator
 from pydantic.fields import FieldInfo
+
+from splitserve.entrypoints.http import APIError
+
+logger = logging.getLogger("splitserve.api_server")
+_HINT = " (--strict-request-fields refuses them)"
 
 
 class ParameterError(ValueError):
@@ -108,3 +114,19 @@ def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
     if error["type"] == "value_error":  # our own checks: the message already names its subject
         return str(cause) if cause is not None else error["msg"], param
     return (f"{param}: {error['msg']}" if param else error["msg"]), param
+
+
+def parse_request(parse, body: dict, strict: bool = False, log: logging.Logger | None = None, hint: str = _HINT):
+    """A request body validated by `parse` (a model's model_validate): a 400 APIError naming the
+    parameter when it is wrong; unknown fields refused (`strict`, --strict-request-fields) or
+    ignored with one warning line (vLLM's behaviour) on `log`."""
+    context = {STRICT_FIELDS: strict, IGNORED_FIELDS: []}
+    try:
+        req = parse(body, context=context)
+    except ValidationError as exc:
+        message, param = validation_error_message(exc)
+        raise APIError(message, param=param) from None
+    if context[IGNORED_FIELDS]:
+        names = ", ".join(sorted(set(context[IGNORED_FIELDS])))
+        (log or logger).warning("Ignored request fields splitserve does not know: %s%s", names, hint)
+    return req

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.errors import InvalidRequestError
@@ -28,7 +28,7 @@ from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import CLIENT_REQUEST_ID, APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai import chat_images
-from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, STRICT_FIELDS, validation_error_message
+from splitserve.entrypoints.openai.request_model import parse_request
 from splitserve.entrypoints.openai.response_models import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
 from splitserve.entrypoints.openai.serving_models import OpenAIServingModels
@@ -87,18 +87,7 @@ class OpenAIServing(PDServingMixin):
     def _parse(self, parse: Callable[..., Any], body: dict):
         """Validate a body. Unknown fields are ignored with one warning line (vLLM's behaviour) or,
         with --strict-request-fields, refused with a 400."""
-        context = {STRICT_FIELDS: self.server_args.strict_request_fields, IGNORED_FIELDS: []}
-        try:
-            req = parse(body, context=context)
-        except ValidationError as exc:
-            message, param = validation_error_message(exc)
-            raise APIError(message, param=param) from None
-        if context[IGNORED_FIELDS]:
-            logger.warning(
-                "Ignored request fields splitserve does not know: %s (--strict-request-fields refuses them)",
-                ", ".join(sorted(set(context[IGNORED_FIELDS]))),
-            )
-        return req
+        return parse_request(parse, body, self.server_args.strict_request_fields)
 
     async def _check_model(self, name: str | None) -> LoRARequest | None:
         """The LoRA adapter the model name asks for (None: the base model); a 404 for an unknown name."""

@@ -15,8 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from splitserve.entrypoints.http import APIError
-from splitserve.entrypoints.openai.request_model import IGNORED_FIELDS, validation_error_message
+from splitserve.entrypoints.openai.request_model import parse_request
 from splitserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from splitserve.entrypoints.openai.serving_batches import BatchServing, add_batch_routes
 from splitserve.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
@@ -50,15 +49,7 @@ class RouterChat:
         self.served_name: str | None = None  # the model's name, as the instances serve it
 
     def _parse(self, parse, body: dict):
-        context: dict = {IGNORED_FIELDS: []}
-        try:
-            req = parse(body, context=context)
-        except ValidationError as exc:
-            message, param = validation_error_message(exc)
-            raise APIError(message, param=param) from None
-        if context[IGNORED_FIELDS]:
-            logger.warning("Ignored request fields splitserve does not know: %s", ", ".join(context[IGNORED_FIELDS]))
-        return req
+        return parse_request(parse, body, log=logger, hint="")
 
     async def create_chat_completion(self, body: dict, raw: Request) -> Response:
         return await self.router.handle_generation(raw, CHAT, body)
