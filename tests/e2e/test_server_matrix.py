@@ -1,0 +1,312 @@
+"""Every serving deployment with every request kind, through HTTP: each pair answers with a 200, no
+process prints a traceback, and the answer is the plain server's once ids and timestamps are left out.
+
+The server's share of the pairwise matrix (the engine's is tests/parity/test_feature_matrix.py). A
+deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--workers 2`,
+`--data-parallel-size 2`, n-gram speculation. A request kind (a row) is an API and its options:
+completions plain, with a stop string or token, echo and logprobs, prompt logprobs, n and best_of, a
+seed, a guided regex, beam search; chat plain, with logprobs, a JSON schema, forced tool calls; the
+Responses and Anthropic APIs; /tokenize; a streamed answer must be the same request's unstreamed one.
+None of the columns changes the numbers of a request sent alone, so each answer must be the plain
+server's (greedy or seeded, float32, one request at a time). Each column's server starts once for
+all its rows (pytest groups the tests by column); the whole matrix takes about two minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from tests.helpers.server import RemoteServer, metric
+
+pytestmark = pytest.mark.slow  # starts five deployments, three of them with several processes
+
+COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--disable-log-requests")
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+COLUMNS = {
+    "pd_1p1d": ("--pd", "1p1d"),
+    "workers_2": ("--workers", "2"),
+    "data_parallel_2": ("--data-parallel-size", "2"),
+    "speculative_ngram": ("--speculative-config", NGRAM),
+}
+# (column, row) -> the bug that makes the pair fail (strict: it must fail until the bug is fixed).
+XFAIL: dict[tuple[str, str], str] = {}
+
+TIMEOUT = 60
+# What the answers repeat (numbers, JSON) is in the prompts, so that n-gram speculation has drafts,
+# and the forced tokens of the guided rows accept some of them.
+PROMPT = "Count on: 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20"
+REGEX = r"(, [0-9]{2}){6}"
+SAMPLES = '{"unit": "c", "rainy": true} or [{"name": "get_weather", "parameters": {"unit": "c"}}]'
+ASK = [{"role": "user", "content": f"Reply {SAMPLES}: is it raining in Paris?"}]
+GREEDY = {"model": "default", "temperature": 0, "max_tokens": 10}
+SCHEMA = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "rainy": {"type": "boolean"}},
+    "required": ["unit", "rainy"],
+}
+RESPONSES = {"model": "default", "input": ASK[0]["content"], "max_output_tokens": 10, "temperature": 0}
+ANTHROPIC = {"model": "default", "messages": ASK, "max_tokens": 10, "temperature": 0}
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": UNIT}}]
+# Left out of the comparison: per-request ids, clocks, and the cache's state (cached prompt tokens).
+DROPPED = {
+    "id",
+    "created",
+    "created_at",
+    "completed_at",
+    "system_fingerprint",
+    "prompt_tokens_details",
+    "input_tokens_details",
+}
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, (path, r.status_code, r.text)
+    return r.json()
+
+
+def _events(url: str, path: str, body: dict, done: bool = True) -> list[dict]:
+    """The data of every server-sent event of a streamed request (OpenAI's end with [DONE])."""
+    events, ended = [], False
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200, (path, r.status_code, r.read())
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                ended = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event and event.get("type") != "error", event
+                events.append(event)
+    assert ended or not done, f"{path}: the stream ended without [DONE]"
+    return events
+
+
+def _same(streamed: dict, whole: dict) -> dict:
+    """A streamed answer, checked against the same server's answer to the same request unstreamed."""
+    differences = _differences(streamed, whole)
+    assert not differences, ("streamed != not streamed", differences)
+    return streamed
+
+
+def _normal(value):
+    """The answer without what differs between two servers giving the same result."""
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items() if k not in DROPPED}
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    return value
+
+
+def _differences(got, expected, path: str = "") -> list[str]:
+    """Where two normalised answers differ; floats (logprobs) to within 1e-3."""
+    if isinstance(expected, dict) and isinstance(got, dict):
+        keys = sorted(set(got) | set(expected))
+        missing = "<missing>"
+        return [d for k in keys for d in _differences(got.get(k, missing), expected.get(k, missing), f"{path}.{k}")]
+    if isinstance(expected, list) and isinstance(got, list) and len(got) == len(expected):
+        return [d for i, (g, e) in enumerate(zip(got, expected)) for d in _differences(g, e, f"{path}[{i}]")]
+    if isinstance(expected, float) and isinstance(got, float):
+        return [] if math.isclose(got, expected, abs_tol=1e-3) else [f"{path}: {got!r} != {expected!r}"]
+    return [] if got == expected else [f"{path}: {got!r} != {expected!r}"]
+
+
+# --- the rows: each asks a server one request kind and returns its normalised answer ---------------
+# `ref` holds the plain server's answers to the rows before (the stops are taken from them).
+def _completion(url, ref, **fields) -> dict:
+    return _normal(_post(url, "/v1/completions", {**GREEDY, "prompt": PROMPT, "return_token_ids": True, **fields}))
+
+
+def _completion_stream(url, ref, **fields) -> dict:
+    body = {**GREEDY, "prompt": PROMPT, "return_token_ids": True, "logprobs": 1, **fields}
+    choices = [e["choices"][0] for e in _events(url, "/v1/completions", body) if e["choices"]]
+    logprobs = [c["logprobs"] for c in choices if c["logprobs"]]
+    whole = _post(url, "/v1/completions", body)["choices"][0]
+    return _same(
+        {
+            "text": "".join(c["text"] for c in choices),
+            "token_ids": [t for c in choices for t in c["token_ids"] or []],
+            "tokens": [t for lp in logprobs for t in lp["tokens"]],
+            "logprobs": [x for lp in logprobs for x in lp["token_logprobs"]],
+            "finish_reason": [c["finish_reason"] for c in choices if c["finish_reason"]],
+        },
+        {
+            "text": whole["text"],
+            "token_ids": whole["token_ids"],
+            "tokens": whole["logprobs"]["tokens"],
+            "logprobs": whole["logprobs"]["token_logprobs"],
+            "finish_reason": [whole["finish_reason"]],
+        },
+    )
+
+
+def _stop_string(url, ref) -> dict:
+    stop = ref["completion"]["choices"][0]["text"][5:8]
+    out = _completion(url, ref, stop=[stop])
+    assert out["choices"][0]["finish_reason"] == "stop" and stop not in out["choices"][0]["text"], (stop, out)
+    return out
+
+
+def _stop_token(url, ref) -> dict:
+    stop = ref["completion"]["choices"][0]["token_ids"][5]
+    out = _completion(url, ref, stop_token_ids=[stop], ignore_eos=True)
+    assert out["choices"][0]["finish_reason"] == "stop", out
+    return out
+
+
+def _regex_stop_token(url, ref) -> dict:
+    """A guided answer (drafts accepted) cut by a stop token that first comes late in it, streamed."""
+    ids = ref["guided_regex"]["choices"][0]["token_ids"]
+    stop = next(t for i, t in enumerate(ids) if i >= 8 and t not in ids[:i])
+    return _completion_stream(url, ref, guided_regex=REGEX, stop_token_ids=[stop], max_tokens=30)
+
+
+def _chat(url, ref, **fields) -> dict:
+    return _normal(_post(url, "/v1/chat/completions", {**GREEDY, "messages": ASK, **fields}))
+
+
+def _chat_stream(url, ref, **fields) -> dict:
+    body = {**GREEDY, "messages": ASK, "logprobs": True, **fields}
+    choices = [e["choices"][0] for e in _events(url, "/v1/chat/completions", body) if e["choices"]]
+    calls: dict[int, list[str]] = {}
+    for delta in (d for c in choices for d in c["delta"].get("tool_calls") or []):
+        call = calls.setdefault(delta["index"], ["", ""])
+        call[0] += delta["function"].get("name") or ""
+        call[1] += delta["function"].get("arguments") or ""
+    whole = _post(url, "/v1/chat/completions", body)["choices"][0]
+    return _same(
+        {
+            "text": "".join(c["delta"].get("content") or "" for c in choices),
+            "tool_calls": [calls[i] for i in sorted(calls)],
+            "logprobs": [
+                (x["token"], x["logprob"]) for c in choices if c["logprobs"] for x in c["logprobs"]["content"]
+            ],
+            "finish_reason": [c["finish_reason"] for c in choices if c["finish_reason"]],
+        },
+        {
+            "text": whole["message"]["content"] or "",
+            "tool_calls": [
+                [c["function"]["name"], c["function"]["arguments"]] for c in whole["message"].get("tool_calls") or []
+            ],
+            "logprobs": [(x["token"], x["logprob"]) for x in whole["logprobs"]["content"]],
+            "finish_reason": [whole["finish_reason"]],
+        },
+    )
+
+
+def _anthropic_stream(url, ref) -> dict:
+    events = _events(url, "/v1/messages", ANTHROPIC, done=False)
+    whole = _post(url, "/v1/messages", ANTHROPIC)
+    return _same(
+        {
+            "text": "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta"),
+            "stop_reason": [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"],
+        },
+        {"text": "".join(c["text"] for c in whole["content"]), "stop_reason": [whole["stop_reason"]]},
+    )
+
+
+def _responses_stream(url, ref) -> dict:
+    events = _events(url, "/v1/responses", RESPONSES, done=False)
+    [final] = [e["response"] for e in events if e["type"] in ("response.completed", "response.incomplete")]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == final["output"][0]["content"][0]["text"]
+    return _same(_normal(final), _normal(_post(url, "/v1/responses", RESPONSES)))
+
+
+def _json_schema(url, ref) -> dict:
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    out = _chat(url, ref, response_format=fmt, max_tokens=40)
+    assert out["choices"][0]["finish_reason"] == "stop", out
+    assert set(json.loads(out["choices"][0]["message"]["content"])) == {"unit", "rainy"}
+    return out
+
+
+def _tools_required(url, ref) -> dict:
+    out = _chat(url, ref, tools=TOOLS, tool_choice="required", max_tokens=64)
+    assert out["choices"][0]["finish_reason"] == "tool_calls", out
+    for call in out["choices"][0]["message"]["tool_calls"]:
+        assert set(json.loads(call["function"]["arguments"])) == {"unit"}, out
+    return out
+
+
+ROWS = {
+    "completion": _completion,
+    "completion_stream": _completion_stream,
+    "stop_token_stream": lambda url, ref: _completion_stream(
+        url, ref, stop_token_ids=[ref["completion"]["choices"][0]["token_ids"][5]], ignore_eos=True
+    ),
+    "stop_string": _stop_string,
+    "stop_token_ids": _stop_token,
+    "echo_logprobs": lambda url, ref: _completion(url, ref, echo=True, logprobs=2, max_tokens=8),
+    "prompt_logprobs": lambda url, ref: _completion(url, ref, prompt_logprobs=1, max_tokens=8),
+    "n_best_of": lambda url, ref: _completion(url, ref, n=2, best_of=3, seed=3, temperature=1.0),
+    "seeded": lambda url, ref: _completion(url, ref, seed=7, temperature=1.0, top_p=0.9),
+    "chat": _chat,
+    "chat_stream": _chat_stream,
+    "chat_logprobs": lambda url, ref: _chat(url, ref, logprobs=True, top_logprobs=2),
+    "chat_json_schema": _json_schema,
+    "chat_tools_required": _tools_required,
+    "chat_tools_stream": lambda url, ref: _chat_stream(url, ref, tools=TOOLS, tool_choice="required", max_tokens=64),
+    "responses": lambda url, ref: _normal(_post(url, "/v1/responses", RESPONSES)),
+    "responses_stream": _responses_stream,
+    "anthropic_messages": lambda url, ref: _normal(_post(url, "/v1/messages", ANTHROPIC)),
+    "anthropic_stream": _anthropic_stream,
+    "guided_regex": lambda url, ref: _completion(url, ref, guided_regex=REGEX, max_tokens=30),
+    "regex_stop_token_stream": _regex_stop_token,
+    "beam_search": lambda url, ref: _completion(url, ref, use_beam_search=True, n=2, max_tokens=6),
+    "tokenize": lambda url, ref: _normal(_post(url, "/tokenize", {"model": "default", "prompt": PROMPT})),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model, tmp_path_factory) -> dict:
+    """The plain server's answer to every row."""
+    answers, log = {}, tmp_path_factory.mktemp("matrix") / "plain.log"
+    with RemoteServer(tiny_chat_model, *COMMON, log_path=str(log)) as plain:
+        for row in ROWS:
+            answers[row] = _answer(plain.url, answers, row)
+    _no_traceback(log)
+    return answers
+
+
+def _answer(url: str, ref: dict, row: str):
+    """The row's answer, or how the plain server failed it (that row's tests fail with it)."""
+    try:
+        return ROWS[row](url, ref)
+    except (AssertionError, httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+        return RuntimeError(f"the plain server failed {row}: {e!r}")
+
+
+def _no_traceback(log) -> None:
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text[text.index("Traceback") - 2000 :][:6000]
+
+
+@pytest.fixture(scope="module")
+def column(request, tiny_chat_model, tmp_path_factory) -> str:
+    """The column's server (started once for all its rows, closed after them): its URL. Its output
+    (every process's: the router's, the instances', the replicas', the API workers') holds no traceback."""
+    args, log = COLUMNS[request.param], tmp_path_factory.mktemp("matrix") / f"{request.param}.log"
+    with RemoteServer(tiny_chat_model, *COMMON, *args, log_path=str(log)) as server:
+        yield server.url
+        if "--speculative-config" in args:  # the rows ran through accepted drafts
+            assert metric(server, "splitserve:spec_decode_num_accepted_tokens_total") > 0
+    _no_traceback(log)
+
+
+@pytest.mark.parametrize("column", COLUMNS, indirect=True)
+@pytest.mark.parametrize("row", ROWS)
+def test_every_request_kind_on_every_deployment(request, reference, column, row):
+    pair = (request.node.callspec.params["column"], row)
+    if pair in XFAIL:  # strict: the test fails once the bug is fixed, and the entry goes
+        request.applymarker(pytest.mark.xfail(strict=True, reason=XFAIL[pair]))
+    if isinstance(reference[row], Exception):
+        raise reference[row]
+    answer = ROWS[row](column, reference)
+    differences = _differences(answer, reference[row])
+    assert not differences, differences
