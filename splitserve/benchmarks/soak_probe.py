@@ -88,7 +88,7 @@ def describe(pid: int) -> str:
         return f"{argv[argv.index('--pd-role') + 1]} server"
     if "--pd" in argv:
         return "PD launcher and router"
-    if any(arg.endswith("api_server") or arg == "serve" for arg in argv):
+    if any(arg.endswith(("api_server", "entrypoints.serve")) or arg == "serve" for arg in argv):
         return "server"
     if any("multiprocessing" in arg for arg in argv):
         return f"child of a server ({comm})"

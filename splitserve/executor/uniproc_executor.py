@@ -11,6 +11,7 @@ from splitserve.executor.in_flight import InFlightStep
 from splitserve.executor.model_runner import ModelRunner
 from splitserve.executor.sleep_mode import RankSleep
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
+from splitserve.kernels import batch_invariant
 
 
 class UniProcExecutor(Executor):
@@ -64,6 +65,8 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.offload is not None:
             self.runner.offload.close()  # the disk tier's queued writes, so that a restart finds them
+        if self.config.batch_invariant:  # a mode of the whole process: the next engine here starts without it
+            batch_invariant.disable()
 
     def call_kv_connector(self, method: str, *args) -> list:
         return [self.kv_transfer.handle(self.runner, method, list(args))]
