@@ -269,10 +269,8 @@ class EngineArgs:
         asked for, and then of the output handling (EngineCore.step_with_overlap)."""
         if self.disable_async_output_proc:  # asked for too: refused by compatibility.py
             return False
-        if speculative is not None and self.async_scheduling is None:
-            return (
-                False  # off unless asked: each step's drafts wait for the step before (engine_core.step_with_overlap)
-            )
+        if speculative is not None and self.async_scheduling is None:  # off unless asked for
+            return False
         return _resolve_async_scheduling(self.async_scheduling, device, parallel)
 
     @property

@@ -101,10 +101,8 @@ class DataParallelEngineClient:
 
     def step_fn(self) -> list[EngineCoreOutput]:
         """The outputs the replicas sent since the last call, waiting for at least one message."""
-        if self._outputs:  # read while waiting for a LoRA call's answers
-            outputs, self._outputs = self._outputs, []
-            return outputs
-        self._read(_POLL_MS)
+        if not self._outputs:  # else read already, while a call waited for its answers
+            self._read(_POLL_MS)
         outputs, self._outputs = self._outputs, []
         return outputs
 

@@ -114,7 +114,8 @@ class KVEventsConfig:
         """Refuse `count` ranks whose offset sockets would collide (endpoint 5557 and replay 5558, two ranks)."""
         if self.publisher != "zmq" or count < 2:
             return
-        sockets = [e for r in range(count) for e in (self.for_rank(r).endpoint, self.for_rank(r).replay_endpoint) if e]
+        ranks = [self.for_rank(r) for r in range(count)]
+        sockets = [e for own in ranks for e in (own.endpoint, own.replay_endpoint) if e]
         if len(set(sockets)) != len(sockets):
             raise ValueError(
                 f"--kv-events-config: {count} {what} publish on the endpoint's port + rank, so endpoint "
