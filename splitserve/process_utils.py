@@ -1,5 +1,5 @@
-"""Child processes that never outlive their parent, their names, telling whether a process still runs,
-and a free loopback port for a process to listen on."""
+"""Child processes that never outlive their parent, their names, a server's way out on SIGTERM,
+telling whether a process still runs, and a free loopback port for a process to listen on."""
 
 from __future__ import annotations
 
@@ -30,6 +30,29 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
         parent_pid = parent.pid if parent is not None else None
     if os.getppid() == 1 or (parent_pid is not None and os.getppid() != parent_pid):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(143) in the main thread, so that a server unwinds through its `finally`
+    blocks and stops the processes it started; SIGHUP (the terminal went away) becomes a SIGTERM.
+    uvicorn handles SIGTERM itself while it serves and, once it has shut down, raises the signal again
+    for this handler.
+
+    Once the process is leaving, a further SIGTERM is ignored (`leaving()`): one from its launcher
+    stopping everything, or the parent-death signal, would otherwise raise inside the clean-up or in
+    an interpreter-exit finalizer and print a traceback for a shutdown that went well."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+
+
+def leaving() -> None:
+    """This process is on its way out (its clean-up runs): SIGTERM has nothing more to stop."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    leaving()
+    raise SystemExit(128 + signum)
 
 
 def set_process_name(name: str) -> None:

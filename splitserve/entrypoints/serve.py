@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server
 from splitserve.entrypoints.pd_flags import check_pd_flags, instance_env, instance_flags
+from splitserve.process_utils import leaving, unwind_on_sigterm
 
 if TYPE_CHECKING:
     from splitserve.entrypoints.router import RouterConfig
@@ -68,11 +68,9 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
     check_pd_flags(engine_args, server_args, len(roles))  # every flag reaches what it concerns, or is refused
     instances: list[launch.LocalInstance] = []
     keeper = None
-    # SIGTERM (also re-raised by uvicorn once the router has shut down) unwinds through `finally`,
-    # so the instances are stopped; SIGHUP becomes a SIGTERM (the router then shuts down as for one);
-    # SIGINT unwinds as KeyboardInterrupt; after SIGKILL the instances' parent-death signal stops them.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    # SIGTERM and SIGHUP unwind through `finally`, so the instances are stopped; SIGINT unwinds as
+    # KeyboardInterrupt; after SIGKILL the instances' parent-death signal stops them.
+    unwind_on_sigterm()
     try:
         world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
         for index, (role, env) in enumerate(zip(roles, launch.split_devices(len(roles), world))):
@@ -88,13 +86,10 @@ def serve_local_pd(engine_args: EngineArgs, server_args: ServerArgs, spec: str) 
         logger.info("PD deployment %s ready: router on port %d", spec, server_args.port)
         run_router(config, server_args.host, server_args.port)
     finally:
+        leaving()
         if keeper is not None:
             keeper.stop()
         launch.stop_all(instances)
-
-
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _ranks_from_devices(engine_args: EngineArgs, device_ids: list[int]) -> None:

@@ -1,5 +1,6 @@
 """exit_with_parent: a child whose parent died before it armed its parent-death signal stops at once,
-also when a subreaper (systemd, a container's init) rather than init took it over."""
+also when a subreaper (systemd, a container's init) rather than init took it over; a server's way out
+on SIGTERM."""
 
 from __future__ import annotations
 
@@ -49,3 +50,25 @@ def test_a_child_orphaned_before_arming_stops_under_a_subreaper():
     )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == 15  # SIGTERM, sent to itself when it found its parent gone
+
+
+def test_sigterm_unwinds_once_then_is_ignored_while_leaving():
+    """The first SIGTERM unwinds through `finally` (exit code 143); one more during the clean-up (the
+    launcher stopping everything, the parent-death signal) neither interrupts it nor prints a traceback."""
+    child = textwrap.dedent(
+        """
+        import os, signal, time
+        from splitserve.process_utils import unwind_on_sigterm
+        unwind_on_sigterm()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            print("cleaned up", flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143, done.stderr
+    assert done.stdout == "cleaned up\n" and "Traceback" not in done.stderr, done.stderr

@@ -25,6 +25,7 @@ from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs
 from splitserve.loader.generation_config import describe as describe_sampling_defaults
+from splitserve.process_utils import leaving, unwind_on_sigterm
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -56,12 +57,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     metrics_sock = None
     if server_args.metrics_port not in (None, server_args.port):
         metrics_sock = bind_socket(server_args.host, server_args.metrics_port)
-    # uvicorn handles SIGTERM itself and, once it has shut down, raises the signal again for the
-    # handler it found: make that handler unwind through `finally`, so the engine and the workers
-    # are stopped instead of outliving this process. SIGHUP (the terminal went away) becomes a
-    # SIGTERM, so that it stops them the same way rather than leave it to their parent-death signal.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    unwind_on_sigterm()  # through `finally`: the engine and the workers are stopped with this process
     # The engine processes build their config from the same arguments while this one builds its own
     # (with data parallelism, after it: each replica's share of the cores or GPUs depends on it).
     config = engine_args.create_engine_config() if engine_args.data_parallel_size > 1 else None
@@ -101,6 +97,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         if any(s.gave_up is not None for s in supervisors):
             raise SystemExit(1)
     finally:
+        leaving()
         for w in workers:
             if w.is_alive():
                 w.terminate()
@@ -160,10 +157,6 @@ def _engine_supervisors(engines, replica_envs, engine_args: EngineArgs, server_a
         )
         for engine, env in zip(engines, replica_envs)
     ]
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _start_workers(config, server_args, addresses, watches, sock) -> list[multiprocessing.Process]:
