@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine_process import EngineProcess
+from splitserve.engine.pd_role import PDRoleState, for_config
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -36,12 +37,14 @@ def backoff_seconds(streak: int) -> float:
 
 class EngineWatch:
     """What the API workers know of the engine process: its pid and a generation number that grows
-    with each restart (0: the first engine). Shared memory, so that it reaches spawned workers."""
+    with each restart (0: the first engine), and the instance's PD role (engine/pd_role.py), which
+    outlives restarts. Shared memory, so that it reaches spawned workers."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, pd_role: PDRoleState | None = None):
         ctx = multiprocessing.get_context("spawn")  # one writer (the supervisor): no lock, no semaphore
         self._pid = ctx.RawValue("q", pid)
         self._generation = ctx.RawValue("q", 0)
+        self.pd_role = pd_role
 
     @property
     def pid(self) -> int:
@@ -79,7 +82,7 @@ class EngineSupervisor:
         self.window_s = window_s
         self.on_restart = on_restart
         self.stopping = stopping  # True once the server is shutting down: its engine stops with it
-        self.watch = EngineWatch(engine.pid)
+        self.watch = EngineWatch(engine.pid, for_config(config))
         self.restarts: deque[float] = deque()  # when each restart of the window began
         self.streak = 0  # restarts in a row, each after an engine that died within STABLE_S
         self.ready_at = time.monotonic()  # when the current engine became ready

@@ -100,7 +100,9 @@ class KVConnector:
         self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
         self.port = config.kv_port
         self._threads = []
-        if config.pd_role == "prefill":
+        # Both sides run on every PD instance, whatever its role, so that the role can change while it
+        # serves (POST /pd_role): a former prefill instance serves its leases until they are pulled.
+        if config.is_disaggregated:
             server = zmq.Context.instance().socket(zmq.ROUTER)
             server.setsockopt(zmq.LINGER, 0)
             if config.kv_port:
@@ -115,7 +117,6 @@ class KVConnector:
                 self.port,
                 config.lease_seconds,
             )
-        if config.pd_role == "decode":
             self._start(self._pull_loop)
 
     def _start(self, target, *args) -> None:

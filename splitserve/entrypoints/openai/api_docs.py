@@ -65,7 +65,7 @@ from splitserve.entrypoints.openai.serving_control import (
 )
 from splitserve.entrypoints.openai.serving_generate import GenerateRequest
 from splitserve.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from splitserve.entrypoints.openai.serving_pd import KVReleaseRequest, KVReleaseResponse
+from splitserve.entrypoints.openai.serving_pd import KVReleaseRequest, KVReleaseResponse, PDRoleSwitch, PDRoleSwitched
 
 _REF = "#/components/schemas/{model}"
 _SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
@@ -73,6 +73,7 @@ _ERRORS = {
     400: "The request is invalid (the message and param say why).",
     401: "A missing or wrong API key.",
     404: "An unknown model, LoRA adapter, route, file or batch.",
+    409: "A prefill or decode request (kv_transfer_params) reached an instance that has switched to another PD role.",
     413: "The body, or an array, object or string in it, is too large.",
     429: "Too many requests are waiting in the engine.",
     503: "The engine (or, at the router, every instance of a role) is not available.",
@@ -93,16 +94,22 @@ class RouteDoc:
     anthropic_errors: bool = False
 
 
+_GENERATION_ERRORS = (400, 401, 404, 409, 413, 429, 503)  # 409: PD instances only (engine/pd_role.py)
 ROUTE_DOCS: dict[str, RouteDoc] = {
-    "/v1/completions": RouteDoc((CompletionRequest,), CompletionResponse, "text/event-stream"),
-    "/v1/chat/completions": RouteDoc((ChatCompletionRequest,), ChatCompletionResponse, "text/event-stream"),
+    "/v1/completions": RouteDoc(
+        (CompletionRequest,), CompletionResponse, "text/event-stream", errors=_GENERATION_ERRORS
+    ),
+    "/v1/chat/completions": RouteDoc(
+        (ChatCompletionRequest,), ChatCompletionResponse, "text/event-stream", errors=_GENERATION_ERRORS
+    ),
     "/generate": RouteDoc((GenerateRequest,), None, "application/x-ndjson"),
     "/tokenize": RouteDoc((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
     "/detokenize": RouteDoc((DetokenizeRequest,), DetokenizeResponse),
     "/v1/models": RouteDoc((), ModelList, errors=(401, 503)),
     "/version": RouteDoc((), None, errors=(401, 503)),
     "/health": RouteDoc((), None, empty=True, errors=(503,)),
-    "/pd_role": RouteDoc((), None, errors=(401,)),
+    "GET /pd_role": RouteDoc((), None, errors=(401,)),
+    "POST /pd_role": RouteDoc((PDRoleSwitch,), PDRoleSwitched, errors=(400, 401, 413)),
     "/metrics": RouteDoc((), None, text=True, errors=(401,)),
     "/v1/load_lora_adapter": RouteDoc((LoadLoRAAdapterRequest,), None, text=True),
     "/v1/unload_lora_adapter": RouteDoc((UnloadLoRAAdapterRequest,), None, text=True),

@@ -155,13 +155,19 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         """Which PD role this instance has (the router checks that it lists it under that role), and
         where it publishes its KV cache events, if it does (the router's cache_aware policy reads them):
         one endpoint, or a list of each data-parallel replica's."""
-        answer = {"pd_role": config.kv_transfer_config.pd_role, "block_size": config.cache_config.block_size}
+        roles = completion.roles
+        answer = {"pd_role": roles.role, "epoch": roles.epoch, "block_size": config.cache_config.block_size}
         events = config.kv_events_config
         if events is not None and events.publisher == "zmq":
             replicas = config.parallel_config.data_parallel_size
             endpoints = [events.for_rank(r).endpoint for r in range(replicas)] if replicas > 1 else events.endpoint
             answer["kv_events_endpoint"], answer["kv_events_topic"] = endpoints, events.topic
         return answer
+
+    @app.post("/pd_role")
+    async def switch_pd_role(request: Request):
+        """Take another PD role while serving (a prefill or decode instance: prefill, decode or mixed)."""
+        return completion.switch_pd_role(await read_json_body(request))
 
     @app.post("/kv_transfer/release")
     async def release_kv(request: Request):

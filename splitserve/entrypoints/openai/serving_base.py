@@ -25,6 +25,7 @@ from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.output_processor import RequestOutputKind
+from splitserve.engine.pd_role import role_state
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import CLIENT_REQUEST_ID, APIError, ErrorResponse, error_body
 from splitserve.entrypoints.openai import chat_images
@@ -74,7 +75,7 @@ class OpenAIServing(PDServingMixin):
         self.metrics = metrics
         self.tokenizer = engine.get_tokenizer()
         self.fingerprint = f"splitserve-{__version__}"
-        self.pd_role = config.kv_transfer_config.pd_role
+        self.roles = role_state(engine, config)  # the PD role, changed live by POST /pd_role
         service = "splitserve" if self.pd_role == "mixed" else f"splitserve-{self.pd_role}"
         self.tracing = tracing_for(server_args.otlp_traces_endpoint, service)
         self.models = OpenAIServingModels(engine, config)

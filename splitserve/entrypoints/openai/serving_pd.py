@@ -4,17 +4,22 @@ waits. The transfer itself is distributed/kv_transfer/; the engine's side is eng
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 from pydantic import BaseModel, ValidationError
 
 from splitserve.engine.async_llm import EngineDeadError
 from splitserve.engine.messages import KVTransferParams
+from splitserve.engine.pd_role import PDRoleState
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError
 from splitserve.multimodal.inputs import placement
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tracing import REQUEST_TRACE
+
+PD_ROLE_CHANGED = "pd_role_changed"  # the error type of the 409 (the router follows the instance on it)
 
 
 class LeasedKV(BaseModel):
@@ -31,17 +36,59 @@ class KVReleaseResponse(BaseModel):
     released: str
 
 
-class PDServingMixin:
-    """Mixed into OpenAIServing, whose `pd_role` and `engine` it reads."""
+class PDRoleSwitch(BaseModel):
+    """POST /pd_role: the role this instance takes from now on."""
 
+    pd_role: Literal["prefill", "decode", "mixed"]
+
+
+class PDRoleSwitched(BaseModel):
     pd_role: str
+    previous_pd_role: str
+    epoch: int
+
+
+class PDServingMixin:
+    """Mixed into OpenAIServing, whose `roles` (engine/pd_role.py) and `engine` it reads."""
+
+    roles: PDRoleState
+
+    @property
+    def pd_role(self) -> str:
+        return self.roles.role
+
+    def switch_pd_role(self, body: dict) -> PDRoleSwitched:
+        """POST /pd_role: take another PD role while serving (engine/pd_role.py says what happens to
+        the work in flight); the answer gives the previous role and the new epoch."""
+        try:
+            role = PDRoleSwitch.model_validate(body).pd_role
+        except ValidationError:
+            raise APIError('The body must be {"pd_role": "prefill" | "decode" | "mixed"}.', param="pd_role") from None
+        try:
+            previous, epoch = self.roles.switch(role)
+        except ValueError as exc:
+            raise APIError(str(exc), param="pd_role") from None
+        return PDRoleSwitched(pd_role=role, previous_pd_role=previous, epoch=epoch)
+
+    def _check_role(self, kv: KVTransferParams) -> None:
+        """A request meant for another role than this instance's (it switched since the router chose
+        it): a 409 naming the role it has now, so that the router follows and sends it elsewhere."""
+        needed = self.roles.takes(kv.do_remote_decode, kv.do_remote_prefill)
+        if needed is not None:
+            raise APIError(
+                f"This instance is now a {self.pd_role} instance (PD role epoch {self.roles.epoch}); the request "
+                f"needs a {needed} instance.",
+                409,
+                PD_ROLE_CHANGED,
+                param="kv_transfer_params",
+            )
 
     async def release_kv_lease(self, body: dict) -> KVReleaseResponse:
         """POST /kv_transfer/release (prefill instances): the router hands back a prefill answer's
         kv_transfer_params when no decode instance will pull them (the decode side failed, or the
         client left), and the leased blocks are freed now rather than when the lease expires. An
         unknown or already ended lease is no error: the call may race the last pull."""
-        if self.pd_role != "prefill":
+        if not self.roles.switchable:  # a former prefill instance still holds its leases
             raise APIError(f"Only a prefill instance holds KV leases; this one is a {self.pd_role} instance.")
         try:
             req = KVReleaseRequest.model_validate(body)
@@ -64,7 +111,7 @@ class PDServingMixin:
         raw = req.kv_transfer_params
         if raw is None:
             return None
-        if self.pd_role == "mixed":
+        if not self.roles.switchable:
             raise APIError(
                 "kv_transfer_params need a prefill or decode instance; this one runs with --pd-role mixed.",
                 param="kv_transfer_params",
@@ -75,6 +122,7 @@ class PDServingMixin:
             kv = msgspec.convert(raw, KVTransferParams)
         except msgspec.ValidationError as exc:
             raise APIError(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        self._check_role(kv)
         if kv.do_remote_decode:
             if req.stream:
                 raise APIError("A prefill request (do_remote_decode) cannot stream.", param="stream")

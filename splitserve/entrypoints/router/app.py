@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from splitserve.entrypoints.router.adapters import add_adapter_routes
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
 from splitserve.entrypoints.router.control import add_control_routes
 from splitserve.entrypoints.router.relay import RelayResponse
+from splitserve.entrypoints.router.roles import add_role_routes, auto_roles_loop
 from splitserve.entrypoints.router.router import Router
 from splitserve.version import __version__
 
@@ -36,9 +38,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
+        rebalancing = None
+        if config.auto_roles:
+            rebalancing = asyncio.create_task(auto_roles_loop(router, config.auto_roles_interval))
         try:
             yield
         finally:
+            if rebalancing is not None:
+                rebalancing.cancel()
             await router.stop()
 
     app = FastAPI(title="splitserve router", version=__version__, lifespan=lifespan)
@@ -56,6 +63,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     else:
         _refuse_openai_routes(app)
     add_control_routes(app, router)  # sleep mode and weight updates, on every instance
+    add_role_routes(app, router)  # POST /pd_role: an instance's PD role switched live
 
     @app.get("/version")
     async def version(request: Request):

@@ -36,6 +36,8 @@ class RouterConfig:
     openai_api: bool = True  # False (USE_OPENAI=0): only vLLM's native /generate, no /v1 routes
     otlp_traces_endpoint: str | None = None  # an OTLP collector: spans of each request (splitserve/tracing.py)
     tokenizer: str | None = None  # the model's tokenizer, for cache_aware: prompts tokenized here
+    auto_roles: bool = False  # move instances between prefill and decode by their loads (router/roles.py)
+    auto_roles_interval: float = 30.0  # seconds between two such moves at most
 
     @property
     def serving_roles(self) -> tuple[str, ...]:
@@ -45,6 +47,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mixed_urls and (self.prefill_urls or self.decode_urls):
             raise ValueError("--mixed replicas and a --prefill/--decode pool cannot be routed by one router.")
+        if self.auto_roles and self.mixed_urls:
+            raise ValueError("--auto-roles moves instances between prefill and decode: it needs --prefill/--decode.")
+        if self.auto_roles_interval <= 0:
+            raise ValueError(f"--auto-roles-interval must be > 0, got {self.auto_roles_interval}.")
         if self.mixed_urls:
             self.mixed_urls = _check_urls(self.mixed_urls, "--mixed")
         else:
@@ -121,6 +127,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     parser.add_argument(
+        "--auto-roles",
+        action="store_true",
+        help="switch a prefill instance to decode, or back, when one role carries far more waiting and running "
+        "requests per instance than the other (at most one switch per --auto-roles-interval; docs/pd.md)",
+    )
+    parser.add_argument(
+        "--auto-roles-interval", type=float, default=30.0, help="seconds between --auto-roles checks (default: 30)"
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=3600.0,
@@ -147,4 +162,6 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         request_timeout=ns.request_timeout,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         tokenizer=ns.tokenizer,
+        auto_roles=ns.auto_roles,
+        auto_roles_interval=ns.auto_roles_interval,
     )

@@ -25,6 +25,7 @@ from splitserve.entrypoints.router.relay import (
 from splitserve.tracing import tracing_for
 
 logger = logging.getLogger("splitserve.router")
+PD_ROLE_CHANGED = "pd_role_changed"  # the type of an instance's 409 (entrypoints/openai/serving_pd.py)
 ROLE_RULE = "Rule NODE_PORTS order"  # how the refusal of an instance in the wrong role is named
 
 
@@ -60,13 +61,20 @@ class UpstreamPool:
     def healthy(self, role: str) -> list[Upstream]:
         return [i for i in self.instances[role] if i.healthy]
 
+    def role_pool(self, role: str) -> list[Upstream]:
+        """The instances that take `role`'s work: in a PD pool an instance switched to mixed takes both
+        phases (engine/pd_role.py)."""
+        if role in (PREFILL, DECODE) and self.answer_role == DECODE:
+            return self.instances[role] + self.instances[MIXED]
+        return self.instances[role]
+
     def pick(
         self, role: str, request_body: dict, exclude: Sequence[Upstream] = (), hashes: list[bytes] | None = None
     ) -> Upstream | None:
         """The policy's choice among the up instances not tried yet for this request. With no decode
         instance up, the down ones are tried anyway: a health mark is a hint (a busy instance can miss
         a check), and a failed attempt costs less than refusing the request; prefill has its fallback."""
-        candidates = [i for i in self.instances[role] if i.healthy and i not in exclude]
+        candidates = [i for i in self.role_pool(role) if i.healthy and i not in exclude]
         if not candidates and role == self.answer_role:  # never one in the wrong role: it would not decode
             candidates = [
                 i for i in self.instances[role] if i not in exclude and ROLE_RULE not in (i.down_reason or "")
@@ -156,7 +164,9 @@ class UpstreamPool:
             return
         info = await self._fetch_role(inst, timeout)
         role = info.get("pd_role") if info is not None else None
-        if role is not None and role != inst.role:
+        if role is not None and role != inst.role and info.get("epoch"):  # it switched while serving
+            self.follow_role(inst, role, info["epoch"])
+        elif role is not None and role != inst.role:
             self.mark_down(
                 inst,
                 f"answers as a {role} instance but is listed among the {inst.role} instances. {ROLE_RULE}: the "
@@ -168,6 +178,29 @@ class UpstreamPool:
         if self.kv_index is not None and info is not None:
             self.kv_index.watch(inst, info)
         inst.load = await self._fetch_load(inst, timeout)
+
+    def follow_role(self, inst: Upstream, role: str, epoch: int) -> None:
+        """An instance that took another PD role (POST /pd_role) is listed under its new role: the
+        next requests of that role may go to it, none of its old role does."""
+        if role not in self.instances:
+            self.mark_down(inst, f"answers with an unknown PD role {role!r}")
+            return
+        previous = inst.role
+        self.instances[previous].remove(inst)
+        self.metrics.instance_healthy.remove(inst.url, previous)
+        inst.role = role
+        self.instances[role].append(inst)
+        self.metrics.instance_healthy.labels(instance=inst.url, role=role).set(int(inst.healthy))
+        served = "prefill and decode work" if role == MIXED and self.answer_role == DECODE else f"{role} work"
+        logger.info("%s switched from %s to %s (PD role epoch %d): it gets %s", inst.url, previous, role, epoch, served)
+
+    async def role_changed(self, inst: Upstream, status: int, data: bytes) -> bool:
+        """A 409 saying the instance switched its PD role since it was picked: follow it now (rather
+        than at the next health check) so that the request's next attempt goes elsewhere."""
+        if status != 409 or PD_ROLE_CHANGED.encode() not in data:
+            return False
+        await self.check_instance(inst)
+        return True
 
     async def _fetch_role(self, inst: Upstream, timeout: aiohttp.ClientTimeout) -> dict | None:
         """The instance's /pd_role answer: its PD role, block size and where it publishes its KV

@@ -146,7 +146,7 @@ class Router(UpstreamPool):
     async def _release_lease(self, trace: RoutedRequest, kv: dict) -> None:
         """No decode instance will pull this prefill's KV: the prefill instance frees it now (POST
         /kv_transfer/release with its own kv_transfer_params) instead of when the lease expires."""
-        inst = next((i for i in self.instances[PREFILL] if i.url == trace.prefill), None)
+        inst = next((i for i in self.all_instances() if i.url == trace.prefill), None)  # it may have switched
         if inst is None:
             return
         try:
@@ -209,6 +209,9 @@ class Router(UpstreamPool):
                 if status == 429:  # this instance is full, not the request invalid: try another one
                     reasons.append(f"{inst.url}: busy (429)")
                     continue
+                if await self.role_changed(inst, status, data):
+                    reasons.append(f"{inst.url}: no longer a prefill instance (409)")
+                    continue
                 if 400 <= status < 500:
                     trace.prefill = inst.url
                     trace.notes.append("the prefill instance refused the request")
@@ -263,6 +266,9 @@ class Router(UpstreamPool):
                     )
                 else:
                     data = await until_disconnected(request, resp.read())
+                    if await self.role_changed(inst, resp.status, data):
+                        reasons.append(f"{inst.url}: no longer a {self.answer_role} instance (409)")
+                        continue
                     if resp.status == 404 and trace.prefill:
                         data = _decode_refused(data, inst.url, trace)
                     return self._finish(
