@@ -9,7 +9,8 @@ STAMP := $(VENV)/.splitserve-installed
 
 .PHONY: setup serve generate test test-fast bench clean
 
-setup: $(STAMP)
+UI_VENDOR := splitserve/entrypoints/ui/static/vendor
+setup: $(STAMP) $(UI_VENDOR)/.installed
 
 $(STAMP): pyproject.toml Makefile $(wildcard splitserve/kernels/*.cpp splitserve/kernels/*.h)
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
@@ -21,6 +22,18 @@ $(STAMP): pyproject.toml Makefile $(wildcard splitserve/kernels/*.cpp splitserve
 	# failed build is logged and the engine then runs plain torch ops.
 	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from splitserve import kernels; kernels.cpu_ops()"
 	touch $@
+
+# The chat page's and the dashboard's browser libraries (docs/ui.md), from the npm registry at the
+# versions of ui/package-lock.json, copied where the server serves them (splitserve/entrypoints/ui
+# VENDOR_FILES names them). Without npm, or offline, the pages work without them and say so.
+$(UI_VENDOR)/.installed: ui/package-lock.json
+	@if command -v npm >/dev/null && npm ci --prefix ui --no-audit --no-fund --loglevel=error >/dev/null; then \
+		mkdir -p $(UI_VENDOR) && \
+		cp ui/node_modules/marked/lib/marked.esm.js $(UI_VENDOR)/marked.js && \
+		cp ui/node_modules/dompurify/dist/purify.es.mjs $(UI_VENDOR)/purify.js && \
+		cp ui/node_modules/uplot/dist/uPlot.esm.js $(UI_VENDOR)/uplot.js && \
+		cp ui/node_modules/uplot/dist/uPlot.min.css $(UI_VENDOR)/uplot.css && touch $@; \
+	else echo "npm ci --prefix ui failed or npm is missing: the web UI runs without Markdown and charts"; fi
 
 serve: setup
 	$(VENV)/bin/splitserve serve --port $(or $(PORT),8000)

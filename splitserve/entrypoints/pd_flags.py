@@ -33,6 +33,7 @@ SERVER_PLACES = {
     "metrics_api_key": ROUTER,  # the router's /metrics; it reads the instances' (on loopback) for their load
     "api_key": BOTH,  # clients send it to the router, the router to the instances (in their environment)
     "otlp_traces_endpoint": BOTH,
+    "disable_ui": BOTH,  # the router's pages, and the instances' (reachable on their own ports)
 }
 
 # Flags refused under --pd when they differ from their default: their rule in the table of refused

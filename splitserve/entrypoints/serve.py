@@ -127,6 +127,7 @@ def _router_config(server_args: ServerArgs, prefill_urls: list[str], decode_urls
         instance_api_key=server_args.api_key,
         metrics_api_key=server_args.metrics_api_key,
         otlp_traces_endpoint=server_args.otlp_traces_endpoint,
+        disable_ui=server_args.disable_ui,
     )
 
 

@@ -77,6 +77,7 @@ def _reaches(engine_args: EngineArgs, server_args: ServerArgs, name: str, value)
         "metrics_api_key": config.metrics_api_key,
         "otlp_traces_endpoint": config.otlp_traces_endpoint,
         "policy": config.policy,
+        "disable_ui": config.disable_ui,
     }.get(name)
     if name == "api_key":
         return router_value == (value, value)

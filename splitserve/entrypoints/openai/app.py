@@ -29,6 +29,7 @@ from splitserve.entrypoints.openai.serving_generate import NativeServing
 from splitserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from splitserve.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from splitserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from splitserve.entrypoints.ui import add_ui_routes
 from splitserve.tracing import TraceContextMiddleware
 from splitserve.version import __version__
 
@@ -187,14 +188,15 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
 
     add_batch_routes(app, batches)  # /v1/files, /v1/batches
     document_routes(app, config.model_config.vocab_size)
+    ui_paths = add_ui_routes(app, dashboard_kind="server", enabled=not server_args.disable_ui)  # /, /dashboard
     app.add_middleware(RequestIdMiddleware)
     if tracing is not None:
         app.add_middleware(TraceContextMiddleware, tracing=tracing)
-    # /metrics is open to Prometheus unless it has a key of its own.
+    # /metrics is open to Prometheus unless it has a key of its own; the pages hold no secret.
     app.add_middleware(
         ApiKeyMiddleware,
         api_key=server_args.api_key,
-        open_paths=(*_OPEN_PATHS, "/metrics"),
+        open_paths=(*_OPEN_PATHS, "/metrics", *ui_paths),
         path_keys={"/metrics": server_args.metrics_api_key},
     )
     return app

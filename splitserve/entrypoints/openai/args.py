@@ -30,6 +30,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     use_warmup: bool = False
     disable_log_requests: bool = False
+    disable_ui: bool = False  # no chat page at / nor dashboard at /dashboard (splitserve/entrypoints/ui)
     strict_request_fields: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -155,6 +156,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--use-warmup", action="store_true", help="run one short request before accepting traffic")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument(
+        "--disable-ui", action="store_true", help="serve no chat page at / nor dashboard at /dashboard (docs/ui.md)"
+    )
     g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",

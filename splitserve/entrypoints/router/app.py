@@ -27,6 +27,7 @@ from splitserve.entrypoints.router.control import add_control_routes
 from splitserve.entrypoints.router.relay import RelayResponse
 from splitserve.entrypoints.router.roles import add_role_routes, auto_roles_loop
 from splitserve.entrypoints.router.router import Router
+from splitserve.entrypoints.ui import add_ui_routes
 from splitserve.version import __version__
 
 
@@ -77,12 +78,18 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def metrics():
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/router/instances", include_in_schema=False)
+    async def instances():
+        """Every instance with its role, health and load (the dashboard's table; docs/ui.md)."""
+        return router.describe_instances()
+
     document_routes(app)
+    ui_paths = add_ui_routes(app, dashboard_kind="router", enabled=not config.disable_ui)  # /, /dashboard
     if config.api_key or config.metrics_api_key:  # load balancers and Prometheus need no key, unless given one
         app.add_middleware(
             ApiKeyMiddleware,
             api_key=config.api_key,
-            open_paths=("/health", "/metrics", "/openapi.json", "/docs", "/redoc"),
+            open_paths=("/health", "/metrics", "/openapi.json", "/docs", "/redoc", *ui_paths),
             path_keys={"/metrics": config.metrics_api_key},
         )
     return app

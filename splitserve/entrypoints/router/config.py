@@ -38,6 +38,7 @@ class RouterConfig:
     tokenizer: str | None = None  # the model's tokenizer, for cache_aware: prompts tokenized here
     auto_roles: bool = False  # move instances between prefill and decode by their loads (router/roles.py)
     auto_roles_interval: float = 30.0  # seconds between two such moves at most
+    disable_ui: bool = False  # no chat page at / nor dashboard at /dashboard (splitserve/entrypoints/ui)
 
     @property
     def serving_roles(self) -> tuple[str, ...]:
@@ -147,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send OpenTelemetry spans of each request (the router's, and its calls to the instances, whose own "
         "spans join the same trace) to this OTLP collector; needs splitserve[otel]",
     )
+    parser.add_argument(
+        "--disable-ui", action="store_true", help="serve no chat page at / nor dashboard at /dashboard (docs/ui.md)"
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -164,4 +168,5 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         tokenizer=ns.tokenizer,
         auto_roles=ns.auto_roles,
         auto_roles_interval=ns.auto_roles_interval,
+        disable_ui=ns.disable_ui,
     )

@@ -58,6 +58,25 @@ class UpstreamPool:
     def all_instances(self) -> list[Upstream]:
         return [inst for role in ROLES for inst in self.instances[role]]
 
+    def describe_instances(self) -> dict:
+        """The instances as the dashboard shows them (GET /router/instances): role, health, why down,
+        this router's open requests on each, and the load each reported at its last health check."""
+        rows = []
+        for inst in self.all_instances():
+            load = inst.load
+            rows.append(
+                {
+                    "url": inst.url,
+                    "role": inst.role,
+                    "healthy": inst.healthy,
+                    "down_reason": inst.down_reason,
+                    "in_flight": inst.in_flight,
+                    "num_requests": None if load is None else load.num_requests,
+                    "kv_cache_usage": None if load is None else load.kv_cache_usage,
+                }
+            )
+        return {"policy": self.config.policy, "roles": list(self.config.serving_roles), "instances": rows}
+
     def healthy(self, role: str) -> list[Upstream]:
         return [i for i in self.instances[role] if i.healthy]
 
