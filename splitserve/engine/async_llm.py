@@ -383,7 +383,8 @@ class AsyncLLM(FrontEnd):
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
-        logger.error("Engine is dead (%s): failing %d pending requests", reason, len(self.queues))
+        if self.queues:  # else a server stopping with its engine, or an idle death its supervisor reports
+            logger.error("Engine is dead (%s): failing %d pending requests", reason, len(self.queues))
         for queue in self.queues.values():
             queue.put_nowait(EngineDeadError(f"The engine is not running: {reason}"))
         for future in self._calls.values():
