@@ -173,6 +173,15 @@ def _add_ranktable(rt: argparse.ArgumentParser) -> None:
     rt_merge.set_defaults(func=ranktable_cli.merge_main)
 
 
+def _add_deploy(dp: argparse.ArgumentParser) -> None:
+    dp_sub = dp.add_subparsers(dest="deploy_command", required=True)
+    from splitserve.deploy import kubernetes
+
+    k8s = dp_sub.add_parser("kubernetes", help="Kubernetes manifests (deploy/kubernetes/) with your values")
+    kubernetes.add_arguments(k8s)
+    k8s.set_defaults(func=kubernetes.main)
+
+
 # name -> (help, the function that adds the subcommand's flags)
 _SUBCOMMANDS = {
     "generate": ("generate text for a few prompts (offline)", _add_generate),
@@ -195,6 +204,7 @@ _SUBCOMMANDS = {
         "rank tables of a prefill/decode disaggregated deployment (also spelled `--mode gen|merge`)",
         _add_ranktable,
     ),
+    "deploy": ("deployment files: Kubernetes manifests for a server or a PD deployment", _add_deploy),
     "env": ("the SPLITSERVE_* environment variables: each one's value here, default and purpose", _add_env),
 }
 

@@ -32,7 +32,8 @@ LEAVES = {
 # which dispatches to the entrypoints and the benchmarks, which drive the offline API.
 ALLOWED = {
     "splitserve": {"entrypoints"},
-    "cli": {"benchmarks", "entrypoints", "engine"},
+    "cli": {"benchmarks", "deploy", "entrypoints", "engine"},
+    "deploy": set(),  # Kubernetes manifests and their renderer: YAML, no engine
     "benchmarks": {"disagg", "engine", "entrypoints", "loader", "quantization", "tokenizer"},
     "entrypoints": {"disagg", "engine", "loader", "multimodal", "quantization", "tokenizer"},
     "disagg": {"executor"},
