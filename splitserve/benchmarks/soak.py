@@ -16,6 +16,9 @@ names the cause; the report gives, per kill, the seconds until a request begun a
 completed; memory is reported but not judged (the killed processes' memory goes with them); and
 once the deployment the soak started is stopped, no process of it may be left.
 
+With --switch-roles-every SECONDS (a PD deployment) it moves one instance to another PD role that
+often, through the router, and no request may fail for it (soak_roles.py).
+
 Without --base-url the soak starts the deployment itself (`splitserve serve [--pd XpYd]`), so it
 knows every process; with --base-url it needs --pid, the deployment's root process.
 """
@@ -33,6 +36,7 @@ import time
 from collections import Counter
 
 from splitserve.benchmarks import soak_probe as probe
+from splitserve.benchmarks import soak_roles
 from splitserve.benchmarks.soak_traffic import run_stream
 from splitserve.disagg.launch import LocalInstance, start_instance, wait_healthy
 
@@ -54,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="SECONDS",
         help="kill -9 one engine process of the deployment this often, to check that it heals",
+    )
+    parser.add_argument(
+        "--switch-roles-every",
+        type=float,
+        metavar="SECONDS",
+        help="a PD deployment: switch one instance's PD role through the router this often (docs/pd.md)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-result", metavar="FILE.json", help="write the result JSON there")
@@ -79,6 +89,8 @@ def check_arguments(ns: argparse.Namespace) -> None:
         raise ValueError("--abort-fraction and --error-fraction must be >= 0 and add up to at most 1.")
     if ns.kill_engine_every is not None and ns.kill_engine_every <= 0:
         raise ValueError("--kill-engine-every must be positive.")
+    if ns.switch_roles_every is not None and (ns.switch_roles_every <= 0 or not (ns.pd or ns.base_url)):
+        raise ValueError("--switch-roles-every needs a PD deployment (--pd, or a router's --base-url) and seconds > 0.")
     if ns.warmup >= ns.duration:
         raise ValueError(f"--warmup ({ns.warmup:g} s) must be shorter than --duration ({ns.duration:g} s).")
 
@@ -159,26 +171,31 @@ async def _killer(
 
 async def _drive(
     ns: argparse.Namespace, base_url: str, root: int, started: float, instances: list[str]
-) -> tuple[Counter, list[dict], list[tuple], list[dict]]:
-    """The client streams until the deadline, with the RSS sampler (and the engine killer) beside them."""
+) -> tuple[Counter, list[dict], list[tuple], list[dict], list[dict]]:
+    """The client streams until the deadline, with the RSS sampler (and the engine killer, the role
+    switcher) beside them."""
     import aiohttp
 
-    counts, samples, timeline, kills, stop = Counter(), [], [], [], asyncio.Event()
+    counts, samples, timeline, kills, switches, stop = Counter(), [], [], [], [], asyncio.Event()
     deadline = started + ns.duration
     sampler = asyncio.create_task(_sampler(root, started, instances, ns.sample_interval, samples, stop))
     killer = None
     if ns.kill_engine_every:
         rng = random.Random(ns.seed)
         killer = asyncio.create_task(_killer(root, deadline, ns.kill_engine_every, rng, kills, stop))
+    helpers = [killer] if killer is not None else []
+    if ns.switch_roles_every:
+        rng = random.Random(ns.seed + 1)
+        every = ns.switch_roles_every
+        helpers.append(asyncio.create_task(soak_roles.switcher(base_url, deadline, every, rng, switches, stop)))
     connector = aiohttp.TCPConnector(limit=ns.concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         rngs = [random.Random(ns.seed * 1000 + i) for i in range(ns.concurrency)]
         await asyncio.gather(*(run_stream(session, base_url, ns, rng, deadline, counts, timeline) for rng in rngs))
     stop.set()
     await sampler
-    if killer is not None:
-        await killer
-    return counts, samples, timeline, kills
+    await asyncio.gather(*helpers)
+    return counts, samples, timeline, kills, switches
 
 
 def recoveries(kills: list[dict], timeline: list[tuple]) -> list[dict]:
@@ -276,6 +293,12 @@ def print_report(result: dict) -> None:
                 else "NOTHING completed"
             )
         )
+    for switch in result.get("role_switches", []):
+        after = switch["new_role_work_after_s"]
+        print(
+            f"role switch at t={switch['t_s']:.0f} s of {switch['url']}: {switch['from']} -> {switch['to']} "
+            f"(HTTP {switch['status']}), " + (f"its new role's work {after:.2f} s later" if after is not None else "-")
+        )
     if "leftovers" in result:
         print(f"processes left once the deployment was stopped: {result['leftovers'] or 'none'}")
     if result.get("kills"):
@@ -297,7 +320,7 @@ def _problems(counts: Counter, memory: dict, idle: dict[str, dict], result: dict
     problems += (
         [f"processes left after the deployment stopped: {result['leftovers']}"] if result.get("leftovers") else []
     )
-    return problems
+    return problems + soak_roles.problems(result.get("role_switches", []))
 
 
 def main(ns: argparse.Namespace) -> dict:
@@ -307,7 +330,7 @@ def main(ns: argparse.Namespace) -> dict:
     try:
         base_url = (ns.base_url or deployment.url).rstrip("/")
         root, started, instances = ns.pid or deployment.process.pid, time.monotonic(), _instances(base_url)
-        counts, samples, timeline, kills = asyncio.run(_drive(ns, base_url, root, started, instances))
+        counts, samples, timeline, kills, switches = asyncio.run(_drive(ns, base_url, root, started, instances))
         if kills:  # the last restart settles before the deployment is judged idle
             probe.wait_health(base_url, ns.idle_timeout)
         idle = wait_idle(instances, ns.idle_timeout)
@@ -330,6 +353,8 @@ def main(ns: argparse.Namespace) -> dict:
     }
     if kills:
         result["kills"] = recoveries(kills, timeline)
+    if ns.switch_roles_every:
+        result["role_switches"] = switches
     if deployment is not None:
         result["leftovers"] = leftovers(seen)
     result["problems"] = _problems(counts, memory, idle, result)

@@ -145,3 +145,25 @@ def test_auto_roles_moves_the_least_loaded_instance_of_the_lighter_role(prefill,
 def test_auto_roles_needs_a_pd_pool():
     with pytest.raises(ValueError, match="--auto-roles"):
         RouterConfig(mixed_urls=["http://m:1"], auto_roles=True)
+
+
+# --- bench soak --switch-roles-every -------------------------------------------------------------------
+def test_the_soak_switches_roles_only_where_both_phases_stay_served():
+    import random
+
+    from splitserve.benchmarks.soak_roles import next_switch, problems
+
+    rng = random.Random(0)
+    for _ in range(50):  # 1P1D: either instance may go mixed, neither may take the other's role
+        url, role = next_switch({"p": "prefill", "d": "decode"}, rng)
+        assert role == "mixed"
+    assert {next_switch({"p": "prefill", "d": "decode", "m": "mixed"}, rng) for _ in range(200)} >= {
+        ("p", "decode"),
+        ("d", "prefill"),
+    }
+    assert next_switch({"m": "mixed"}, rng) is None  # a lone mixed instance must keep both phases
+    assert next_switch({"p": "prefill"}, rng) == ("p", "mixed")
+    ok = {"t_s": 30, "url": "p", "to": "mixed", "status": 200, "answer": "", "new_role_work_after_s": 1.2}
+    assert problems([ok]) == []
+    late, refused = ok | {"new_role_work_after_s": 7.0}, ok | {"status": 400, "answer": "started mixed"}
+    assert len(problems([late, refused, ok | {"new_role_work_after_s": None}])) == 3
