@@ -276,7 +276,8 @@ def test_changed_values_land_where_they_belong():
 
 def test_leader_runs_the_serve_command_line_after_ray():
     """The leader's command is `sh -c SCRIPT splitserve`, so its args are the serve command line
-    ("$@"), and its workers join the leader's Ray head on the port it starts it on."""
+    ("$@"), and its workers join the leader's Ray head on the port it starts it on, retrying until it
+    is up: a worker that exited would restart the whole group."""
     [lws, *_] = [d for d in rendered("default-multinode-pd-gpu") if d["kind"] == "LeaderWorkerSet"]
     template = lws["spec"]["leaderWorkerTemplate"]
     [leader] = template["leaderTemplate"]["spec"]["containers"]
@@ -284,7 +285,8 @@ def test_leader_runs_the_serve_command_line_after_ray():
     shell, flag, script, name = leader["command"]
     assert (shell, flag, name) == ("/bin/sh", "-c", "splitserve")
     assert script.startswith("ray start --head --port=6379") and script.endswith('exec splitserve "$@"')
-    assert "--address=$(LWS_LEADER_ADDRESS):6379" in worker["command"] and "--block" in worker["command"]
+    assert worker["command"][:2] == ["/bin/sh", "-c"]
+    assert "until ray start --address=$(LWS_LEADER_ADDRESS):6379 --block" in worker["command"][2]
 
 
 @pytest.mark.parametrize(
