@@ -167,3 +167,13 @@ def test_the_soak_switches_roles_only_where_both_phases_stay_served():
     assert problems([ok]) == []
     late, refused = ok | {"new_role_work_after_s": 7.0}, ok | {"status": 400, "answer": "started mixed"}
     assert len(problems([late, refused, ok | {"new_role_work_after_s": None}])) == 3
+
+
+def test_auto_roles_switches_an_instance_through_its_api(cluster):
+    server, [p0], [d0, d1], _ = cluster(
+        1, 2, fake=RoleFake, health_interval=0.1, auto_roles=True, auto_roles_interval=0.1
+    )
+    p0.load = (4, 6, 0.5)  # 10 requests on the one prefill instance, none on the decode ones
+    wait_for(lambda: len(urls(server, PREFILL)) == 2, timeout=10, what="--auto-roles to add a prefill instance")
+    moved = d0 if d0.role == PREFILL else d1
+    assert moved.epoch == 1 and moved.url in urls(server, PREFILL) and len(urls(server, DECODE)) == 1
