@@ -76,12 +76,12 @@ export function askForKey(reason = "") {
   return asking;
 }
 
-/** A module of static/vendor/, or null (with a note) when it is not there. */
-export async function vendor(file, purpose) {
+/** A module of static/vendor/, or null (with a note saying what the page does without it). */
+export async function vendor(file, without) {
   try {
     return await import(new URL(`./vendor/${file}`, import.meta.url));
   } catch (err) {
-    note(`${purpose} is off: ui/vendor/${file} could not be loaded (run \`make setup\`, which installs the page's libraries with npm).`);
+    note(`${without}: ui/vendor/${file} could not be loaded (\`make setup\` installs it with npm).`);
     console.warn(err);
     return null;
   }

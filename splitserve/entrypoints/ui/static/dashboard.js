@@ -1,7 +1,7 @@
 // The dashboard (GET /dashboard): this server's state, live, from its own /metrics (Prometheus text,
 // parsed here) polled every second; on the PD router also GET router/instances (each instance's
 // role, health and load). Cards show the values now, charts the last five minutes.
-import { $, ApiError, api, errorText, keyButton, note, vendor } from "./common.js";
+import { $, ApiError, api, errorText, keyButton, vendor } from "./common.js";
 
 const KIND = document.body.dataset.kind; // "server" or "router"
 const POLL_MS = 1000;
@@ -197,7 +197,7 @@ function renderCharts(defs) {
     const values = chart.values();
     chart.data.forEach((column, i) => column.push(i === 0 ? t : values[i - 1] ?? null));
     while (chart.data[0][0] < t - SPAN_S) chart.data.forEach((column) => column.shift());
-    chart.plot.setData(chart.data);
+    if (chart.data[0].length > 1) chart.plot.setData(chart.data); // one point has no time span to draw
   }
 }
 
@@ -251,10 +251,10 @@ async function start() {
   window.addEventListener("resize", () => {
     for (const c of charts) c.plot.setSize({ width: c.figure.clientWidth, height: 170 });
   });
-  const loaded = vendor("uplot.js", "Charts");
+  const loaded = vendor("uplot.js", "No charts (the numbers still update live)");
   poll();
   uPlot = (await loaded)?.default ?? null;
-  if (!uPlot) return note("Charts are off: the numbers above still update live.");
+  if (!uPlot) return;
   const css = Object.assign(document.createElement("link"), { rel: "stylesheet", href: new URL("./vendor/uplot.css", import.meta.url) });
   document.head.append(css);
 }
