@@ -39,6 +39,7 @@ class ServerArgs:
     engine_restart_window: float = 600.0
     engine_worker_queue_port: int | None = None
     default_max_tokens: int | None = None
+    return_timings: bool = False  # every completion and chat answer carries its timings (openai/timings.py)
     pd: str | None = None
     policy: str = "round_robin"
     uvicorn_log_level: str = "warning"
@@ -174,6 +175,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--strict-request-fields",
         action="store_true",
         help="answer 400 to request fields splitserve does not know (default: ignore them, with a warning, as vLLM)",
+    )
+    g.add_argument(
+        "--return-timings",
+        action="store_true",
+        help="put llama.cpp's timings (queue, prompt and decode times, tokens per second) in every completion and "
+        "chat answer, as llama-server does; without it a request asks with return_timings: true",
     )
     g.add_argument(
         "--health-timeout",

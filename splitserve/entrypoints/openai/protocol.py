@@ -27,6 +27,7 @@ from splitserve.entrypoints.openai.request_model import (
     RequestModel,
     is_token_id,
 )
+from splitserve.entrypoints.openai.timings import TimingsRequestFields
 from splitserve.entrypoints.openai.unsupported_params import refuse_unsupported
 from splitserve.sampling_params import MAX_N, SamplingParams
 
@@ -66,7 +67,7 @@ def _check_stop(value: Any) -> Any:
     return value
 
 
-class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields):
+class _GenerationRequest(GuidedRequestFields, BeamSearchRequestFields, TimingsRequestFields):
     """What /v1/completions and /v1/chat/completions share: sampling, stopping, streaming."""
 
     # In the OpenAPI document, rules checked by hand: stream_options needs stream; without

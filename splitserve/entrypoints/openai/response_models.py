@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from splitserve.entrypoints.openai.timings import Timings
 from splitserve.entrypoints.openai.tool_parsers import DeltaToolCall, ToolCall
 from splitserve.outputs import Logprob
 
@@ -91,6 +92,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | None = _extension()
+    timings: Timings | None = _extension()  # llama.cpp's, when asked (timings.py)
 
 
 class CompletionStreamChoice(CompletionResponseChoice):
@@ -107,6 +109,7 @@ class CompletionStreamResponse(BaseModel):
     choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = _extension()
     system_fingerprint: str | None = None
+    timings: Timings | None = _extension()  # in the last chunk, when asked
 
 
 class ChatMessage(BaseModel):
@@ -152,6 +155,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = _extension()
     prompt_token_ids: list[int] | None = _extension()
     kv_transfer_params: dict[str, Any] | None = _extension()
+    timings: Timings | None = _extension()  # llama.cpp's, when asked (timings.py)
 
 
 class DeltaMessage(BaseModel):
@@ -184,6 +188,7 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = _extension()
     system_fingerprint: str | None = None
+    timings: Timings | None = _extension()  # in the last chunk, when asked
 
 
 class ModelCard(BaseModel):

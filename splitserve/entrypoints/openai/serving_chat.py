@@ -36,6 +36,7 @@ from splitserve.entrypoints.openai.serving_base import (
     sse_event,
     sse_response,
 )
+from splitserve.entrypoints.openai.timings import StreamTimings, request_timings
 from splitserve.entrypoints.openai.tool_calling import ToolPlan, plan_tools, tool_guide
 from splitserve.outputs import Logprob, RequestOutput
 
@@ -96,6 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         (final,) = await self._collect(stream, raw)
         response = self._chat_response(req, plan, request_id, request, params, final, echo)
         response.kv_transfer_params = self._kv_answer(kv, request, final)
+        response.timings = request_timings([final]) if req.wants_timings(self.server_args.return_timings) else None
         return json_response(response)
 
     async def count_prompt_tokens(self, body: dict) -> int:
@@ -192,8 +194,9 @@ class OpenAIServingChat(OpenAIServing):
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
         states = {i: ChoiceState(tool_parser=plan.new_parser(self.tokenizer)) for i in range(params.n)}
         completion_tokens, cached = 0, 0
+        timed = StreamTimings(req.wants_timings(self.server_args.return_timings), len(streams))
 
-        def chunk(choices, usage=None) -> str:
+        def chunk(choices, usage=None, timings=None) -> str:
             return sse_event(
                 ChatCompletionStreamResponse(
                     id=request_id,
@@ -201,6 +204,7 @@ class OpenAIServingChat(OpenAIServing):
                     choices=choices,
                     usage=usage,
                     system_fingerprint=self.fingerprint,
+                    timings=timings,
                 )
             )
 
@@ -252,10 +256,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
             if output.finished:
                 self._record_finished(output)
-            if choices:
-                yield chunk(choices, usage_now() if continuous else None)
+            last = timed.add(0, output) and not include_usage  # the timings go in the stream's last chunk
+            if choices or last:
+                yield chunk(choices, usage_now() if continuous else None, timed.timings() if last else None)
         if include_usage:
-            yield chunk([], usage_now())
+            yield chunk([], usage_now(), timed.timings())
 
     def _chat_delta(self, state: ChoiceState, new_text: str) -> DeltaMessage | None:
         """What new text adds to a streamed choice: reasoning, then content or tool-call deltas;

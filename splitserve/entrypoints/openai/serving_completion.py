@@ -28,6 +28,7 @@ from splitserve.entrypoints.openai.serving_base import (
     sse_event,
     sse_response,
 )
+from splitserve.entrypoints.openai.timings import StreamTimings, request_timings
 from splitserve.outputs import Logprob, RequestOutput
 
 
@@ -51,6 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self._collect(streams, raw)
         response = self._completion_response(req, request_id, requests, params, finals)
         response.kv_transfer_params = self._kv_answer(kv, requests[0], finals[0])
+        response.timings = request_timings(finals) if req.wants_timings(self.server_args.return_timings) else None
         return json_response(response)
 
     def _completion_response(self, req, request_id, requests, params, finals) -> CompletionResponse:
@@ -115,6 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
         states: dict[int, ChoiceState] = {}
         completion_tokens, cached = 0, 0
+        timed = StreamTimings(req.wants_timings(self.server_args.return_timings), len(streams))
         async for i, output in merge_streams(streams):
             cached = max(cached, output.num_cached_tokens)
             chunk_choices = []
@@ -151,7 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
             if output.finished:
                 self._record_finished(output)
-            if chunk_choices:
+            last = timed.add(i, output) and not include_usage  # the timings go in the stream's last chunk
+            if chunk_choices or last:
                 usage = self._usage(requests, completion_tokens, cached) if continuous else None
                 yield sse_event(
                     CompletionStreamResponse(
@@ -160,6 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices=chunk_choices,
                         usage=usage,
                         system_fingerprint=self.fingerprint,
+                        timings=timed.timings() if last else None,
                     )
                 )
         if include_usage:
@@ -170,6 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices=[],
                     usage=self._usage(requests, completion_tokens, cached),
                     system_fingerprint=self.fingerprint,
+                    timings=timed.timings(),
                 )
             )
 
