@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 
-from splitserve.benchmarks.serve_client import WORDS, Outcome, fetch_model, send_request
+from splitserve.benchmarks.serve_client import WORDS, Outcome, fetch_model, request_headers, send_request
 
 
 def add_arguments(group) -> None:
@@ -108,8 +108,7 @@ def main(ns: argparse.Namespace) -> dict:
     if min(ns.num_conversations, ns.num_turns, ns.random_input_len, ns.turn_input_len, ns.random_output_len) < 1:
         raise ValueError("multi-turn: conversations, turns and every length must be >= 1")
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
-    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = request_headers(ns)
     model, outcomes, duration = asyncio.run(_run(ns, base_url, headers))
     result = {"model": model, "base_url": base_url, **summarize(outcomes, duration)}
     print(f"{'requests completed / failed:':<32}{result['completed']} / {result['failed']}")

@@ -24,7 +24,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from splitserve.benchmarks import multi_turn
+from splitserve.benchmarks import multi_turn, serve_client
 from splitserve.benchmarks.serve_client import WORDS as _WORDS
 from splitserve.benchmarks.serve_client import Outcome, Request, fetch_model, send_request
 from splitserve.benchmarks.serve_report import (
@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     server.add_argument("--request-timeout", type=float, default=3600.0, help="seconds allowed per request")
     server.add_argument("--extra-body", type=_json_object, help="JSON object merged into every request body")
+    headers = "HTTP headers sent with every request, e.g. endpoint-load-metrics-format=text"
+    server.add_argument("--header", nargs="+", type=serve_client.parse_header, metavar="KEY=VALUE", help=headers)
     server.add_argument(
         "--guided-json",
         type=_schema,
@@ -373,8 +375,7 @@ def main(ns: argparse.Namespace) -> dict:
         tokenizer = get_tokenizer(ns.tokenizer)
     requests = make_requests(ns, tokenizer, _is_chat(ns.endpoint))
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
-    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = serve_client.request_headers(ns)
     model, outcomes, duration, peak = asyncio.run(_benchmark(ns, requests, base_url, headers))
     _fill_token_counts(outcomes, requests, tokenizer)
     result = compute_result(ns, outcomes, duration, peak, model, base_url)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +18,21 @@ WORDS = (
     "under year last work part series between season film album river house music since three "
     "while being both long well group name second home life family"
 ).split()
+
+
+def parse_header(value: str) -> tuple[str, str]:
+    """One --header KEY=VALUE (vLLM's `bench serve` flag): an HTTP header sent with every request."""
+    key, sep, text = value.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE, got {value!r}")
+    return key.strip(), text.strip()
+
+
+def request_headers(ns: argparse.Namespace) -> dict[str, str]:
+    """The headers of every request: the API key (--api-key, else $OPENAI_API_KEY) and each --header."""
+    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return {**headers, **dict(getattr(ns, "header", None) or [])}
 
 
 @dataclass

@@ -10,7 +10,7 @@ import itertools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_load", "prefix_aware", "cache_aware")
 PREFIX_CHARS = 512  # how much of the prompt prefix_aware hashes
@@ -28,6 +28,7 @@ class InstanceLoad:
 
     num_requests: float  # running + waiting
     kv_cache_usage: float  # 0..1
+    waiting: float = field(default=0.0, compare=False)  # of num_requests, those waiting (the router's ORCA header)
 
     @property
     def key(self) -> tuple[float, float]:
@@ -67,7 +68,8 @@ def parse_instance_load(text: str) -> InstanceLoad | None:
         return None
     if "running" not in sums and "waiting" not in sums:
         return None
-    return InstanceLoad(sums.get("running", 0.0) + sums.get("waiting", 0.0), sums.get("kv", 0.0))
+    waiting = sums.get("waiting", 0.0)
+    return InstanceLoad(sums.get("running", 0.0) + waiting, sums.get("kv", 0.0), waiting)
 
 
 # --- routing policies --------------------------------------------------------------------------

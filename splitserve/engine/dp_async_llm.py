@@ -180,7 +180,21 @@ def merge_stats(parts: list[SchedulerStats]) -> SchedulerStats:
         taken_at=min(p.taken_at for p in parts),
         spec_decoding=_sum_structs([p.spec_decoding for p in parts], SpecDecodingStats),
         kv_offload=_sum_structs([p.kv_offload for p in parts], KVOffloadStats),
+        generation_tokens=sum(p.generation_tokens for p in parts),
+        running_loras=_sum_counts([p.running_loras for p in parts]),
+        waiting_loras=_sum_counts([p.waiting_loras for p in parts]),
     )
+
+
+def _sum_counts(parts: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Counts by name summed over the replicas; None when no replica has any (LoRA off)."""
+    if all(p is None for p in parts):
+        return None
+    total: dict[str, int] = {}
+    for part in parts:
+        for name, count in (part or {}).items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 def _sum_structs(parts: list, cls):

@@ -375,6 +375,8 @@ class EngineCore:
             *self._kv_cache_memory(),
             spec_decoding=self.speculator.stats if self.speculator.enabled else None,
             kv_offload=tier.snapshot_stats() if (tier := self.kv_manager.pool.tier) is not None else None,
+            generation_tokens=s.num_generated_tokens,
+            **self.loras.request_counts(s),
         )
 
     def _kv_cache_memory(self) -> tuple[int, int]:

@@ -107,6 +107,13 @@ class LoRARegistry:
     def list(self) -> list[LoRARequest]:
         return sorted(self.by_id.values(), key=lambda lora: lora.lora_int_id)
 
+    def request_counts(self, scheduler) -> dict[str, dict[str, int]]:
+        """The SchedulerStats fields running_loras and waiting_loras: each adapter's requests running
+        and waiting in `scheduler`, by adapter name; nothing with LoRA off."""
+        if not self.enabled:
+            return {}
+        return {"running_loras": _by_adapter(scheduler.running), "waiting_loras": _by_adapter(scheduler.waiting)}
+
     def check_request(self, lora: LoRARequest) -> None:
         """A request may only name an adapter this engine serves, under the id it serves it with."""
         self._require_enabled()
@@ -114,3 +121,12 @@ class LoRARegistry:
             raise LoRANotFoundError(
                 f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not loaded in this engine."
             )
+
+
+def _by_adapter(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

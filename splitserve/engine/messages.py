@@ -220,6 +220,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     taken_at: float = 0.0  # Unix time at which the engine process took these stats
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
     kv_offload: KVOffloadStats | None = None  # None: no KV offloading tier
+    generation_tokens: int = 0  # tokens sampled since start, every request's (the decode rate of /v1/loads)
+    # LoRA adapter name -> requests running / waiting with it (vLLM's running_lora_adapters and
+    # waiting_lora_adapters, for vllm:lora_requests_info); None with LoRA off
+    running_loras: dict[str, int] | None = None
+    waiting_loras: dict[str, int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

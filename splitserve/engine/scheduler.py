@@ -50,6 +50,7 @@ class Scheduler(PDSchedulingMixin):
         self._prev_had_prompts = False
         self._last_prompt_latency = 0.0  # seconds between a step that admitted prompts and the next
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # every request's sampled tokens since start
         self.prefix_cache_stats = PrefixCacheStats()
         self._best_priority: int | None = None  # the best (lowest) priority added so far (priority policy)
 
@@ -348,6 +349,7 @@ class Scheduler(PDSchedulingMixin):
                 if request.check_stop(self.config.max_model_len):
                     self._finish_stopped(request)
                     break
+            self.num_generated_tokens += len(request.new_token_ids)
             updated.append(request)
         return updated
 

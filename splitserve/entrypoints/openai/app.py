@@ -18,6 +18,7 @@ from splitserve.entrypoints.http import (
     read_json_body,
 )
 from splitserve.entrypoints.openai.api_docs import document_routes
+from splitserve.entrypoints.openai.load_signals import add_load_signals
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
 from splitserve.entrypoints.openai.serving_base import json_response
@@ -187,6 +188,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
         return Response(body, media_type=content_type)
 
     add_batch_routes(app, batches)  # /v1/files, /v1/batches
+    add_load_signals(app, engine, config, server_args)  # the ORCA header, /v1/loads, gateway metrics
     document_routes(app, config.model_config.vocab_size)
     ui_paths = add_ui_routes(app, dashboard_kind="server", enabled=not server_args.disable_ui)  # /, /dashboard
     app.add_middleware(RequestIdMiddleware)

@@ -24,6 +24,7 @@ from splitserve.entrypoints.openai.serving_anthropic import (
 from splitserve.entrypoints.router.adapters import add_adapter_routes
 from splitserve.entrypoints.router.config import RouterConfig, config_from_args
 from splitserve.entrypoints.router.control import add_control_routes
+from splitserve.entrypoints.router.loads import add_load_signals
 from splitserve.entrypoints.router.relay import RelayResponse
 from splitserve.entrypoints.router.roles import add_role_routes, auto_roles_loop
 from splitserve.entrypoints.router.router import Router
@@ -64,6 +65,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     else:
         _refuse_openai_routes(app)
     add_control_routes(app, router)  # sleep mode and weight updates, on every instance
+    add_load_signals(app, router)  # /v1/loads per instance, the ORCA header of the pool
     add_role_routes(app, router)  # POST /pd_role: an instance's PD role switched live
 
     @app.get("/version")
