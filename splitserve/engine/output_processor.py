@@ -76,6 +76,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.core_to_request: dict[str, str] = {}
         self.on_inter_token = None  # callback(seconds between a request's successive tokens), for metrics
+        self.stream_interval = 1  # streamed (DELTA) outputs every this many tokens, the first at once
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.requests:
@@ -141,6 +142,8 @@ class OutputProcessor:
             touched[rid] = state
         results = []
         for rid, state in touched.items():
+            if not self._due(state):
+                continue
             result = state.error if state.error is not None else self._make_output(state)
             if result is not None:
                 results.append(result)
@@ -148,6 +151,16 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 self.abort([rid])
         return results, to_abort
+
+    def _due(self, state: RequestState) -> bool:
+        """Whether a streamed request's output goes out now (--stream-interval): its first token at
+        once, then every `stream_interval` tokens of a sample, and whatever ends it or fails it."""
+        if self.stream_interval == 1 or state.kind != RequestOutputKind.DELTA or state.finished or state.error:
+            return True
+        return any(
+            (s.sent_tokens == 0 and s.token_ids) or len(s.token_ids) - s.sent_tokens >= self.stream_interval
+            for s in state.samples.values()
+        )
 
     def _update_metrics(self, metrics: RequestMetrics, now: float) -> None:
         if metrics.first_token_time is None:

@@ -31,6 +31,7 @@ COLUMNS = {
     "workers_2": ("--workers", "2"),
     "data_parallel_2": ("--data-parallel-size", "2"),
     "speculative_ngram": ("--speculative-config", NGRAM),
+    "stream_interval_4": ("--stream-interval", "4"),  # streamed answers in chunks of 4 tokens
 }
 # (column, row) -> the bug that makes the pair fail (strict: it must fail until the bug is fixed).
 XFAIL: dict[tuple[str, str], str] = {}

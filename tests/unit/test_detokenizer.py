@@ -164,3 +164,31 @@ def test_tokens_that_come_after_a_stop_string_are_dropped(smollm_tokenizer):
     by_id = {o.request_id: o for o in outputs}
     assert [(c.text, c.finish_reason) for c in by_id["single"].outputs] == [(" one two", "stop")]
     assert [(c.text, c.finish_reason) for c in by_id["pair"].outputs] == [(" one two", "stop"), (" one", "length")]
+
+
+@pytest.mark.parametrize("interval", [1, 3, 4])
+def test_stream_interval_coalesces_streamed_tokens_and_loses_none(smollm_tokenizer, interval):
+    """--stream-interval N: the first token at once, then N tokens per output, the rest with the finish;
+    the deltas add up to the text of every token, as with one output per token."""
+    from splitserve.engine.messages import EngineCoreOutput
+    from splitserve.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, SampleState
+    from splitserve.sampling_params import SamplingParams
+
+    tokens = smollm_tokenizer.encode(" one two three four five six seven eight nine ten")
+    processor = OutputProcessor(smollm_tokenizer)
+    processor.stream_interval = interval
+    params = SamplingParams(max_tokens=len(tokens))
+    sample = SampleState(0, params, processor.new_detokenizer([5], params))
+    processor.add_request(RequestState("r", None, [5], RequestOutputKind.DELTA, {"r": sample}))
+    deltas = []
+    for i, token in enumerate(tokens):
+        last = i == len(tokens) - 1
+        outputs, _ = processor.process_outputs(
+            [EngineCoreOutput("r", [token], finish_reason="length" if last else None)]
+        )
+        deltas += [o.outputs[0] for o in outputs]
+    sizes = [len(d.token_ids) for d in deltas]
+    rest = (len(tokens) - 1) % interval
+    assert sizes == [1] + [interval] * ((len(tokens) - 1) // interval) + ([rest] if rest else [])
+    assert "".join(d.text for d in deltas) == smollm_tokenizer.decode(tokens)
+    assert deltas[-1].finish_reason == "length" and not processor.requests

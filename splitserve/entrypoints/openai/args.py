@@ -23,6 +23,7 @@ class ServerArgs:
     port: int = 8000
     metrics_port: int | None = None
     workers: int = 1
+    stream_interval: int = 1  # streamed tokens sent this many at a time (the first at once), as vLLM's
     api_key: str | None = None
     metrics_api_key: str | None = None
     chat_template: str | None = None
@@ -72,6 +73,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="API server processes sharing the port",
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="send streamed tokens this many at a time (the first one at once, the last with the finish): "
+        "fewer, larger chunks cost the API process less at high concurrency (default: 1, every token)",
     )
     g.add_argument(
         "--api-key",
@@ -274,6 +282,8 @@ def check_server_args(args: ServerArgs) -> None:
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}.")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}.")
     if args.reasoning_parser not in (None, "none", *REASONING_PARSERS):
         raise ValueError(
             f"--reasoning-parser must be none or one of {sorted(REASONING_PARSERS)}, got {args.reasoning_parser!r}."

@@ -247,6 +247,7 @@ def serve_worker(
     for address, watch in zip(addresses, watches):
         tokenizer = replicas[0].tokenizer if replicas else None
         replicas.append(AsyncLLM(config.model_config, address, watch.pid, index, watch, tokenizer))
+        replicas[-1].output_processor.stream_interval = server_args.stream_interval
     if len(replicas) == 1:
         engine = replicas[0]
     else:
