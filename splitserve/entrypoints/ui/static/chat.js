@@ -14,13 +14,15 @@ const state = {
   settings: {},
   attachments: [], // data: URLs for the next message
   controller: null, // the AbortController of the answer being streamed
+  streaming: null, // that answer's message
   markdown: null, // text -> sanitised HTML, once marked and DOMPurify are loaded
 };
 
 // --- storage ----------------------------------------------------------------------------------
 function load() {
   try {
-    Object.assign(state, JSON.parse(localStorage.getItem(STORE)) ?? {});
+    const saved = JSON.parse(localStorage.getItem(STORE)) ?? {};
+    for (const key of ["conversations", "current", "settings"]) if (saved[key] != null) state[key] = saved[key];
   } catch {
     note("The saved conversations could not be read; starting afresh.");
   }
