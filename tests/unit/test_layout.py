@@ -181,3 +181,19 @@ def test_ruff_is_clean(command):
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_router_starts_without_torch():
+    """The PD router (and serve --pd's launcher, which runs it) moves bytes between HTTP clients and
+    instances: its start-up imports neither torch nor transformers (seconds of start-up and hundreds
+    of MB it would never use). A lazily imported engine module that pulls them in breaks this."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, splitserve.entrypoints.router.app, splitserve.entrypoints.router.router; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the router imports {done.stdout.strip()}"

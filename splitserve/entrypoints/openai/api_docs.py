@@ -30,6 +30,20 @@ from splitserve.entrypoints.openai.batch_protocol import (
     FileList,
     FileObject,
 )
+from splitserve.entrypoints.openai.control_protocol import (
+    AbortRequestsBody,
+    AbortRequestsResponse,
+    GenerateRequest,
+    KVReleaseRequest,
+    KVReleaseResponse,
+    LoadLoRAAdapterRequest,
+    PDRoleSwitch,
+    PDRoleSwitched,
+    SleepStatus,
+    UnloadLoRAAdapterRequest,
+    UpdateWeightsBody,
+    UpdateWeightsResponse,
+)
 from splitserve.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
     ClassificationResponse,
@@ -56,16 +70,6 @@ from splitserve.entrypoints.openai.response_models import (
     TokenizeResponse,
 )
 from splitserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
-from splitserve.entrypoints.openai.serving_control import (
-    AbortRequestsBody,
-    AbortRequestsResponse,
-    SleepStatus,
-    UpdateWeightsBody,
-    UpdateWeightsResponse,
-)
-from splitserve.entrypoints.openai.serving_generate import GenerateRequest
-from splitserve.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from splitserve.entrypoints.openai.serving_pd import KVReleaseRequest, KVReleaseResponse, PDRoleSwitch, PDRoleSwitched
 
 _REF = "#/components/schemas/{model}"
 _SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")

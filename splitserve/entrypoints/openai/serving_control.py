@@ -5,21 +5,17 @@ whichever API worker runs them; sleep mode (/sleep, /wake_up, /is_sleeping, /res
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.entrypoints.http import APIError
-
-
-class AbortRequestsBody(BaseModel):
-    """POST /abort_requests."""
-
-    request_ids: list[str] = Field(min_length=1, max_length=4096)
-
-
-class AbortRequestsResponse(BaseModel):
-    object: str = "abort"
-    request_ids: list[str]  # what was asked for: ids that match no running request are ignored
+from splitserve.entrypoints.openai.control_protocol import (
+    AbortRequestsBody,
+    AbortRequestsResponse,
+    SleepStatus,
+    UpdateWeightsBody,
+    UpdateWeightsResponse,
+)
 
 
 async def abort_by_client_ids(engine: AsyncLLM, body: dict) -> AbortRequestsResponse:
@@ -40,13 +36,6 @@ async def abort_by_client_ids(engine: AsyncLLM, body: dict) -> AbortRequestsResp
     return AbortRequestsResponse(request_ids=req.request_ids)
 
 
-class SleepStatus(BaseModel):
-    """What /sleep, /wake_up and /is_sleeping answer: whether the engine sleeps, and at which level."""
-
-    is_sleeping: bool
-    level: int = 0
-
-
 async def sleep_call(engine: AsyncLLM, op: str, level: int | str = 1) -> SleepStatus:
     """POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping, POST /reset_prefix_cache (vLLM's
     routes; engine/sleep_mode.py): a refusal (requests still running, a level other than 1 or 2)
@@ -62,19 +51,6 @@ async def sleep_call(engine: AsyncLLM, op: str, level: int | str = 1) -> SleepSt
     if reply.error is not None:
         raise APIError(reply.error, param="level" if op == "sleep" else None)
     return SleepStatus(is_sleeping=reply.sleep_level > 0, level=reply.sleep_level)
-
-
-class UpdateWeightsBody(BaseModel):
-    """POST /update_weights (and SGLang's /update_weights_from_disk)."""
-
-    model_path: str = Field(min_length=1)
-    load_format: str = "auto"
-
-
-class UpdateWeightsResponse(BaseModel):
-    success: bool = True
-    message: str
-    model_path: str
 
 
 async def update_weights(engine: AsyncLLM, body: dict) -> UpdateWeightsResponse:

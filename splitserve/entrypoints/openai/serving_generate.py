@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -21,16 +20,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from splitserve.engine.async_llm import EngineDeadError
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import error_body
-from splitserve.entrypoints.openai.protocol import CompletionRequest
-from splitserve.entrypoints.openai.request_model import TEXT_OR_TOKEN_IDS_SCHEMA
+from splitserve.entrypoints.openai.control_protocol import GenerateRequest
 from splitserve.entrypoints.openai.response_models import random_id
 from splitserve.entrypoints.openai.serving_base import OpenAIServing, merge_streams
-
-
-class GenerateRequest(CompletionRequest):
-    """The body of /generate: a completion request with one prompt."""
-
-    prompt: Annotated[str | list[int], TEXT_OR_TOKEN_IDS_SCHEMA]
 
 
 class NativeServing(OpenAIServing):

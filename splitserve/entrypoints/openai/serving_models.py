@@ -8,21 +8,11 @@ from pydantic import BaseModel, ValidationError
 
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
 from splitserve.entrypoints.http import APIError
+from splitserve.entrypoints.openai.control_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from splitserve.entrypoints.openai.response_models import ModelCard, ModelList
 from splitserve.lora.request import LoRARequest
 
 _DEFAULT_MODEL_ALIASES = (None, "default")
-
-
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
-    base_model_name: str | None = None
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_int_id: int | None = None  # accepted, as vLLM does; the name says which adapter
 
 
 class OpenAIServingModels:

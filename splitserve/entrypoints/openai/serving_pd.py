@@ -4,48 +4,26 @@ waits. The transfer itself is distributed/kv_transfer/; the engine's side is eng
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from splitserve.engine.async_llm import EngineDeadError
 from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.pd_role import PDRoleState
 from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.entrypoints.http import APIError
+from splitserve.entrypoints.openai.control_protocol import (
+    KVReleaseRequest,
+    KVReleaseResponse,
+    PDRoleSwitch,
+    PDRoleSwitched,
+)
 from splitserve.multimodal.inputs import placement
 from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tracing import REQUEST_TRACE
 
 PD_ROLE_CHANGED = "pd_role_changed"  # the error type of the 409 (the router follows the instance on it)
-
-
-class LeasedKV(BaseModel):
-    remote_request_id: str
-
-
-class KVReleaseRequest(BaseModel):
-    """POST /kv_transfer/release: the kv_transfer_params a prefill answer gave, handed back."""
-
-    kv_transfer_params: LeasedKV
-
-
-class KVReleaseResponse(BaseModel):
-    released: str
-
-
-class PDRoleSwitch(BaseModel):
-    """POST /pd_role: the role this instance takes from now on."""
-
-    pd_role: Literal["prefill", "decode", "mixed"]
-
-
-class PDRoleSwitched(BaseModel):
-    pd_role: str
-    previous_pd_role: str
-    epoch: int
 
 
 class PDServingMixin:
