@@ -26,7 +26,7 @@ LEAVES = {
     "tracing",
     "json_config",
 }
-# The layers each layer imports besides the leaves, top to bottom (DESIGN.md's table): exactly the
+# The layers each layer imports besides the leaves, top to bottom (docs/design.md's table): exactly the
 # edges the code uses (test_allowed_edges_are_used), none both ways (test_no_layer_pair_both_ways).
 # `splitserve` is the package's facade (splitserve/__init__.py); `cli` is the `splitserve` command,
 # which dispatches to the entrypoints and the benchmarks, which drive the offline API.
