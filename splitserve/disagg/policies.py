@@ -18,6 +18,8 @@ _LOAD_METRICS = {  # by name after the prefix (splitserve:, or vllm: with --metr
     "num_requests_running": "running",
     "num_requests_waiting": "waiting",
     "kv_cache_usage_perc": "kv",
+    "kv_transfer_bytes_sent_total": "kv_bytes",  # PD instances: KV moved, both ways (the dashboard's rate)
+    "kv_transfer_bytes_received_total": "kv_bytes",
 }
 
 
@@ -29,6 +31,7 @@ class InstanceLoad:
     num_requests: float  # running + waiting
     kv_cache_usage: float  # 0..1
     waiting: float = field(default=0.0, compare=False)  # of num_requests, those waiting (the router's ORCA header)
+    kv_transfer_bytes: float = field(default=0.0, compare=False)  # KV bytes served plus pulled, since its start
 
     @property
     def key(self) -> tuple[float, float]:
@@ -69,7 +72,7 @@ def parse_instance_load(text: str) -> InstanceLoad | None:
     if "running" not in sums and "waiting" not in sums:
         return None
     waiting = sums.get("waiting", 0.0)
-    return InstanceLoad(sums.get("running", 0.0) + waiting, sums.get("kv", 0.0), waiting)
+    return InstanceLoad(sums.get("running", 0.0) + waiting, sums.get("kv", 0.0), waiting, sums.get("kv_bytes", 0.0))
 
 
 # --- routing policies --------------------------------------------------------------------------

@@ -419,6 +419,12 @@ def test_the_routers_pages(pd, pages):
         )
     ]
     assert sorted((r[1], r[2]) for r in rows) == [("decode", "up"), ("prefill", "up")]
+    kv_cells = "rows => rows.map(r => r.cells[6].textContent)"  # each instance's KV transfer rate
+    until(
+        lambda: all(t.endswith("MB/s") for t in dashboard.locator("#instances tbody tr").evaluate_all(kv_cells)),
+        15,
+        "the instances' KV transfer rates",
+    )
     assert card(dashboard, "instances_up") == "2 / 2"
     until(lambda: "—" not in card(dashboard, "latency"), 10, "the chat's latency")  # p50 / p90 / p99
     assert card(dashboard, "failures") == "0"

@@ -177,3 +177,22 @@ def test_auto_roles_switches_an_instance_through_its_api(cluster):
     wait_for(lambda: len(urls(server, PREFILL)) == 2, timeout=10, what="--auto-roles to add a prefill instance")
     moved = d0 if d0.role == PREFILL else d1
     assert moved.epoch == 1 and moved.url in urls(server, PREFILL) and len(urls(server, DECODE)) == 1
+
+
+def test_the_router_reads_how_much_kv_each_instance_moves():
+    """The dashboard's KV transfer rate per instance: the bytes an instance served plus pulled, from the
+    /metrics the health check reads."""
+    from splitserve.disagg.policies import parse_instance_load
+
+    text = "\n".join(
+        [
+            "# TYPE splitserve:num_requests_running gauge",
+            "splitserve:num_requests_running 2",
+            "# TYPE splitserve:kv_transfer_bytes_sent counter",
+            "splitserve:kv_transfer_bytes_sent_total 1000",
+            "# TYPE splitserve:kv_transfer_bytes_received counter",
+            "splitserve:kv_transfer_bytes_received_total 234",
+        ]
+    )
+    load = parse_instance_load(text + "\n")
+    assert (load.num_requests, load.kv_transfer_bytes) == (2, 1234)

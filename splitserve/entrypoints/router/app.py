@@ -66,7 +66,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         _refuse_openai_routes(app)
     add_control_routes(app, router)  # sleep mode and weight updates, on every instance
     add_load_signals(app, router)  # /v1/loads per instance, the ORCA header of the pool
-    add_role_routes(app, router)  # POST /pd_role: an instance's PD role switched live
+    add_role_routes(app, router)  # POST /router/pd_role: an instance's PD role switched live
 
     @app.get("/version")
     async def version(request: Request):

@@ -60,7 +60,8 @@ class UpstreamPool:
 
     def describe_instances(self) -> dict:
         """The instances as the dashboard shows them (GET /router/instances): role, health, why down,
-        this router's open requests on each, and the load each reported at its last health check."""
+        this router's open requests on each, and the load each reported at its last health check (with
+        the KV bytes it has moved, of which the dashboard shows the rate)."""
         rows = []
         for inst in self.all_instances():
             load = inst.load
@@ -73,6 +74,7 @@ class UpstreamPool:
                     "in_flight": inst.in_flight,
                     "num_requests": None if load is None else load.num_requests,
                     "kv_cache_usage": None if load is None else load.kv_cache_usage,
+                    "kv_transfer_bytes": None if load is None else load.kv_transfer_bytes,
                 }
             )
         return {"policy": self.config.policy, "roles": list(self.config.serving_roles), "instances": rows}

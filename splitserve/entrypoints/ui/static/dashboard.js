@@ -137,12 +137,22 @@ function renderCards(cards) {
   });
 }
 
+/** An instance's KV bytes moved per second (served plus pulled) over the last 10 s of polls. */
+function kvTransferRate(url) {
+  const bytes = (h) => h.instances?.instances?.find((i) => i.url === url)?.kv_transfer_bytes;
+  const then = ago(10);
+  const [now, before] = [bytes(latest()), bytes(then)];
+  return now == null || before == null || latest().t <= then.t ? null : (now - before) / (latest().t - then.t);
+}
+
 function renderInstances() {
   $("instances").hidden = false;
   const rows = instances().map((i) => {
     const tr = document.createElement("tr");
     const health = i.healthy ? "up" : `down: ${i.down_reason ?? "?"}`;
-    for (const text of [i.url, i.role, health, i.in_flight, num(i.num_requests, 0), pct(i.kv_cache_usage)]) {
+    const moved = kvTransferRate(i.url);
+    const kv = moved == null ? "—" : `${num(moved / 1e6, 1)} MB/s`;
+    for (const text of [i.url, i.role, health, i.in_flight, num(i.num_requests, 0), pct(i.kv_cache_usage), kv]) {
       tr.append(Object.assign(document.createElement("td"), { textContent: text }));
     }
     tr.className = i.healthy ? "up" : "down";
