@@ -103,8 +103,16 @@ _DECLARED = [
         "SPLITSERVE_MOE_GROUPED_MM",
         _flag,
         "1",
-        "0 runs a GPU's bfloat16 mixture-of-experts layers expert by expert (and without CUDA graphs) instead of "
-        "in two grouped GEMMs.",
+        "0 rules out torch's grouped GEMM for a GPU's mixture-of-experts layers (SPLITSERVE_MOE_BACKEND).",
+        "kernels",
+    ),
+    EnvVar(
+        "SPLITSERVE_MOE_BACKEND",
+        _choice("auto", "triton", "grouped_mm", "loop"),
+        "auto",
+        "How a GPU's unquantized mixture-of-experts layers run their experts: auto takes the Triton fused-MoE "
+        "kernels, else torch's grouped GEMM (bfloat16, Hopper), else expert by expert; triton or grouped_mm takes "
+        "that one where it fits, else expert by expert; loop is expert by expert (no CUDA graphs).",
         "kernels",
     ),
     EnvVar(

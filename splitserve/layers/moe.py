@@ -7,7 +7,9 @@ checkpoints load into slices of them). A forward sorts the step's (token, expert
 once, then runs each expert that has tokens as two GEMMs over exactly those tokens, so that a decode
 step with few tokens reads only the weights of the experts it selected; each expert's output is
 scaled by its routing weight and added into the tokens' rows in expert order, as transformers adds
-them.
+them. On CUDA, unquantized experts run in one launch per projection instead (layers/moe_backends.py:
+the Triton fused-MoE kernels of kernels/triton_moe.py by default, or torch's grouped GEMM), with
+nothing waiting for the host, so CUDA graphs capture them.
 
 Parallelism: with tensor parallelism every rank holds a slice of every expert's intermediate
 channels (w13 rows and w2 columns, as the dense MLP's column / row split) and the ranks' partial sums
@@ -23,7 +25,6 @@ selected experts' quantized blocks.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -31,13 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve import envs, kernels
+from splitserve import kernels
 from splitserve.distributed.communication import tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.kernels import gguf as gguf_kernels
 from splitserve.kernels import packed_linear, row_buckets
 from splitserve.layers.basic import Linear, silu_and_mul
 from splitserve.layers.gguf_weight import GGUFWeight
+from splitserve.layers.moe_backends import choose_backend, grouped_experts, grouped_mm_works, triton_moe
+
+__all__ = ["FusedMoE", "RouterRule", "expert_load", "grouped_experts", "grouped_mm_works", "moe_capturable"]
 
 logger = logging.getLogger(__name__)
 
@@ -240,11 +244,15 @@ class FusedMoE(nn.Module):
             return gguf_kernels.moe_experts(
                 x, ids, weights, gate_up, qtype_gate_up, down, qtype_down, self.first_expert, self.intermediate
             )
-        if self.grouped(x.device, x.dtype):
-            out, counts = grouped_experts(x, weights, ids, self.w13, self.w2)
+        backend = self.backend(x.device, x.dtype)
+        if backend != "loop":
             if self.device_tokens_per_expert is None:
-                self.device_tokens_per_expert = torch.zeros_like(counts)
-            self.device_tokens_per_expert += counts  # in place: a captured graph's replays count too
+                self.device_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+            if backend == "triton":
+                counts = self.device_tokens_per_expert  # added to in place: a captured graph's replays count too
+                return triton_moe().fused_experts(x, weights, ids, self.w13, self.w2, expert_counts=counts)
+            out, counts = grouped_experts(x, weights, ids, self.w13, self.w2)
+            self.device_tokens_per_expert += counts  # in place, as above
             return out
         out = torch.zeros_like(x)
         k = ids.shape[1]
@@ -266,20 +274,18 @@ class FusedMoE(nn.Module):
             out.index_add_(0, tokens, h.to(out.dtype))
         return out
 
+    def backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Which experts' path a forward on `device` in `dtype` runs: "triton" or "grouped_mm" (no host
+        synchronisation, so CUDA graphs can capture them) or "loop" (`experts`, expert by expert);
+        layers/moe_backends.py says how it is chosen (CUDA, unquantized, every expert on this rank,
+        SPLITSERVE_MOE_BACKEND)."""
+        all_local = self.local_experts == self.num_experts
+        quantized = self.quantized is not None
+        return choose_backend(device, dtype, quantized, all_local, self.hidden_size, self.intermediate)
+
     def grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a forward on `device` in `dtype` runs `grouped_experts` (no host synchronisation, so
-        CUDA graphs can capture it): unquantized bfloat16 experts on a Hopper or newer GPU (where
-        torch's grouped GEMM has its kernel), every expert on this rank; SPLITSERVE_MOE_GROUPED_MM=0
-        turns it off. Elsewhere the experts run one by one (`experts`)."""
-        return (
-            device.type == "cuda"
-            and dtype == torch.bfloat16
-            and self.quantized is None
-            and self.local_experts == self.num_experts
-            and self.hidden_size % 8 == 0  # rows of 16-byte multiples, as the grouped GEMM's kernel wants
-            and self.intermediate % 8 == 0
-            and _grouped_gemm_on(str(device))
-        )
+        """Whether a forward on `device` in `dtype` runs torch's grouped GEMM (`grouped_experts`)."""
+        return self.backend(device, dtype) == "grouped_mm"
 
     def _gguf_blocks(self, x: torch.Tensor):
         """(gate/up blocks per expert, their ggml type, down blocks per expert, their type) when every
@@ -316,61 +322,10 @@ class FusedMoE(nn.Module):
         return row_buckets.linear(x, (self.w13, self.w2)[which][local])
 
 
-@functools.cache
-def _grouped_gemm_on(device: str) -> bool:
-    """SPLITSERVE_MOE_GROUPED_MM on, a Hopper or newer GPU, and torch's grouped GEMM working there (once
-    per device: every MoE layer asks at every forward)."""
-    gpu_ok = envs.SPLITSERVE_MOE_GROUPED_MM and torch.cuda.get_device_capability(device) >= (9, 0)
-    return gpu_ok and grouped_mm_works(device)
-
-
-@functools.cache
-def grouped_mm_works(device: str) -> bool:
-    """Whether torch's grouped GEMM runs on `device` and agrees with plain products (once per device,
-    on a small problem in the experts' layout, an empty group included); if not, the log says why and
-    the MoE layers run expert by expert."""
-    try:
-        generator = torch.Generator(device).manual_seed(0)
-        x = torch.randn(24, 64, device=device, dtype=torch.bfloat16, generator=generator)
-        w = torch.randn(3, 32, 64, device=device, dtype=torch.bfloat16, generator=generator)
-        ends = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
-        got = torch._grouped_mm(x, w.transpose(1, 2), offs=ends).float()
-        expected = torch.cat([x[:8].float() @ w[0].float().T, x[8:].float() @ w[2].float().T])
-        error = (got - expected).abs().max().item()
-        if error > 0.05 * expected.abs().max().item():
-            raise RuntimeError(f"its result is off by {error:.3g}")
-        return True
-    except (AttributeError, RuntimeError, NotImplementedError) as exc:
-        message = (
-            "torch's grouped GEMM does not work on %s (%s): the MoE layers run expert by expert, without CUDA graphs."
-        )
-        logger.warning(message, device, exc)
-        return False
-
-
-def grouped_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over each token's k experts of weight * expert(x), tokens per expert) with every expert in
-    two grouped GEMMs (torch._grouped_mm over the (token, slot) pairs sorted by expert, each expert's
-    rows against its own matrices) and fixed shapes throughout: nothing waits for the host, so a CUDA
-    graph can capture it. The k outputs of a token are summed in slot order after one rounding each."""
-    tokens, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = counts.cumsum(0).to(torch.int32)  # where each expert's rows end
-    gate_up = torch._grouped_mm(x.index_select(0, order // k), w13.transpose(1, 2), offs=offsets)
-    h = torch._grouped_mm(silu_and_mul(gate_up), w2.transpose(1, 2), offs=offsets)
-    h = (h * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
-    by_slot = torch.empty_like(h).index_copy_(0, order, h)  # back to (token, slot) order
-    return by_slot.view(tokens, k, -1).sum(1), counts
-
-
 def moe_capturable(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a CUDA graph can capture every MoE layer of `model` (each runs `grouped_experts`); True
-    for a model without one."""
-    return all(m.grouped(device, dtype) for m in model.modules() if isinstance(m, FusedMoE))
+    """Whether a CUDA graph can capture every MoE layer of `model` (each runs the Triton kernels or
+    `grouped_experts`, not the expert-by-expert loop); True for a model without one."""
+    return all(m.backend(device, dtype) != "loop" for m in model.modules() if isinstance(m, FusedMoE))
 
 
 def expert_load(model: nn.Module) -> dict[int, list[int]]:

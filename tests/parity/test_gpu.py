@@ -310,14 +310,13 @@ def test_decode_splits_with_a_long_context():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3_moe_norm_top2", "qwen2_moe_shared", "mixtral"])
 def test_moe_models_match_transformers(tmp_path, smollm_tokenizer, name, dtype):
-    """Routing, shared experts and the experts' products on the GPU: in bfloat16 on a Hopper or newer
-    GPU as two grouped GEMMs under CUDA graphs; otherwise expert by expert, eager (the experts' token
-    counts are read on the host each step, so the runner turns CUDA graphs off)."""
+    """Routing, shared experts and the experts' products on the GPU: by default the Triton fused-MoE
+    kernels (one launch per projection) under CUDA graphs, in both dtypes (tests/unit/test_triton_moe.py
+    compares the backends on the GPU directly)."""
     build_moe(name).save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
     llm = _engine(str(tmp_path), dtype)
-    grouped = dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0)
-    assert (llm.llm_engine.engine_core.executor.runner.graph_runner is not None) == grouped
+    assert llm.llm_engine.engine_core.executor.runner.graph_runner is not None
     del llm
     gc.collect()
     greedy_parity(str(tmp_path), dtype)

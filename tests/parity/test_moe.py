@@ -155,10 +155,12 @@ def test_grouped_experts_never_wait_for_the_host(monkeypatch):
     kernel cannot take fake tensors; on a GPU it is a Triton kernel, which a graph captures.)"""
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
-    from splitserve.layers import moe
+    from splitserve.layers import moe_backends
     from splitserve.layers.moe import FusedMoE, RouterRule, grouped_experts
 
-    monkeypatch.setattr(moe, "silu_and_mul", lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
+    monkeypatch.setattr(
+        moe_backends, "silu_and_mul", lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]
+    )
 
     layer = FusedMoE(4, 16, 8, RouterRule(top_k=2), torch.bfloat16)
     x, ids, weights = torch.randn(3, 16, dtype=torch.bfloat16), torch.tensor([[0, 1], [1, 3], [3, 0]]), torch.rand(3, 2)
