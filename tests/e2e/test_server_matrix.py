@@ -28,10 +28,10 @@ COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-over
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 COLUMNS = {
     "pd_1p1d": ("--pd", "1p1d"),
-    "workers_2": ("--workers", "2"),
+    # Two API processes, each sending streamed answers in chunks of 4 tokens (--stream-interval).
+    "workers_2_stream_interval_4": ("--workers", "2", "--stream-interval", "4"),
     "data_parallel_2": ("--data-parallel-size", "2"),
     "speculative_ngram": ("--speculative-config", NGRAM),
-    "stream_interval_4": ("--stream-interval", "4"),  # streamed answers in chunks of 4 tokens
 }
 # (column, row) -> the bug that makes the pair fail (strict: it must fail until the bug is fixed).
 XFAIL: dict[tuple[str, str], str] = {}
