@@ -6,9 +6,11 @@ timeout, so that a crash or a hang costs that benchmark only and the GPU is free
 their output goes to `bench.log`, their figures to `bench.json` and one table: nano-vllm's workload
 (Qwen3-0.6B shape, random bfloat16 weights, 256 requests of 100-1024 tokens in and out), a single
 stream (1024 tokens after 128, ms per token), 64 x 128/128 against transformers' `generate`, and
-`serve` + `bench serve` at concurrency 64. A figure's roofline is the time the decode steps need to
-read the weights and the KV cache once (bytes / the card's memory bandwidth): a bound no engine
-beats. `--dry-run` runs the same on the CPU with a two-layer model: it checks the code, measures nothing.
+`serve` + `bench serve` at concurrency 64; optional, a dummy Granite-1B-A400M (MoE) at 64 x 128/128
+with each GPU MoE backend (SPLITSERVE_MOE_BACKEND; `--only moe` runs just those). A figure's
+roofline is the time the decode steps need to read the weights and the KV cache once (bytes / the
+card's memory bandwidth): a bound no engine beats. `--dry-run` runs the same on the CPU with a
+two-layer model: it checks the code, measures nothing.
 
     python -m splitserve.benchmarks.gpu_check --out DIR [--dry-run] [--budget SECONDS]
 """
@@ -18,17 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 
+from splitserve.benchmarks.processes import CLI, free_port, run_splitserve, stop_group, wait_healthy
+
 MODEL = "Qwen/Qwen3-0.6B"
-CLI = [sys.executable, "-m", "splitserve.entrypoints.cli"]  # `splitserve`, without installing the package
+MOE_MODEL, MOE_BACKENDS = "ibm-granite/granite-3.0-1b-a400m-instruct", ("triton", "grouped_mm", "loop")
 # Memory bandwidth (bytes/s) by GPU name, from the vendors' data sheets; other cards are measured.
 BANDWIDTH_BY_NAME = (("H200", 4.8e12), ("H100 SXM", 3.35e12), ("H100 80GB HBM3", 3.35e12))
 TARGETS = {  # docs/gpu.md: measured figures on an H100, not timed tests
@@ -46,6 +47,7 @@ class Bench:
     timeout: float
     server_argv: list[str] | None = None  # `splitserve serve ...`, for the serving benchmark
     optional: bool = False  # run only when the budget allows it in full (and not in a dry run)
+    env: dict[str, str] | None = None  # set for the benchmark's process
 
 
 def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Bench]:
@@ -66,6 +68,7 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
     nano_argv = [*throughput, *nano.split(), "--seed", "0", "--temperature", "0.6"]
     single_argv = [*throughput, *single.split(), "--max-num-seqs", "8"]
     batch_argv = [*throughput, *batch.split(), "--backend", "splitserve", "hf"]
+    moe_argv = [*throughput[:2], "--model", MOE_MODEL, *model[2:], *batch.split()]
     serve_argv = ["bench", "serve", *serve.split(), *(["--tokenizer", tokenizer] if tokenizer else [])]
     return [
         Bench("nano_vllm", "nano-vllm workload", nano_argv, caps[0]),
@@ -73,7 +76,9 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
         Bench("batch64", "64 x 128/128 vs transformers", batch_argv, caps[2]),
         Bench("serve", "serve, concurrency 64", serve_argv, caps[3], ["serve", *model, "--max-model-len", max_len]),
         Bench("single_eager", "single stream, eager", [*single_argv, "--enforce-eager"], caps[1], None, True),
-    ]
+        *(Bench(f"moe_{b}", f"MoE 64 x 128/128, {b}", moe_argv, 120, None, True, {"SPLITSERVE_MOE_BACKEND": b})
+          for b in MOE_BACKENDS),
+    ]  # fmt: skip
 
 
 # --- rooflines -------------------------------------------------------------------------------------
@@ -168,72 +173,11 @@ def roofline(bench: Bench, weights: int, kv_token: int, bw: float) -> dict:
 
 
 # --- running ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not answer /health in time")
-
-
-def _group_gone(proc: subprocess.Popen, seconds: float) -> bool:
-    """Whether nothing is left of the process group that `proc` leads, waiting up to `seconds`."""
-    deadline = time.monotonic() + seconds
-    while True:
-        proc.poll()  # reaps the leader: a zombie would keep the group alive
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Ends what is left of the process group that `proc` leads (a server's engine process too):
-    SIGTERM, then SIGKILL after 8 s, so that nothing holds the GPU for the next benchmark."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        if _group_gone(proc, 8.0):
-            break
-    proc.wait()
-
-
-def _run(argv: list[str], log, timeout: float) -> None:
-    """`splitserve ARGV` in a session of its own, so that a timeout (or an interrupt) ends whatever it
-    started too."""
-    log.write(f"\n$ splitserve {' '.join(argv)}\n")
-    log.flush()
-    proc = subprocess.Popen(CLI + argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        _stop(proc)
-    if code != 0:
-        raise RuntimeError(f"`splitserve {argv[0]} {argv[1]}` exited with code {code} (see bench.log)")
-
-
 def run_bench(bench: Bench, log, timeout: float, scratch: str) -> dict:
     """Runs one benchmark; returns its figures (raises on failure or timeout)."""
     out = os.path.join(scratch, f"{bench.key}.json")
     if bench.server_argv is None:
-        _run([*bench.argv, "--output-json", out], log, timeout)
+        run_splitserve([*bench.argv, "--output-json", out], log, timeout, bench.env)
         with open(out) as f:
             by_backend = {r["backend"]: r for r in json.load(f)}
         ours = by_backend["splitserve"]
@@ -244,19 +188,19 @@ def run_bench(bench: Bench, log, timeout: float, scratch: str) -> dict:
             figures["speedup_vs_hf"] = figures["output_tok_s"] / figures["hf_output_tok_s"]
         return figures
     deadline = time.monotonic() + timeout
-    port = _free_port()
+    port = free_port()
     server_argv = [*bench.server_argv, "--host", "127.0.0.1", "--port", str(port)]
     log.write(f"\n$ splitserve {' '.join(server_argv)} &\n")
     log.flush()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(CLI + server_argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc, deadline)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, deadline)
         client = [*bench.argv, "--port", str(port), "--save-result", "--disable-tqdm"]
         client += ["--result-dir", scratch, "--result-filename", f"{bench.key}.json"]
-        _run(client, log, max(1.0, deadline - time.monotonic()))
+        run_splitserve(client, log, max(1.0, deadline - time.monotonic()))
     finally:
-        _stop(proc)
+        stop_group(proc)
     with open(out) as f:
         result = json.load(f)
     if result["failed"]:
@@ -350,10 +294,12 @@ def run_all(ns: argparse.Namespace, scratch: str) -> dict:
     report["model"] = {"name": name, "weight_bytes": weights, "kv_bytes_per_token": kv_token}
     with open(os.path.join(ns.out, "bench.log"), "a") as log:
         benches = plan(ns.dry_run, model_dir, tokenizer)
-        if unknown := set(getattr(ns, "only", None) or ()) - {b.key for b in benches}:
+        only = getattr(ns, "only", None) or ()  # a key, or its prefix before "_" (moe: every moe_* benchmark)
+        if unknown := {k for k in only if not any(b.key == k or b.key.startswith(k + "_") for b in benches)}:
             raise SystemExit(f"--only: no benchmark {sorted(unknown)}; keys: {[b.key for b in benches]}")
-        for bench in [b for b in benches if not getattr(ns, "only", None) or b.key in ns.only]:
-            entry = {"key": bench.key, "title": bench.title, "command": "splitserve " + " ".join(bench.argv)}
+        for bench in [b for b in benches if not only or any(b.key == k or b.key.startswith(k + "_") for k in only)]:
+            env = "".join(f"{k}={v} " for k, v in (bench.env or {}).items())
+            entry = {"key": bench.key, "title": bench.title, "command": f"{env}splitserve {' '.join(bench.argv)}"}
             if bench.server_argv:
                 entry["server_command"] = "splitserve " + " ".join(bench.server_argv)
             left = deadline - time.monotonic()
@@ -366,7 +312,8 @@ def run_all(ns: argparse.Namespace, scratch: str) -> dict:
                 try:
                     figures = run_bench(bench, log, min(bench.timeout, left), scratch)
                     entry |= {"status": "ok", "figures": figures}
-                    entry["roofline"] = roofline(bench, weights, kv_token, report["bandwidth"]["bytes_per_s"])
+                    w, kv = model_bytes(MOE_MODEL, 2) if bench.key.startswith("moe") else (weights, kv_token)
+                    entry["roofline"] = roofline(bench, w, kv, report["bandwidth"]["bytes_per_s"])
                     entry["target"] = _target(bench.key, figures, ns.dry_run)
                 except subprocess.TimeoutExpired:
                     entry |= {"status": "timeout", "error": f"timed out after {min(bench.timeout, left):.0f} s"}
@@ -384,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks that the code runs")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds for all the benchmarks together")
     parser.add_argument("--no-table", action="store_true", help="leave the table to gpu_check.sh's summary")
-    parser.add_argument("--only", nargs="+", metavar="KEY", help="these benchmarks only (nano_vllm, serve, ...)")
+    parser.add_argument("--only", nargs="+", metavar="KEY", help="these benchmarks only (nano_vllm, serve, moe, ...)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

@@ -93,7 +93,8 @@ class ModelRunner:
         if not moe_capturable(self.model, self.device, self.config.model_config.dtype):
             logger.info(
                 "CUDA graphs are off: the mixture-of-experts layers run expert by expert, reading each expert's "
-                "token count on the host every step (docs/moe.md: the grouped path takes bfloat16 on Hopper)."
+                "token count on the host every step (docs/moe.md: quantized experts, expert parallelism, "
+                "SPLITSERVE_MOE_BACKEND=loop)."
             )
             return False
         if not self.backend.supports_cuda_graphs:
