@@ -11,7 +11,9 @@ and best_of, structured output, min_tokens, allowed tokens, a LoRA adapter, beam
 batch, then sleeps and wakes. Requests of a batch are independent, so the plain engine answers the same batch for the
 exact columns. A combination that is refused must be in docs/compatibility.md (the table in
 engine/compatibility.py); `--matrix-pairs` adds every pair of columns, run apart from the suite.
-The server-level pairs (PD, --workers, the APIs) are in tests/e2e/test_server_matrix.py.
+The server-level pairs (PD, --workers, the APIs) are in tests/e2e/test_server_matrix.py. The rows
+also run on a tiny mixture-of-experts model, plain, with expert parallelism, speculation and async
+scheduling (LoRA is refused there, with its reason).
 """
 
 from __future__ import annotations
@@ -117,16 +119,20 @@ def _check_valid(kind: str, params: SamplingParams, out) -> None:
         assert set(s.token_ids) <= set(ALLOWED)
 
 
-def _answers(llm: LLM, adapter: LoRARequest) -> dict:
+def _answers(llm: LLM, adapter: LoRARequest | None) -> dict:
     """Every row's answer from one engine: the greedy answer first (the stops come from it), then
-    every row in one batch (a LoRA adapter's greedy answer among them), then a beam search."""
+    every row in one batch (a LoRA adapter's greedy answer among them, when there is one), then a
+    beam search."""
     plain_greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     greedy = llm.generate([PROMPT], plain_greedy, use_tqdm=False)[0].outputs[0]
     rows = _rows(greedy)
-    loras = [None] * len(rows) + [adapter]
-    outputs = llm.generate([PROMPT] * len(loras), [*rows.values(), plain_greedy], lora_request=loras, use_tqdm=False)
-    assert outputs[-1].outputs[0].token_ids != greedy.token_ids  # the adapter changes the answer
-    answers = {"lora": _summary(outputs[-1])}
+    loras = [None] * len(rows) + ([adapter] if adapter is not None else [])
+    params = [*rows.values(), plain_greedy][: len(loras)]
+    outputs = llm.generate([PROMPT] * len(loras), params, lora_request=loras, use_tqdm=False)
+    answers = {}
+    if adapter is not None:
+        assert outputs[-1].outputs[0].token_ids != greedy.token_ids  # the adapter changes the answer
+        answers["lora"] = _summary(outputs[-1])
     for (kind, params), out in zip(rows.items(), outputs):
         _check_valid(kind, params, out)
         answers[kind] = _summary(out)
@@ -154,7 +160,8 @@ def _rounded(logprobs) -> tuple:
 
 
 def _engine(model: str, **args) -> LLM:
-    return LLM(model, dtype="float32", max_model_len=256, seed=0, use_tqdm_on_load=False, enable_lora=True, **args)
+    args.setdefault("enable_lora", True)
+    return LLM(model, dtype="float32", max_model_len=256, seed=0, use_tqdm_on_load=False, **args)
 
 
 def _close(llm: LLM) -> None:
@@ -239,3 +246,45 @@ def _refusal(args: dict):
     except CombinationRefused as exc:
         return exc.rule
     return None
+
+
+# --- a mixture-of-experts model ---------------------------------------------------------------------
+# The same rows on the tiny ERNIE 4.5 MoE (8 experts, top-2, a shared expert), plain and with the
+# features that change how its experts run: expert parallelism over two ranks (tensor parallel
+# attention, the experts split between the ranks), speculation and async scheduling. LoRA adapters
+# are refused on MoE models (their experts are no LoRA targets), with that reason.
+MOE_COLUMNS = [
+    Column("moe_expert_parallel", {"tensor_parallel_size": 2, "enable_expert_parallel": True}, False),
+    Column("moe_speculative", {"speculative_config": NGRAM}, True),
+    Column("moe_async_scheduling", {"async_scheduling": True}, True),
+]
+
+
+def _moe_engine(model: str, **args) -> LLM:
+    return _engine(model, enable_lora=False, **args)
+
+
+@pytest.fixture(scope="module")
+def moe_plain(tiny_moe_chat_model) -> dict:
+    llm = _moe_engine(tiny_moe_chat_model)
+    try:
+        return _answers(llm, None)
+    finally:
+        _close(llm)
+
+
+@pytest.mark.parametrize("moe_column", MOE_COLUMNS, ids=[c.name for c in MOE_COLUMNS])
+def test_every_request_kind_on_an_moe_model(tiny_moe_chat_model, moe_plain, moe_column):
+    llm = _moe_engine(tiny_moe_chat_model, **moe_column.args)
+    try:
+        answers = _answers(llm, None)
+    finally:
+        _close(llm)
+    if moe_column.exact:
+        for kind, expected in moe_plain.items():
+            assert answers[kind] == expected, f"{moe_column.name} x {kind}"
+
+
+def test_lora_on_an_moe_model_is_refused_with_its_reason(tiny_moe_chat_model):
+    with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts models are not supported yet"):
+        _engine(tiny_moe_chat_model)
