@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from splitserve import kernels
 from splitserve.config import EngineConfig
 from splitserve.engine import messages, pd, startup
+from splitserve.engine.expert_stats import ExpertLoadWatch
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_events import attach_events
 from splitserve.engine.kv_offload import make_offload_tier
@@ -71,6 +72,7 @@ class EngineCore:
         with startup.phase("KV cache"):
             self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks, cc.num_offload_blocks)
         self._kv_memory, self._kv_memory_at = (0, 0), -_KV_MEMORY_REFRESH_S
+        self.expert_load = ExpertLoadWatch(self.executor)  # MoE models: tokens per expert, for /metrics
         self.executor.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, cc.num_cpu_blocks, offload
@@ -376,6 +378,7 @@ class EngineCore:
             spec_decoding=self.speculator.stats if self.speculator.enabled else None,
             kv_offload=tier.snapshot_stats() if (tier := self.kv_manager.pool.tier) is not None else None,
             generation_tokens=s.num_generated_tokens,
+            expert_load=self.expert_load.snapshot(),
             **self.loras.request_counts(s),
         )
 

@@ -225,6 +225,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # waiting_lora_adapters, for vllm:lora_requests_info); None with LoRA off
     running_loras: dict[str, int] | None = None
     waiting_loras: dict[str, int] | None = None
+    expert_load: list[int] | None = None  # MoE: tokens routed to each expert since start, all layers summed
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

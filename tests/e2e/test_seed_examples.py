@@ -21,7 +21,8 @@ import pytest
 
 from splitserve import LLM, BeamSearchParams
 from splitserve.loader.resolve import DEFAULT_MODEL_NAME, default_model_path
-from tests.helpers.server import RemoteServer, free_port
+from tests.helpers.pd import wait_for
+from tests.helpers.server import RemoteServer, free_port, metric
 
 pytestmark = pytest.mark.slow  # servers, a PD deployment and the default model, as the documents run them
 
@@ -180,6 +181,12 @@ def test_fastdeploy_tensor_parallel_8_serves_an_ernie_moe(tiny_moe_chat_model, e
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         tokens = [entry["token"] for entry in r.json()["choices"][0]["logprobs"]["content"]]
+        # /metrics counts the tokens routed to each of the 8 experts (the dashboard's expert load): at
+        # least top-2 of every prompt and generated token in each MoE layer.
+        routed = 2 * (r.json()["usage"]["prompt_tokens"] + 12)
+        wait_for(lambda: metric(server, "splitserve:moe_expert_load_tokens_total") >= routed, 15, "expert load")
+        lines = httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+        assert len([line for line in lines if line.startswith("splitserve:moe_expert_load_tokens_total{")]) == 8
     assert tokens == [tokenizer.decode([i]) for i in expected]
 
 

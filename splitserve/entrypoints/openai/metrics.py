@@ -158,6 +158,11 @@ class Metrics:
             "Draft tokens accepted, by their position in the draft.",
             ["model_name", "position"],
         )
+        self.moe_expert_load = Counter(
+            f"{prefix}:moe_expert_load_tokens",
+            "MoE models: tokens routed to each expert, summed over the MoE layers (the dashboard's expert load).",
+            ["model_name", "expert"],
+        )
         self._last: SchedulerStats | None = None
         self._last_kv = KVTransferStats()
 
@@ -182,6 +187,11 @@ class Metrics:
             self._record_kv(stats.kv_transfer)
         if stats.spec_decoding is not None:
             self._record_spec_decoding(stats.spec_decoding, last.spec_decoding or SpecDecodingStats())
+        if stats.expert_load is not None:
+            before = last.expert_load or [0] * len(stats.expert_load)
+            for expert, (count, previous) in enumerate(zip(stats.expert_load, before)):
+                routed = self.moe_expert_load.labels(model_name=self.model_name, expert=str(expert))
+                routed.inc(max(count - previous, 0))
         if stats.kv_offload is not None:
             before = last.kv_offload or KVOffloadStats()
             for name, counter in self.kv_offload.items():
