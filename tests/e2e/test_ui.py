@@ -370,12 +370,19 @@ def test_the_dashboard_moves_while_requests_run(vision, pages):
     assert seen and sum(done) >= 1
     until(lambda: int(card(page, "finished")) == before + sum(done), 10, "the finished requests to be counted")
     assert card(page, "ttft").count("ms") + card(page, "ttft").count(" s") == 3  # p50 / p90 / p99
+    # The recent requests' table: the last finished first, each with its tokens and timings.
+    row = until(lambda: page.locator("#recent tbody tr").count() >= sum(done) and first_row(page), 10, "recent")
+    assert row[2] == "length" and row[5] == "40" and row[7].endswith("ms") and row[8].endswith("ms"), row
     screenshot(page, "dashboard-desktop")
     phone = pages.open(vision.url + "/dashboard", viewport=PHONE)
     charts(phone, 5)
     time.sleep(2)  # a few points on the charts
     assert phone.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
     screenshot(phone, "dashboard-phone")
+
+
+def first_row(page) -> list[str]:
+    return page.locator("#recent tbody tr").first.evaluate("r => [...r.cells].map(c => c.textContent)")
 
 
 def test_the_dashboard_reads_vllm_names_and_expert_load(vision, pages):

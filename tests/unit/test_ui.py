@@ -116,3 +116,21 @@ def test_set_up_installs_every_library_the_pages_load():
 def test_the_page_code_stays_small():
     own = [p for p in ui.STATIC_DIR.iterdir() if p.is_file()]
     assert sum(p.read_text().count("\n") for p in own) < 1500
+
+
+def test_recent_requests_keep_the_last_ones_with_their_timings():
+    from types import SimpleNamespace
+
+    from splitserve.entrypoints.openai.recent_requests import RecentRequests
+    from splitserve.outputs import RequestMetrics
+
+    recent = RecentRequests(size=3)
+    for i in range(5):
+        metrics = RequestMetrics(100.0, first_scheduled_time=100.5, first_token_time=101.0, finished_time=103.0)
+        output = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=[1] * 7, num_cached_tokens=4, metrics=metrics)
+        recent.add(output, 9, ["length"])
+    answer = recent.answer()
+    assert [r.request_id for r in answer.data] == ["r4", "r3", "r2"]  # the last three, most recent first
+    r = answer.data[0]
+    assert (r.prompt_tokens, r.cached_tokens, r.generated_tokens, r.finish_reason) == (7, 4, 9, "length")
+    assert (r.queue_s, r.ttft_s, r.e2e_s, r.tokens_per_s) == (0.5, 1.0, 3.0, 4.0)

@@ -61,6 +61,7 @@ from splitserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from splitserve.entrypoints.openai.recent_requests import RecentRequestsResponse
 from splitserve.entrypoints.openai.request_model import TOKEN_ID_SCHEMA
 from splitserve.entrypoints.openai.response_models import (
     ChatCompletionResponse,
@@ -113,6 +114,7 @@ ROUTE_DOCS: dict[str, RouteDoc] = {
     "/version": RouteDoc((), None, errors=(401, 503)),
     "/health": RouteDoc((), None, empty=True, errors=(503,)),
     "GET /pd_role": RouteDoc((), None, errors=(401,)),
+    "/recent_requests": RouteDoc((), RecentRequestsResponse, errors=(401,)),
     "POST /pd_role": RouteDoc((PDRoleSwitch,), PDRoleSwitched, errors=(400, 401, 413)),
     "/metrics": RouteDoc((), None, text=True, errors=(401,)),
     "/v1/load_lora_adapter": RouteDoc((LoadLoRAAdapterRequest,), None, text=True),

@@ -182,6 +182,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 
             return Response(status_code=200)
         return error_response("The engine is not responding.", 503, "service_unavailable")
 
+    @app.get("/recent_requests")
+    async def recent_requests():
+        """The last requests this API process finished, with their timings (the dashboard's table)."""
+        return metrics.recent.answer()
+
     @app.get("/metrics")
     async def metrics_route():
         body, content_type = render_metrics()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from splitserve.engine.messages import KVOffloadStats, KVTransferStats, SchedulerStats, SpecDecodingStats
+from splitserve.entrypoints.openai.recent_requests import RecentRequests
 from splitserve.outputs import RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -165,6 +166,7 @@ class Metrics:
         )
         self._last: SchedulerStats | None = None
         self._last_kv = KVTransferStats()
+        self.recent = RecentRequests()  # GET /recent_requests (the dashboard's table)
 
     def record_engine_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -212,6 +214,7 @@ class Metrics:
 
     def record_finished(self, output: RequestOutput, num_generated: int, reasons: list[str]) -> None:
         m = output.metrics
+        self.recent.add(output, num_generated, reasons)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(num_generated)
         for reason in reasons:

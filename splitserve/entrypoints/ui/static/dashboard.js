@@ -219,6 +219,7 @@ function render() {
   } else {
     renderCards(SERVER_CARDS);
     renderExperts();
+    renderRecent();
     renderCharts(SERVER_CHARTS);
   }
 }
@@ -231,14 +232,34 @@ async function fetchOk(path) {
 }
 
 let timer = null;
+let recentRequests = []; // GET recent_requests: this API process's last finished requests
+
+const ms = (s) => (s == null ? "—" : `${Math.round(1000 * s)} ms`);
+
+/** The last finished requests with their timings, most recent first. */
+function renderRecent() {
+  $("recent").hidden = recentRequests.length === 0;
+  const rows = recentRequests.map((r) => {
+    const tr = document.createElement("tr");
+    const when = new Date(r.finished_at * 1000).toLocaleTimeString();
+    const cells = [r.request_id, when, r.finish_reason ?? "—", r.prompt_tokens, r.cached_tokens, r.generated_tokens];
+    for (const text of [...cells, ms(r.queue_s), ms(r.ttft_s), ms(r.e2e_s), num(r.tokens_per_s)]) {
+      tr.append(Object.assign(document.createElement("td"), { textContent: text }));
+    }
+    return tr;
+  });
+  $("recent").querySelector("tbody").replaceChildren(...rows);
+}
 
 async function poll() {
   clearTimeout(timer);
   try {
-    const [text, routerInstances] = await Promise.all([
+    const [text, routerInstances, recent] = await Promise.all([
       fetchOk("metrics").then((r) => r.text()),
       KIND === "router" ? fetchOk("router/instances").then((r) => r.json()) : null,
+      KIND === "router" ? null : fetchOk("recent_requests").then((r) => r.json()),
     ]);
+    recentRequests = recent?.data ?? [];
     const m = parseMetrics(text);
     const name = [...m.keys()].find((n) => /^\w+:(num_requests_running|generation_tokens_total)$/.test(n));
     if (name) prefix = name.split(":")[0];
