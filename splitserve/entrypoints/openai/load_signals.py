@@ -6,7 +6,10 @@ already receives: nothing here asks the engine anything."""
 
 from __future__ import annotations
 
+import json
+
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from splitserve.config import EngineConfig
 from splitserve.engine.pd_role import role_state
@@ -61,4 +64,4 @@ def add_load_signals(app: FastAPI, engine, config: EngineConfig, server_args) ->
             for i, stats in enumerate(parts)
             if wanted is None or i == wanted
         ]
-        return loads_answer(entries)
+        return Response(json.dumps(loads_answer(entries)), media_type="application/json")  # no encoder pass

@@ -16,10 +16,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime, timezone
 
 import aiohttp
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from splitserve.disagg.policies import Upstream
 from splitserve.entrypoints.openai.loads import aggregate
@@ -80,4 +82,4 @@ def add_load_signals(app: FastAPI, pool: UpstreamPool) -> None:
     @app.get("/v1/loads")
     async def loads(request: Request):
         """Every instance's SGLang load report, per instance and aggregated (docs/gateway.md)."""
-        return await router_loads(pool, request.url.query)
+        return Response(json.dumps(await router_loads(pool, request.url.query)), media_type="application/json")
