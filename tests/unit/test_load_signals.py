@@ -174,7 +174,7 @@ def test_decode_rates(monkeypatch):
 def test_gateway_metric_labels():
     labels = cache_config_labels(_config(), engine=1)
     assert labels["block_size"] == "16" and labels["num_gpu_blocks"] == "100" and labels["engine"] == "1"
-    stats = _stats(running_loras={"a": 2, "b": 1}, waiting_loras={"c": 3})
+    stats = _stats(running_loras={"b": 2, "a": 1}, waiting_loras={"c": 3})
     assert lora_labels(stats, 4) == {"max_lora": "4", "waiting_lora_adapters": "c", "running_lora_adapters": "a,b"}
     assert lora_labels(_stats(), 4)["running_lora_adapters"] == ""
 

@@ -39,11 +39,12 @@ def cache_config_labels(config: EngineConfig, engine: int = 0) -> dict[str, str]
 
 
 def lora_labels(stats: SchedulerStats, max_loras: int) -> dict[str, str]:
-    """vllm:lora_requests_info's labels from the engine's stats: adapter names comma-separated."""
+    """vllm:lora_requests_info's labels from the engine's stats: adapter names comma-separated, sorted
+    (one series per set of adapters, whatever order their requests came in)."""
     return {
         "max_lora": str(max_loras),
-        "waiting_lora_adapters": ",".join(stats.waiting_loras or {}),
-        "running_lora_adapters": ",".join(stats.running_loras or {}),
+        "waiting_lora_adapters": ",".join(sorted(stats.waiting_loras or {})),
+        "running_lora_adapters": ",".join(sorted(stats.running_loras or {})),
     }
 
 
