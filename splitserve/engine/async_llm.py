@@ -6,6 +6,11 @@ the core's outputs, detokenizes them and hands each RequestOutput to the queue o
 belongs to. If the engine process dies, every pending request fails at once with EngineDeadError;
 when the server restarts its engine (engine/supervisor.py: the EngineWatch says so), this front-end
 connects to the new one and serves again.
+
+The calls it makes of the engine (LoRA adapters, sleep mode, weight updates) are its mixin EngineCalls'
+(engine/engine_calls.py). Under the global scheduler the API worker's front-end is its subclass
+GlobalSchedulerAsyncLLM (engine/global_frontend.py), which sends requests, aborts and outputs through
+Redis; _submit, _abort_core and _engine_outputs are where it does so.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import zmq
 import zmq.asyncio
 
 from splitserve.config import ModelConfig
+from splitserve.engine.engine_calls import EngineCalls
+from splitserve.engine.errors import EngineDeadError
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.messages import (
     AbortClientRequests,
@@ -31,12 +38,8 @@ from splitserve.engine.messages import (
     EngineCoreRequest,
     GrammarVocabulary,
     KVTransferParams,
-    LoRACall,
-    LoRAReply,
     Ping,
     SchedulerStats,
-    SleepCall,
-    SleepReply,
 )
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
@@ -51,11 +54,7 @@ _LIVENESS_CHECK_S = 0.25  # how long the engine may be silent before its process
 _PING_WAIT_S = 1.0  # how long a health check waits for an engine that has been silent
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class AsyncLLM(FrontEnd):
+class AsyncLLM(FrontEnd, EngineCalls):
     def __init__(
         self,
         model_config: ModelConfig,
@@ -83,20 +82,12 @@ class AsyncLLM(FrontEnd):
         self._output_task: asyncio.Task | None = None
         self._pings: dict[int, asyncio.Future] = {}
         self._vocabulary_task: asyncio.Future | None = None
-        self._nonce = itertools.count()
-        self._calls: dict[int, asyncio.Future] = {}
-        self.loras: dict[str, LoRARequest] = {}  # the engine's adapters by name, as last heard
-        self.loras_version = -1  # the registry version they are from (-1: never asked)
-        self.engine_loras_version = 0  # the version the engine last reported
-        self.scheduler = None  # a GlobalScheduler (--scheduler-name global): requests go through Redis
+        self._nonce = itertools.count()  # ping ids
+        self._init_calls()  # LoRA and sleep calls (engine/engine_calls.py)
 
     def set_inter_token_hook(self, hook) -> None:
         """hook(seconds) for each gap between a request's outputs (the metrics' inter-token latency)."""
         self.output_processor.on_inter_token = hook
-
-    def use_global_scheduler(self, scheduler) -> None:
-        """Requests go through FastDeploy's global scheduler (engine/global_scheduler.py) from start() on."""
-        self.scheduler = scheduler
 
     def _connect(self) -> zmq.asyncio.Socket:
         socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -134,10 +125,7 @@ class AsyncLLM(FrontEnd):
             if request.params.guided_decoding is not None:
                 await self._grammar_vocabulary_sent()
             for core_request in core_requests:
-                if self.scheduler is not None:
-                    await self.scheduler.submit(core_request)
-                else:
-                    await self._send(core_request)
+                await self._submit(core_request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -160,68 +148,31 @@ class AsyncLLM(FrontEnd):
         info = await asyncio.to_thread(lambda: self.processor.guides.info.serialize_json())
         await self._send(GrammarVocabulary(info))
 
-    async def _call(self, make_message):
-        """Send the message make_message(call_id) and wait for the engine's reply to that call id."""
-        self.start()
-        self._check_alive()
-        call_id = next(self._nonce)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        try:
-            await self._send(make_message(call_id))
-            return await future
-        finally:
-            self._calls.pop(call_id, None)
-
-    # --- sleep mode -------------------------------------------------------------------------------
-    async def sleep_call(self, op: str, level: int = 1, model_path: str = "", load_format: str = "auto") -> SleepReply:
-        """sleep (level 1 or 2), wake_up, is_sleeping, reset_prefix_cache (engine/sleep_mode.py) or
-        update_weights from model_path (engine/weight_update.py); the reply has the level the engine
-        sleeps at after the call (0: awake) and any refusal."""
-        return await self._call(lambda call_id: SleepCall(call_id, op, level, model_path, load_format))
-
-    # --- LoRA adapters ------------------------------------------------------------------------
-    async def lora_call(self, op: str, name: str = "", path: str = "", base_model_name: str | None = None) -> LoRAReply:
-        """Add ("add"), remove ("remove") or list ("list") the engine's adapters; the reply carries
-        the adapters after the call, which become this front-end's view of them."""
-        reply = await self._call(lambda call_id: LoRACall(call_id, op, name, path, base_model_name))
-        self.loras = {lora.lora_name: lora for lora in reply.loras}
-        self.loras_version = reply.version
-        return reply
-
-    async def resolve_lora(self, name: str) -> LoRARequest | None:
-        """The adapter called `name`, asking the engine when this front-end's view may be old (an
-        adapter added or removed through another API worker)."""
-        if name not in self.loras or self.loras_version != self.engine_loras_version:
-            await self.lora_call("list")
-        return self.loras.get(name)
-
     async def abort(self, request_ids: list[str]) -> None:
         await self._abort_core(self.output_processor.abort(request_ids))
 
+    # What GlobalSchedulerAsyncLLM (engine/global_frontend.py) does otherwise: where a new core request
+    # goes, how core requests are aborted, and where the engine's outputs go.
+    async def _submit(self, request: EngineCoreRequest) -> None:
+        await self._send(request)
+
     async def _abort_core(self, core_ids: list[str]) -> None:
-        if self.scheduler is not None:  # those queued or running elsewhere are aborted there
-            core_ids = await self.scheduler.abort(core_ids)
         await self.abort_core_requests(core_ids)
+
+    async def _engine_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        await self.deliver(outputs)
 
     async def abort_core_requests(self, core_ids: list[str]) -> None:
         """Abort these requests of the engine by their engine ids."""
         if core_ids and self.dead_reason is None:
             await self._send(AbortRequests(core_ids))
 
-    async def send_core_request(self, request: EngineCoreRequest) -> None:
-        """One core request to this front-end's engine (the global scheduler runs pulled requests so)."""
-        if request.sampling_params.guided_decoding is not None:
-            await self._grammar_vocabulary_sent()
-        await self._send(request)
-
     async def abort_client_requests(self, client_request_ids: list[str]) -> None:
-        """/abort_requests, from any API worker: the engine (every instance's, under the global scheduler)
-        aborts the requests whose clients gave these ids; their workers see finish_reason "abort"."""
+        """/abort_requests, from any API worker: the engine aborts the requests whose clients gave these
+        ids; their workers see finish_reason "abort"."""
         self.start()
         self._check_alive()
-        abort = self.scheduler.abort_clients if self.scheduler is not None else self.abort_engine_client_requests
-        await abort(client_request_ids)
+        await self.abort_engine_client_requests(client_request_ids)
 
     async def abort_engine_client_requests(self, client_request_ids: list[str]) -> None:
         await self._send(AbortClientRequests(list(client_request_ids)))
@@ -280,11 +231,9 @@ class AsyncLLM(FrontEnd):
 
     # --- outputs ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Read the engine's outputs (and with the global scheduler, pull work), in the running loop."""
+        """Read the engine's outputs, in the running loop."""
         if self._output_task is None:
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
-        if self.scheduler is not None:
-            self.scheduler.start(self)
 
     async def _output_loop(self) -> None:
         try:
@@ -327,52 +276,27 @@ class AsyncLLM(FrontEnd):
             await asyncio.sleep(0.05)
         self.socket = self._connect()
         self.generation = self.engine_watch.generation
-        previous_loras = list(self.loras.values())
         self.stats, self.sent_since_stats, self.last_heard = None, 0, 0.0
         self._vocabulary_task = None  # the new engine needs the grammar vocabulary again
-        self.loras, self.loras_version, self.engine_loras_version = {}, -1, 0
         self.dead_reason = None
         logger.info("Connected to the restarted engine (pid %d)", self.engine_pid)
-        if previous_loras:
-            asyncio.get_running_loop().create_task(self._restore_loras(previous_loras))
+        self._new_engine_loras()
         return True
 
-    async def _restore_loras(self, adapters: list[LoRARequest]) -> None:
-        """The adapters this front-end knew before the restart and the new engine lacks (loaded at run
-        time) are loaded again; with several API workers the first one to ask loads each."""
-        try:
-            await self.lora_call("list")
-            for adapter in adapters:
-                if adapter.lora_name not in self.loras:
-                    reply = await self.lora_call("add", adapter.lora_name, adapter.lora_path, adapter.base_model_name)
-                    if reply.error and adapter.lora_name not in self.loras:
-                        logger.error("LoRA adapter %s could not be loaded again: %s", adapter.lora_name, reply.error)
-                    else:
-                        logger.info("LoRA adapter %s loaded again after the engine restart", adapter.lora_name)
-        except EngineDeadError:
-            pass
-
     async def _handle(self, message: EngineCoreOutputs) -> None:
-        for reply in (message.lora_reply, message.sleep_reply):  # answers to lora_call / sleep_call
-            if reply is not None and reply.call_id in self._calls:
-                self._calls[reply.call_id].set_result(reply)
+        self._answer_calls(message)  # answers to lora_call / sleep_call
         if message.stats is not None:
             self.stats, self.sent_since_stats = message.stats, 0
-            self.engine_loras_version = message.stats.lora_version
             if self.on_stats is not None:
                 self.on_stats(message.stats)
         if message.pong is not None and message.pong in self._pings:
             self._pings[message.pong].set_result(True)
-        if not message.outputs:
-            return
-        outputs = message.outputs
-        if self.scheduler is not None:  # outputs of requests run for other instances go to them
-            outputs = await self.scheduler.route_outputs(outputs)
-        await self.deliver(outputs)
+        if message.outputs:
+            await self._engine_outputs(message.outputs)
 
     async def deliver(self, core_outputs: list[EngineCoreOutput]) -> None:
-        """Core outputs of this front-end's requests (from its engine, or from the instance running
-        one for it) to the requests' queues."""
+        """Core outputs of this front-end's requests (from its engine, or under the global scheduler from
+        the instance running one for it) to the requests' queues."""
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             await self._abort_core(stopped)
@@ -387,12 +311,8 @@ class AsyncLLM(FrontEnd):
             logger.error("Engine is dead (%s): failing %d pending requests", reason, len(self.queues))
         for queue in self.queues.values():
             queue.put_nowait(EngineDeadError(f"The engine is not running: {reason}"))
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(f"The engine is not running: {reason}"))
+        self._fail_calls(reason)
         self.output_processor.abort(list(self.output_processor.requests))
-        if self.scheduler is not None:
-            asyncio.get_running_loop().create_task(self.scheduler.engine_failed(reason))
 
     def shutdown(self) -> None:
         if self._output_task is not None:

@@ -38,7 +38,6 @@ class DataParallelAsyncLLM:
         self.model_config = first.model_config
         self.processor = first.processor  # validation and tokenization: the same for every replica
         self.tokenizer = first.tokenizer
-        self.scheduler = None  # the global scheduler is refused with data parallelism
         self.stats: SchedulerStats | None = None
         self._stats: list[SchedulerStats | None] = [None] * len(replicas)
         self._on_stats = None

@@ -1,5 +1,6 @@
-"""Errors the engine raises for input it refuses. Kept free of imports so that the HTTP layers
-(the API server and the router) can map them without loading the engine."""
+"""Errors the engine raises for input it refuses, and for an engine that is not running. Kept free
+of imports so that the HTTP layers (the API server and the router) can map them without loading the
+engine."""
 
 from __future__ import annotations
 
@@ -24,3 +25,7 @@ class InvalidRequestError(ValueError):
 
 class EngineAsleepError(ValueError):
     """A request sent to an engine that sleeps (LLM.sleep, POST /sleep): it is refused, 503."""
+
+
+class EngineDeadError(RuntimeError):
+    """The API server's engine process is not running (it died, or is being restarted): 503."""

@@ -36,8 +36,16 @@ from typing import NamedTuple
 
 import msgspec
 
-from splitserve.engine.global_scheduler_protocol import GlobalSchedulerConfig, InboxMessage, NodeBeat, QueuedRequest
-from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, queue_ttl_expired, refused_output
+from splitserve.engine.global_scheduler_protocol import (
+    GlobalSchedulerConfig,
+    InboxMessage,
+    NodeBeat,
+    QueuedRequest,
+    failed_output,
+    from_wire,
+    to_wire,
+)
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, queue_ttl_expired
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +64,9 @@ class RemoteRun(NamedTuple):
 
 
 class GlobalScheduler:
-    """One node's side: queue, pull, steal, forward. `engine` is the AsyncLLM of this API worker; it
-    calls submit(), route_outputs(), abort() and engine_failed(), and gets outputs of its requests
-    run elsewhere through deliver()."""
+    """One node's side: queue, pull, steal, forward. `engine` is this API worker's front-end, a
+    GlobalSchedulerAsyncLLM (engine/global_frontend.py); it calls submit(), route_outputs(), abort()
+    and engine_failed(), and gets outputs of its requests run elsewhere through deliver()."""
 
     def __init__(self, config: GlobalSchedulerConfig, model: str, capacity: int, ttl: float = 0.0):
         import redis.asyncio
@@ -260,7 +268,7 @@ class GlobalScheduler:
         try:
             await self.engine.send_core_request(request)
         except Exception as exc:  # noqa: BLE001 (the engine died meanwhile: the origin must hear)
-            failed = _failed(origin_id, f"this instance's engine could not take it ({exc})")
+            failed = failed_output(origin_id, f"this instance's engine could not take it ({exc})")
             if queued.origin == self.node:
                 self.local.discard(origin_id)
                 await self.engine.deliver([failed])
@@ -281,12 +289,7 @@ class GlobalScheduler:
                 continue
             if out.finished:
                 del self.foreign[out.request_id]
-            fst = out.first_scheduled_time
-            if fst is not None:
-                fst = time.time() - (time.monotonic() - fst)
-            by_origin.setdefault(run.origin, []).append(
-                msgspec.structs.replace(out, request_id=run.origin_id, first_scheduled_time=fst)
-            )
+            by_origin.setdefault(run.origin, []).append(to_wire(out, run.origin_id))
         for origin, outs in by_origin.items():
             await self._post(origin, InboxMessage("outputs", self.node, outputs=outs))
         self._finished(own)
@@ -308,7 +311,7 @@ class GlobalScheduler:
         by_origin = {}
         for run in runs.values():
             by_origin.setdefault(run.origin, []).append(
-                _failed(run.origin_id, f"the instance running it failed ({reason})")
+                failed_output(run.origin_id, f"the instance running it failed ({reason})")
             )
         for origin, outs in by_origin.items():
             await self._post(origin, InboxMessage("outputs", self.node, outputs=outs))
@@ -346,14 +349,8 @@ class GlobalScheduler:
         elif message.kind == "abort_clients":
             await self._abort_clients(message.request_ids)
         elif message.kind == "outputs":
-            outputs = []
-            for out in message.outputs:
-                if out.request_id not in self.remote:
-                    continue  # aborted here meanwhile
-                fst = out.first_scheduled_time
-                if fst is not None:
-                    fst = time.monotonic() - (time.time() - fst)
-                outputs.append(msgspec.structs.replace(out, first_scheduled_time=fst))
+            # Those not in self.remote were aborted here meanwhile.
+            outputs = [from_wire(out) for out in message.outputs if out.request_id in self.remote]
             self._finished(outputs)
             await self.engine.deliver(outputs)
 
@@ -389,11 +386,7 @@ class GlobalScheduler:
             raw = beats.get(node.encode())
             if raw is None or now - self._beat_decoder.decode(raw).beat_at > HEARTBEAT_TIMEOUT_S:
                 del self.remote[rid]
-                failed.append(_failed(rid, f"the instance running it ({node}) stopped answering"))
+                failed.append(failed_output(rid, f"the instance running it ({node}) stopped answering"))
         if failed:
             logger.error("Global scheduler: %d requests failed: the instance running them stopped", len(failed))
             await self.engine.deliver(failed)
-
-
-def _failed(request_id: str, why: str) -> EngineCoreOutput:
-    return refused_output(request_id, f"The request failed: {why}.")

@@ -1,13 +1,15 @@
 """The global scheduler's options and what its nodes put in Redis (engine/global_scheduler.py says how
-they use it): a queued request, a message to a node's inbox, a node's heartbeat."""
+they use it): a queued request, a message to a node's inbox (outputs on their way between nodes), a
+node's heartbeat."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 
-from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, refused_output
 
 
 @dataclasses.dataclass
@@ -43,6 +45,28 @@ class NodeBeat(msgspec.Struct, array_like=True):
     model: str
     running: int
     beat_at: float  # time.time()
+
+
+def to_wire(out: EngineCoreOutput, origin_id: str) -> EngineCoreOutput:
+    """An output of a request run for another node, as its origin gets it: under the origin's id, with
+    first_scheduled_time in wall time (nodes do not share a monotonic clock)."""
+    fst = out.first_scheduled_time
+    if fst is not None:
+        fst = time.time() - (time.monotonic() - fst)
+    return msgspec.structs.replace(out, request_id=origin_id, first_scheduled_time=fst)
+
+
+def from_wire(out: EngineCoreOutput) -> EngineCoreOutput:
+    """At the origin: first_scheduled_time back on this process's monotonic clock."""
+    fst = out.first_scheduled_time
+    if fst is not None:
+        fst = time.monotonic() - (time.time() - fst)
+    return msgspec.structs.replace(out, first_scheduled_time=fst)
+
+
+def failed_output(request_id: str, why: str) -> EngineCoreOutput:
+    """The end of a request that failed on its way between nodes (a 503 at its origin)."""
+    return refused_output(request_id, f"The request failed: {why}.")
 
 
 def check_reachable(config: GlobalSchedulerConfig) -> None:

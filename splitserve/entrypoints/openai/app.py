@@ -42,9 +42,10 @@ _OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/r
 def build_app(engine: AsyncLLM, config: EngineConfig, server_args, index: int = 0) -> FastAPI:
     metrics = Metrics(config.model_config.served_model_name, index, server_args.metrics_prefix)
     engine.on_stats = metrics.record_engine_stats
-    if engine.scheduler is not None:
-        engine.scheduler.on_stolen = metrics.global_scheduler_stolen.inc
-        engine.scheduler.on_remote = metrics.global_scheduler_remote.inc
+    global_scheduler = getattr(engine, "global_scheduler", None)  # GlobalSchedulerAsyncLLM's
+    if global_scheduler is not None:
+        global_scheduler.on_stolen = metrics.global_scheduler_stolen.inc
+        global_scheduler.on_remote = metrics.global_scheduler_remote.inc
     engine.set_inter_token_hook(metrics.record_inter_token)
     completion = OpenAIServingCompletion(engine, config, server_args, metrics)
     chat = OpenAIServingChat(engine, config, server_args, metrics)

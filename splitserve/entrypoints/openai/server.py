@@ -223,8 +223,9 @@ def serve_worker(
     supervisors=None,
     watches=None,
 ) -> None:
-    """One API server process: a front-end over the engine replicas (an AsyncLLM, or with data
-    parallelism a DataParallelAsyncLLM over one per replica) and uvicorn on the shared socket. With
+    """One API server process: a front-end over the engine replicas (an AsyncLLM, with the global
+    scheduler a GlobalSchedulerAsyncLLM, or with data parallelism a DataParallelAsyncLLM over one per
+    replica) and uvicorn on the shared socket. With
     one worker, this process also runs the engines' `supervisors`; a worker of several follows the
     parent's restarts through `watches` (their EngineWatches)."""
     import uvicorn
@@ -243,10 +244,25 @@ def serve_worker(
 
     if supervisors is not None:
         watches = [s.watch for s in supervisors]
+    global_scheduler = None
+    if server_args.scheduler_name == "global":  # one replica: refused with data parallelism
+        from splitserve.engine.global_scheduler import GlobalScheduler
+        from splitserve.entrypoints.openai.args import global_scheduler_config
+
+        model, sched = config.model_config.served_model_name, config.scheduler_config
+        global_scheduler = GlobalScheduler(
+            global_scheduler_config(server_args), model, sched.max_num_seqs, sched.waiting_ttl
+        )
     replicas = []
     for address, watch in zip(addresses, watches):
         tokenizer = replicas[0].tokenizer if replicas else None
-        replicas.append(AsyncLLM(config.model_config, address, watch.pid, index, watch, tokenizer))
+        args = (config.model_config, address, watch.pid, index, watch, tokenizer)
+        if global_scheduler is None:
+            replicas.append(AsyncLLM(*args))
+        else:
+            from splitserve.engine.global_frontend import GlobalSchedulerAsyncLLM
+
+            replicas.append(GlobalSchedulerAsyncLLM(global_scheduler, *args))
         replicas[-1].output_processor.stream_interval = server_args.stream_interval
     if len(replicas) == 1:
         engine = replicas[0]
@@ -255,13 +271,6 @@ def serve_worker(
 
         engine = DataParallelAsyncLLM(replicas)
     engine.scheduling_policy = config.scheduler_config.policy
-    if server_args.scheduler_name == "global":
-        from splitserve.engine.global_scheduler import GlobalScheduler
-        from splitserve.entrypoints.openai.args import global_scheduler_config
-
-        model, sched = config.model_config.served_model_name, config.scheduler_config
-        scheduler = GlobalScheduler(global_scheduler_config(server_args), model, sched.max_num_seqs, sched.waiting_ttl)
-        engine.use_global_scheduler(scheduler)
     app = build_app(engine, config, server_args, index)
     servers = [uvicorn.Server(uvicorn.Config(app, log_level=server_args.uvicorn_log_level, timeout_keep_alive=30))]
     sockets = [[sock]]
@@ -279,13 +288,13 @@ def serve_worker(
             supervisor.stopping = lambda: any(s.should_exit for s in servers)
             restarts.append(asyncio.ensure_future(supervisor.run()))
             restarts[-1].add_done_callback(lambda _: [setattr(s, "should_exit", True) for s in servers])
-        if engine.scheduler is not None:
+        if global_scheduler is not None:
             engine.start()  # pulls work from the other instances even before its own first request
         try:
             await asyncio.gather(*(s.serve(sockets=socks) for s, socks in zip(servers, sockets)))
         finally:
-            if engine.scheduler is not None:
-                await engine.scheduler.close()
+            if global_scheduler is not None:
+                await global_scheduler.close()
             for task in restarts:
                 task.cancel()
             await asyncio.gather(*restarts, return_exceptions=True)
