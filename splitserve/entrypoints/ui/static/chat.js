@@ -202,7 +202,10 @@ function requestBody(conv) {
       messages.push({ role: m.role, content: m.content });
     }
   }
+  // return_timings: the server's own decode rate comes with the last chunk (docs/gateway.md); the
+  // browser's clock would measure how the chunks were buffered on the way.
   const body = { model: conv.model || undefined, messages, stream: true, stream_options: { include_usage: true } };
+  body.return_timings = true;
   for (const name of NUMBERS) if (s[name] !== "" && s[name] != null) body[name] = Number(s[name]);
   if (s.json) body.response_format = { type: "json_object" };
   if (s.tools?.trim()) {
@@ -285,6 +288,7 @@ async function stream(conv, answer, view) {
       const event = JSON.parse(data);
       if (event.error) throw new Error(event.error.message ?? JSON.stringify(event.error));
       if (event.usage) answer.stats.tokens = event.usage.completion_tokens;
+      if (event.timings) answer.timings = event.timings;
       for (const choice of event.choices ?? []) {
         const d = choice.delta ?? {};
         const reasoning = d.reasoning_content ?? d.reasoning;
@@ -308,7 +312,8 @@ async function stream(conv, answer, view) {
     const end = performance.now();
     const tokens = answer.stats.tokens ?? (deltas || null);
     answer.stats = { tokens, ttft: first === null ? null : first - started };
-    if (first !== null && tokens > 1 && end > first) answer.stats.tps = ((tokens - 1) * 1000) / (end - first);
+    if (answer.timings?.predicted_ms > 0) answer.stats.tps = answer.timings.predicted_per_second;
+    else if (first !== null && tokens > 1 && end > first) answer.stats.tps = ((tokens - 1) * 1000) / (end - first);
     Object.assign(state, { controller: null, streaming: null });
     setBusy(false);
     delete view.querySelector(".content").dataset.shown; // rendered once more, with copy buttons
