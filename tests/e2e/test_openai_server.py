@@ -295,7 +295,7 @@ def test_models_tokenize_detokenize_version(server, client):
     version = httpx.get(f"{server.url}/version", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     assert version.json()["version"]
     role = httpx.get(f"{server.url}/pd_role", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
-    assert role.json() == {"pd_role": "mixed", "block_size": 16}  # what the PD router checks (NODE_PORTS)
+    assert role.json() == {"pd_role": "mixed", "epoch": 0, "block_size": 16}  # what the PD router checks
 
 
 def test_metrics_count_requests(server, client):
