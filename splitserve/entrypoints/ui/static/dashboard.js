@@ -1,7 +1,7 @@
 // The dashboard (GET /dashboard): this server's state, live, from its own /metrics (Prometheus text,
 // parsed here) polled every second; on the PD router also GET router/instances (each instance's
 // role, health and load). Cards show the values now, charts the last five minutes.
-import { $, ApiError, api, errorText, keyButton, vendor } from "./common.js";
+import { $, ApiError, api, apiKey, errorText, keyButton, vendor } from "./common.js";
 
 const KIND = document.body.dataset.kind; // "server" or "router"
 const POLL_MS = 1000;
@@ -236,6 +236,14 @@ let recentRequests = []; // GET recent_requests: this API process's last finishe
 
 const ms = (s) => (s == null ? "—" : `${Math.round(1000 * s)} ms`);
 
+/** GET recent_requests, with the API key when one is known. It is behind the key where /metrics may be
+ * open: without a key the table stays hidden and nothing asks for one (the rest of the page works). */
+async function recentOrNull() {
+  const key = apiKey();
+  const response = await fetch("recent_requests", key ? { headers: { Authorization: `Bearer ${key}` } } : {});
+  return response.ok ? (await response.json()).data : null;
+}
+
 /** The last finished requests with their timings, most recent first. */
 function renderRecent() {
   $("recent").hidden = recentRequests.length === 0;
@@ -257,9 +265,9 @@ async function poll() {
     const [text, routerInstances, recent] = await Promise.all([
       fetchOk("metrics").then((r) => r.text()),
       KIND === "router" ? fetchOk("router/instances").then((r) => r.json()) : null,
-      KIND === "router" ? null : fetchOk("recent_requests").then((r) => r.json()),
+      KIND === "router" ? null : recentOrNull(),
     ]);
-    recentRequests = recent?.data ?? [];
+    recentRequests = recent ?? [];
     const m = parseMetrics(text);
     const name = [...m.keys()].find((n) => /^\w+:(num_requests_running|generation_tokens_total)$/.test(n));
     if (name) prefix = name.split(":")[0];
