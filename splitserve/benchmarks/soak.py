@@ -138,10 +138,7 @@ async def _sampler(
         )
         if stop.is_set():
             return
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval)
-        except asyncio.TimeoutError:
-            pass
+        await probe.stopped_within(stop, interval)
 
 
 async def _killer(
@@ -150,12 +147,7 @@ async def _killer(
     """kill -9 of a random engine process under `root` every `every` seconds, each one noted, while
     the traffic has min(every, 30) seconds left to show the recovery."""
     started = time.monotonic()
-    while True:
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=every)
-            return
-        except asyncio.TimeoutError:
-            pass
+    while not await probe.stopped_within(stop, every):
         if deadline - time.monotonic() < min(every, 30.0):
             return
         engines = probe.engine_processes(root)

@@ -4,6 +4,7 @@ and their resident memory (from /proc), the instances behind a PD router, and ea
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
@@ -93,6 +94,16 @@ def describe(pid: int) -> str:
     if any("multiprocessing" in arg for arg in argv):
         return f"child of a server ({comm})"
     return comm
+
+
+async def stopped_within(stop, seconds: float) -> bool:
+    """Wait `seconds` (for the soak's periodic helpers): True as soon as `stop` (an asyncio.Event) is set."""
+
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 def metric_value(text: str, name: str) -> float | None:

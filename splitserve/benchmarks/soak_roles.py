@@ -66,12 +66,7 @@ async def switcher(
 ) -> None:
     """A switch every `every` seconds while the traffic has time left to show the new role's work."""
     started = time.monotonic()
-    while True:
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=every)
-            return
-        except asyncio.TimeoutError:
-            pass
+    while not await probe.stopped_within(stop, every):
         if deadline - time.monotonic() < _WATCH_S:
             return
         roles = dict(await asyncio.to_thread(probe.router_instances, router_url))

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import datetime, timezone
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from splitserve.disagg.policies import Upstream
-from splitserve.entrypoints.openai.loads import aggregate
+from splitserve.entrypoints.openai.loads import aggregate, loads_answer
 from splitserve.entrypoints.orca import NamedMetrics, OrcaLoadMiddleware, named_load_metrics
 from splitserve.entrypoints.router.pool import UpstreamPool
 from splitserve.entrypoints.router.relay import UPSTREAM_ERRORS, describe_error, status_reason
-from splitserve.version import __version__
 
 ORCA_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -65,14 +63,7 @@ async def router_loads(pool: UpstreamPool, query: str) -> dict:
     """The body of the router's GET /v1/loads."""
     rows = await asyncio.gather(*(instance_loads(pool, inst, query) for inst in pool.all_instances()))
     loads = [entry for row in rows for entry in row.pop("loads", [])]
-    return {
-        "timestamp": datetime.now(timezone.utc).isoformat(),
-        "version": __version__,
-        "dp_rank_count": len(loads),
-        "loads": loads,
-        "aggregate": aggregate(loads),
-        "instances": list(rows),
-    }
+    return {**loads_answer(loads), "instances": list(rows)}
 
 
 def add_load_signals(app: FastAPI, pool: UpstreamPool) -> None:
