@@ -74,7 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         metavar="DIR",
         help="run splitserve's timed generate under torch.profiler: a Chrome trace in DIR and a summary of GPU "
-        "busy time, top kernels and top host operators (slower: not a speed figure)",
+        "busy time, top kernels and top host operators (slower: not a speed figure); the host's time per "
+        "engine step by phase (--step-breakdown) is printed too",
+    )
+    parser.add_argument(
+        "--step-breakdown",
+        action="store_true",
+        help="print the host's time per engine step by phase (scheduling, input preparation, forward, sampling, "
+        "output processing...), per step and per request, measured without the profiler",
     )
 
 
@@ -115,7 +122,10 @@ def make_workload(ns: argparse.Namespace, vocab_size: int, special_ids: set[int]
     return Workload(prompts, output_lens)
 
 
-def run_splitserve(args: EngineArgs, workload: Workload, temperature: float, profile: str | None = None) -> Result:
+def run_splitserve(
+    args: EngineArgs, workload: Workload, temperature: float, profile: str | None = None, breakdown: bool = False
+) -> Result:
+    from splitserve import step_timing
     from splitserve.benchmarks.profiling import profiled
     from splitserve.config import resolve_device
     from splitserve.entrypoints.llm import LLM
@@ -130,9 +140,13 @@ def run_splitserve(args: EngineArgs, workload: Workload, temperature: float, pro
     per_expert = getattr(args, "data_parallel_size", 1) == 1  # replicas count their experts in their own processes
     before = llm.llm_engine.expert_load() if per_expert else {}
     with profiled(profile, cuda=resolve_device(args.device).type == "cuda"):
+        timer = step_timing.start() if breakdown or profile else None
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
         elapsed = time.perf_counter() - start
+        step_timing.stop()
+    if timer is not None:
+        print(timer.report())
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(workload.output_lens), "ignore_eos requests must produce exactly max_tokens"
     after = llm.llm_engine.expert_load() if per_expert else {}
@@ -222,7 +236,11 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
     results = []
     for backend in dict.fromkeys(ns.backend):
         if backend == "splitserve":
-            results.append(run_splitserve(args, workload, ns.temperature, getattr(ns, "profile", None)))
+            results.append(
+                run_splitserve(
+                    args, workload, ns.temperature, getattr(ns, "profile", None), getattr(ns, "step_breakdown", False)
+                )
+            )
         else:
             results.append(run_hf(args, workload, ns.temperature, ns.hf_max_batch_size))
         gc.collect()

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent import futures
-from concurrent.futures import Future
 
-from splitserve import kernels
+from splitserve import kernels, step_timing
 from splitserve.config import EngineConfig
 from splitserve.engine import messages, pd, startup
 from splitserve.engine.expert_stats import ExpertLoadWatch
@@ -83,7 +81,6 @@ class EngineCore:
         self.step_inputs = StepInputBuilder(self.kv_manager)
         self.speculator = Speculator(config.speculative_config, config.model_config.max_model_len)
         self.structured_output = StructuredOutputManager(config.model_config, self._tokenizer)
-        self._compiling: dict[str, tuple[Request, Future]] = {}  # guided requests whose grammar compiles
         self._pending_outputs: list[EngineCoreOutput] = []  # outputs of requests that never ran
         self._in_flight: tuple[SchedulePlan, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
@@ -135,16 +132,15 @@ class EngineCore:
         core_request = Request.from_engine_core_request(request)
         if self._ntk_length is not None and core_request.num_prompt_tokens > self._ntk_length:
             core_request.rope_scaling_len = core_request.num_prompt_tokens
-        guide = core_request.sampling_params.guided_decoding
-        if guide is None:
+        if core_request.sampling_params.guided_decoding is None:
             self.scheduler.add_request(core_request)
         else:  # the scheduler sees it once its grammar is compiled, off the engine loop
-            self._compiling[core_request.request_id] = (core_request, self.structured_output.submit(guide))
+            self.structured_output.admit(core_request)
 
     def abort_requests(self, request_ids) -> None:
         """Abort requests by id. A prefill instance's leased request (finished, its KV kept for a
         decode instance) gives up its lease: its blocks are freed at the next poll_connector()."""
-        request_ids = [rid for rid in request_ids if self._compiling.pop(rid, None) is None]
+        request_ids = [rid for rid in request_ids if not self.structured_output.discard(rid)]
         for rid in request_ids:
             if rid in self.scheduler.leased and self.connector is not None:
                 self.connector.release_lease(rid)
@@ -156,7 +152,7 @@ class EngineCore:
         Leased prefill requests among them give up their lease, as with abort_requests."""
         wanted = set(client_request_ids)
         found = [rid for rid, r in self.scheduler.requests.items() if r.client_request_id in wanted]
-        found += [rid for rid, (r, _) in self._compiling.items() if r.client_request_id in wanted]
+        found += [rid for rid, (r, _) in self.structured_output.compiling.items() if r.client_request_id in wanted]
         self.abort_requests(found)
         return found
 
@@ -164,22 +160,14 @@ class EngineCore:
         return (
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
-            or bool(self._compiling or self._pending_outputs)
+            or bool(self.structured_output.compiling or self._pending_outputs)
         )
 
     def _admit_compiled(self) -> None:
-        """Guided requests whose grammar is ready join the scheduler with a matcher of their own."""
-        for rid, (request, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[rid]
-            try:
-                compiled = future.result()
-            except Exception as exc:  # the front-end compiled it too, so this is not the client's error
-                logger.error("Request %s: its grammar did not compile in the engine: %s", rid, exc)
-                self._pending_outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
-                continue
-            request.grammar = self.structured_output.matcher(compiled, sorted(request.stop_token_set))
+        """Guided requests whose grammar is ready join the scheduler."""
+        ready, failed = self.structured_output.take_compiled()
+        self._pending_outputs += [EngineCoreOutput(rid, [], finish_reason="abort") for rid in failed]
+        for request in ready:
             self.scheduler.add_request(request)
 
     # --- the loop bodies --------------------------------------------------------------------
@@ -190,7 +178,8 @@ class EngineCore:
         if sched is None:
             self._wait_for_grammars()
             return outputs
-        return outputs + self._update(sched, self.executor.collect(self._launch(sched)))
+        handle = self._launch(sched)
+        return outputs + self._update(sched, self._collect(handle))
 
     def step_with_overlap(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N+1, then finish step N while the device computes N+1. A step
@@ -222,15 +211,15 @@ class EngineCore:
     def _wait_for_grammars(self) -> None:
         """Nothing can run until a grammar is compiled: wait for one (briefly, so that new requests
         and aborts are still read) instead of spinning, which would starve the compiling thread."""
-        if self._compiling and self._in_flight is None:
-            futures.wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=futures.FIRST_COMPLETED)
+        if self.structured_output.compiling and self._in_flight is None:
+            self.structured_output.wait_for_any(timeout=0.05)
 
     def _take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
     def _schedule(self) -> SchedulePlan | None:
-        if self._compiling:
+        if self.structured_output.compiling:
             self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return None
@@ -241,6 +230,7 @@ class EngineCore:
         if sched.kv_pulls:  # the offloading tier's copies go to the ranks before the pulls, not with the step
             offload_ops, sched.kv_offload = sched.kv_offload, None
             self.connector.submit_pulls(sched.kv_pulls, offload_ops)
+        step_timing.lap("scheduling")
         return None if sched.is_empty else sched
 
     @staticmethod
@@ -262,9 +252,16 @@ class EngineCore:
                 request.first_scheduled_time = now
         step_input = self.step_inputs.build(sched)
         step_input.grammar_bitmasks = self._grammar_bitmasks(sched, step_input)
+        step_timing.lap("step input")
         handle = self.executor.launch(step_input)
         self.scheduler.advance(sched)
+        step_timing.lap("scheduling")
         return handle
+
+    def _collect(self, handle) -> ModelRunnerOutput:
+        result = self.executor.collect(handle)
+        step_timing.lap("waiting for the device")
+        return result
 
     def _grammar_bitmasks(self, sched: SchedulePlan, step_input) -> dict[str, bytes]:
         """The next-token bitmask of every guided request that samples in this step."""
@@ -275,7 +272,7 @@ class EngineCore:
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         sched, handle = self._in_flight
         self._in_flight = None
-        return self._update(sched, self.executor.collect(handle))
+        return self._update(sched, self._collect(handle))
 
     def _update(self, sched: SchedulePlan, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record a finished step's tokens in its requests and turn them into outputs."""
@@ -294,24 +291,12 @@ class EngineCore:
             self.speculator.finish(request)
         self.step_inputs.forget(r.request_id for r in finished)
         self.speculator.propose(self.scheduler.running, result.draft_token_ids)
+        step_timing.lap("update")
+        step_timing.count_step(len(sched.scheduled))
         return list(outputs.values())
 
     def _advance_grammars(self, updated: list[Request]) -> None:
-        """Each guided request's matcher takes its new tokens; a grammar that has ended (its stop
-        token accepted) ends the request, even one that ignores end-of-sequence tokens."""
-        ended = []
-        for request in updated:
-            for token in request.new_token_ids if request.grammar is not None else ():
-                if request.grammar.is_terminated():
-                    break
-                if not request.grammar.accept_token(token):
-                    logger.error(
-                        "Request %s: token %d is outside its grammar; the request is stopped", request.request_id, token
-                    )
-                    ended.append(request.request_id)
-                    break
-                if request.grammar.is_terminated() and not request.is_finished():
-                    ended.append(request.request_id)
+        ended = self.structured_output.advance(updated)
         if ended:
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from splitserve import step_timing
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
@@ -81,9 +82,11 @@ class LLMEngine(FrontEnd):
         self.engine_core.abort_requests(self.output_processor.abort(request_ids))
 
     def step(self) -> list[RequestOutput]:
+        step_timing.lap("other")
         self.engine_core.poll_connector()
         core_outputs = self.engine_core.step_fn()
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        step_timing.lap("output processing")
         if stopped:
             self.engine_core.abort_requests(stopped)
         for output in outputs:

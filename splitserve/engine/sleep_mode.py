@@ -60,7 +60,7 @@ class EngineSleep:
                 f"{len(sched.leased)} KV lease(s) and {len(sched.receiving)} KV pull(s) are open: wait until the "
                 f"decode instances have pulled (or the leases expired) before {action}."
             )
-        busy = len(sched.requests) + len(core._compiling) + (core._in_flight is not None)
+        busy = len(sched.requests) + len(core.structured_output.compiling) + (core._in_flight is not None)
         if busy:
             raise ValueError(f"{busy} request(s) are in the engine: let them finish or abort them before {action}.")
 

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import threading
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from splitserve.sampling_params import GuidedDecodingParams
@@ -92,7 +93,59 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler: GuideCompiler | None = None  # made on first use: the engine needs no tokenizer otherwise
         self._tokenizer_info = None  # what a front-end sent (GrammarVocabulary), if it did
+        self.compiling: dict[str, tuple[object, Future]] = {}  # request id -> (Request, its grammar's future)
 
+    # --- requests waiting for their grammar, outside the scheduler ------------------------------
+    def admit(self, request) -> None:
+        """A guided request: its grammar compiles off the engine loop; take_compiled() hands it back."""
+        self.compiling[request.request_id] = (request, self.submit(request.sampling_params.guided_decoding))
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a request still compiling (aborted); whether it was."""
+        return self.compiling.pop(request_id, None) is not None
+
+    def take_compiled(self) -> tuple[list, list[str]]:
+        """The requests whose grammar is ready, each with a matcher of its own, and the ids of those
+        whose grammar failed to compile (the front-end compiled it too: not the client's error)."""
+        ready, failed = [], []
+        for rid, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                compiled = future.result()
+            except Exception as exc:
+                logger.error("Request %s: its grammar did not compile in the engine: %s", rid, exc)
+                failed.append(rid)
+                continue
+            request.grammar = self.matcher(compiled, sorted(request.stop_token_set))
+            ready.append(request)
+        return ready, failed
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Until one grammar compiles, or timeout seconds."""
+        futures.wait([f for _, f in self.compiling.values()], timeout=timeout, return_when=futures.FIRST_COMPLETED)
+
+    def advance(self, updated: list) -> list[str]:
+        """Each guided request's matcher takes its new tokens. Returns the ids of the requests to
+        stop: a grammar that has ended (its stop token accepted) ends its request, even one that
+        ignores end-of-sequence tokens, and so does a token outside the grammar."""
+        ended = []
+        for request in updated:
+            for token in request.new_token_ids if request.grammar is not None else ():
+                if request.grammar.is_terminated():
+                    break
+                if not request.grammar.accept_token(token):
+                    logger.error(
+                        "Request %s: token %d is outside its grammar; the request is stopped", request.request_id, token
+                    )
+                    ended.append(request.request_id)
+                    break
+                if request.grammar.is_terminated() and not request.is_finished():
+                    ended.append(request.request_id)
+        return ended
+
+    # --- compiling -------------------------------------------------------------------------------
     def submit(self, guide: GuidedDecodingParams) -> Future:
         """Compile off the engine loop; the future's result is the CompiledGrammar."""
         return self._pool.submit(self._compile, guide)

@@ -8,13 +8,14 @@ import logging
 import numpy as np
 import torch
 
+from splitserve import step_timing
 from splitserve.config import EngineConfig, cpu_kv_cache_bytes
 from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 from splitserve.executor.cuda_graph import CUDAGraphRunner, capture_sizes
 from splitserve.executor.encoder_cache import EncoderCache
-from splitserve.executor.gpu_memory import profile_cuda_memory
+from splitserve.executor.gpu_memory import profile_cuda_memory, run_largest_step
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.in_flight import InFlightStep, collect_pooled, collect_samples
 from splitserve.executor.input_batch import CachedRequestState, InputBatch
@@ -24,7 +25,7 @@ from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.mrope import remember_prompt_positions, step_positions
 from splitserve.executor.pooler import pool_step
 from splitserve.executor.prompt_logprobs import prompt_logprobs
-from splitserve.executor.sampler import Sampler, SamplingMetadata, apply_token_bitmask
+from splitserve.executor.sampler import Sampler, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.kernels import batch_invariant, cpu_memory
@@ -32,7 +33,6 @@ from splitserve.layers.moe import FusedMoE, expert_load, moe_capturable
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model
 from splitserve.quantization.kv_cache import kv_cache_spec
-from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -205,49 +205,9 @@ class ModelRunner:
         )
         self.graph_runner.capture_all()
 
-    @torch.inference_mode()
     def profile_run(self) -> tuple[int, int]:
-        """The largest step the scheduler can make, on dummy tokens: max_step_tokens prompt tokens
-        (the budget and the prompt tails it may finish) spread over up to max_num_seqs requests,
-        then logits and top-k/top-p sampling for max_num_seqs rows, over a throwaway KV cache of
-        just the blocks it needs. Returns (tokens in the step, bytes of the throwaway cache), for
-        measuring the activation peak (gpu_memory)."""
-        sc = self.config.scheduler_config
-        num_tokens = min(sc.max_step_tokens, sc.max_num_seqs * sc.max_model_len)
-        num_seqs = min(sc.max_num_seqs, num_tokens)
-        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        rows, num_blocks = [], 0
-        for i, n in enumerate(lens):
-            count = -(-n // self.block_size)
-            state = CachedRequestState(
-                f"profile-{i}", [0] * n, SamplingParams(), set(), list(range(num_blocks, num_blocks + count))
-            )
-            rows.append((state, ScheduledRequest(state.request_id, 0, n, [0] * n, [], samples=False)))
-            num_blocks += count
-        bound = [(layer.kv_cache, layer.kv_scales) for layer in self.model.attention_layers()]
-        self._allocate_kv_cache(num_blocks)
-        batch = InputBatch.build(rows, self.block_size)
-        meta = self._attention_metadata(batch)
-        dev = self.device
-        hidden = self._forward(
-            to_device(batch.input_ids, torch.long, dev), to_device(batch.positions, torch.long, dev), meta
-        )
-        if hidden is not None:
-            last_tokens = [meta.query_start_loc[i % num_seqs + 1] - 1 for i in range(sc.max_num_seqs)]
-            logits = self.model.compute_logits(hidden[last_tokens])
-            vocab = logits.shape[-1]
-            self.sampler(
-                logits,
-                SamplingMetadata(
-                    temperature=torch.ones(len(logits), device=dev),
-                    all_greedy=False,
-                    top_k=torch.full((len(logits),), vocab // 2, dtype=torch.long, device=dev),
-                    top_p=torch.full((len(logits),), 0.9, device=dev),
-                ),
-            )
-        for layer, (cache, scales) in zip(self.model.attention_layers(), bound):
-            layer.kv_cache, layer.kv_scales = cache, scales
-        return num_tokens, num_blocks * self.kv_bytes_per_block()
+        """The largest step the scheduler can make, on dummy tokens (gpu_memory.run_largest_step)."""
+        return run_largest_step(self)
 
     # --- requests ---------------------------------------------------------------------------
     def _update_states(self, step: StepInput) -> list[tuple[CachedRequestState, ScheduledRequest]]:
@@ -287,6 +247,7 @@ class ModelRunner:
         meta = self._attention_metadata(batch)
         input_ids = self._input_ids(batch, previous)
         positions = self._positions(batch)
+        step_timing.lap("input preparation")
         if batch.mm_spans and self.encoder_cache is not None:  # images: the step starts from embeddings
             embeds = self.encoder_cache.inputs_embeds(self.model, input_ids, batch.mm_spans)
             hidden = self._forward(input_ids, positions, meta, inputs_embeds=embeds)
@@ -296,6 +257,7 @@ class ModelRunner:
             )
         else:
             hidden = self._forward(input_ids, positions, meta)
+        step_timing.lap("forward")
         if hidden is None:  # a pipeline stage before the last: its share of the step is done
             return InFlightStep([], [], ready=StepReady(self.device))
         slots = batch.sample_slots
@@ -316,6 +278,7 @@ class ModelRunner:
             tensors = prompt_logprobs(self.model, request, hidden, span)
             step.prompt_host[request.request_id] = [start_host_copy(t) for t in tensors]
         step.ready = StepReady(self.device)
+        step_timing.lap("sampling")
         return step
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:

@@ -316,6 +316,11 @@ def test_throughput_benchmark_runs_both_backends_on_dummy_weights(tmp_path, smol
     assert "where the time went" in out and "matmuls" in out and "outside operators" in out  # the CPU breakdown
     (trace,) = (tmp_path / "profile").iterdir()
     assert trace.name.endswith(".json") and trace.stat().st_size > 0
+    # and the host's time per engine step by phase (splitserve/step_timing.py)
+    breakdown = out[out.index("Host time per engine step") :]
+    for phase in ("scheduling", "input preparation", "forward", "sampling", "update", "output processing"):
+        (line,) = [line for line in breakdown.splitlines() if line.startswith(phase + " ")]
+        assert float(line.split()[-3]) > 0, line  # ms per step
 
 
 def test_the_cpu_breakdown_sorts_operators_into_categories():

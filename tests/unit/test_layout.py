@@ -24,6 +24,7 @@ LEAVES = {
     "version",
     "spec_decode",
     "tracing",
+    "step_timing",
     "json_config",
 }
 # The layers each layer imports besides the leaves, top to bottom (docs/design.md's table): exactly the
