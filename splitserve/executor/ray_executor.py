@@ -160,58 +160,24 @@ class RayDistributedExecutor(Executor):
                 raise RankDiedError(reply.error)
         return replies
 
-    def _call(self, method: str, *args) -> list:
+    def collective_rpc(self, method: str, *args) -> list:
         return [reply.value for reply in self._expect_all(self._send_all(Call(method, list(args))))]
 
     # --- the Executor interface -------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks"))
-
-    def determine_num_cpu_blocks(self, nbytes: int | None = None) -> int:
-        return min(self._call("determine_num_cpu_blocks", nbytes))
-
-    def _rank_expert_load(self) -> list[dict[int, list[int]]]:
-        return self._call("expert_load")
-
-    def kv_cache_memory(self) -> tuple[int, int]:
-        per_rank = self._call("kv_cache_memory")
-        return sum(a for a, _ in per_rank), sum(r for _, r in per_rank)
-
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0) -> None:
-        self._call("initialize_kv_cache", num_blocks, num_cpu_blocks, num_offload_blocks)
-
-    def capture_cuda_graphs(self) -> None:
-        self._call("capture_cuda_graphs")
-
     def launch(self, step_input: StepInput) -> None:
         self._send_all(Launch(step_input))  # answered by nothing: a failure is the next answer
 
     def collect(self, handle: None) -> ModelRunnerOutput:
         return self._expect_all(self._send_all(Collect()))[self.output_rank].output
 
-    def add_lora(self, lora) -> None:
-        self._call("add_lora", lora)
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        self._call("remove_lora", lora_int_id)
-
-    def sleep(self, level: int) -> None:
-        self._call("sleep", level)
-
-    def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
-        self._call("wake_up", num_blocks, num_cpu_blocks, weights)
-
-    def call_kv_connector(self, method: str, *args) -> list:
-        return self._call("kv_connector", method, list(args))
-
     def check_health(self) -> None:
-        self._call("ready")
+        self.collective_rpc("ready")
 
     def shutdown(self) -> None:
         import ray
 
         if self.actors:
-            self._wait_for_disk_tier(self._call)
+            self._wait_for_disk_tier()
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
