@@ -23,6 +23,7 @@ from splitserve.executor.kv_memory import allocate_kv_cache, kv_memory_use
 from splitserve.executor.kv_offload import KVOffloadCopier
 from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.mrope import remember_prompt_positions, step_positions
+from splitserve.executor.persistent_batch import PersistentBatch
 from splitserve.executor.pooler import pool_step
 from splitserve.executor.prompt_logprobs import prompt_logprobs
 from splitserve.executor.sampler import Sampler, apply_token_bitmask
@@ -62,6 +63,7 @@ class ModelRunner:
         self.uses_rope_lengths = is_dynamic_ntk(config.model_config.hf_text_config)  # AttentionMetadata.rope_lengths
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the runner's own view of each live request
+        self.persistent = PersistentBatch(self.block_size)  # their rows, kept between steps
         self.kv_spec = kv_cache_spec(config.cache_config.cache_dtype, config.model_config.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None  # per layer, with a quantized cache only
@@ -213,17 +215,26 @@ class ModelRunner:
     def _update_states(self, step: StepInput) -> list[tuple[CachedRequestState, ScheduledRequest]]:
         """Forget finished requests, learn new ones, and take in each scheduled request's news."""
         for request_id in step.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.persistent.remove(state)
         for data in step.new_requests:
             state = self.requests[data.request_id] = CachedRequestState.from_new(data)
+            self.persistent.add(state)
             if self.uses_mrope:
                 remember_prompt_positions(self.model, state)
         rows = []
         for scheduled in step.scheduled:
             state = self.requests[scheduled.request_id]
             state.update(scheduled)
+            self.persistent.update_blocks(state, scheduled)
             rows.append((state, scheduled))
         return rows
+
+    def _input_batch(self, rows: list[tuple[CachedRequestState, ScheduledRequest]]) -> InputBatch:
+        if self.persistent.takes(rows):
+            return self.persistent.decode_step(rows)
+        return InputBatch.build(rows, self.block_size)
 
     # --- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -240,7 +251,7 @@ class ModelRunner:
         if not step_input.scheduled:  # a step that only moved blocks to or from host memory
             self._update_states(step_input)
             return InFlightStep([], [], ready=StepReady(self.device))
-        batch = InputBatch.build(self._update_states(step_input), self.block_size)
+        batch = self._input_batch(self._update_states(step_input))
         self.num_steps += 1
         if self.lora_manager is not None:
             self.lora_manager.prepare([r.lora_request for r in batch.requests], batch.query_start_loc, self.num_steps)
@@ -268,7 +279,9 @@ class ModelRunner:
             logits = self.model.compute_logits(self._sampled_rows(hidden, batch))
             if step_input.grammar_bitmasks:
                 self._apply_grammars(logits, slots, step_input.grammar_bitmasks)
-            meta = build_sampling_metadata(slots, logits.shape[-1], self.device)
+            vocab = logits.shape[-1]
+            meta = self.persistent.sampling_metadata(batch, vocab, self.device)
+            meta = meta or build_sampling_metadata(slots, vocab, self.device)
             step.sampled = self.sampler(logits, meta)
             step.host = [start_host_copy(t) for t in step.sampled.host_tensors()]
         for request_id, vector in pool_step(hidden, batch.pooling_spans, getattr(self.model, "classify", None)).items():
