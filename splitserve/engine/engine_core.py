@@ -281,12 +281,12 @@ class EngineCore:
         outputs = {r.request_id: self._output(r, result) for r in updated}
         for rid, entries in result.prompt_logprobs.items():
             outputs.setdefault(rid, EngineCoreOutput(rid, [])).new_prompt_logprobs = entries
-        for request in updated:
-            if request.request_id in self.scheduler.leased and request.is_finished():
+        finished = [r for r in updated if r.is_finished()]
+        for request in finished if self.scheduler.leased else ():
+            if request.request_id in self.scheduler.leased:
                 outputs[request.request_id].kv_transfer = pd.lease(
                     self.connector, request, self.kv_manager, outputs[request.request_id]
                 )
-        finished = [r for r in updated if r.is_finished()]
         for request in finished:
             self.speculator.finish(request)
         self.step_inputs.forget(r.request_id for r in finished)
@@ -321,7 +321,7 @@ class EngineCore:
         top_logprobs, token_logprobs = self.speculator.logprobs(request, result)
         return EngineCoreOutput(
             request_id=rid,
-            new_token_ids=list(request.new_token_ids),
+            new_token_ids=request.new_token_ids,  # a new list each step (record_samples): shared, not copied
             new_logprobs=top_logprobs,
             new_token_logprobs=token_logprobs,
             new_prompt_logprobs=result.prompt_logprobs.get(rid),

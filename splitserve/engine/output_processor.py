@@ -66,6 +66,9 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
+        if len(self.samples) == 1:  # most requests (n=1): no generator per call
+            for sample in self.samples.values():
+                return sample.finish_reason is not None
         return all(s.finished for s in self.samples.values())
 
 

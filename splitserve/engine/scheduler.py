@@ -174,8 +174,9 @@ class Scheduler(PDSchedulingMixin):
             ):  # finishes when its pending token is read; or its prompt waits for a more urgent one's
                 i += 1
                 continue
-            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget, request)
-            drafts = self._drafts(request, n, budget)
+            remaining = request.num_tokens_with_pending - request.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(remaining, budget, request)  # a decode: one token, always
+            drafts = self._drafts(request, n, budget) if request.spec_token_ids else []
             if not self._allocate_or_preempt(request, n + len(drafts) + self.config.num_lookahead_tokens, out):
                 break
             if drafts:

@@ -48,6 +48,12 @@ class Speculator:
     def logprobs(request: Request, result: ModelRunnerOutput):
         """(top logprobs, token logprobs) of the request's new tokens, one entry each, or None."""
         rid, n = request.request_id, len(request.new_token_ids)
+        if rid not in result.num_accepted:  # one token, no drafts: the common case, without lists to cut
+            entry, token_logprob = result.logprobs.get(rid), result.sampled_logprobs.get(rid)
+            return (
+                None if entry is None or not n else [entry],
+                None if token_logprob is None or not n else [token_logprob],
+            )
         top: list[TokenLogprobs] | None = None
         if rid in result.logprobs:
             top = (result.accepted_logprobs.get(rid, []) + [result.logprobs[rid]])[:n]

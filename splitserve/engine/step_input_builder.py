@@ -33,13 +33,16 @@ class StepInputBuilder:
             kv_offload=sched.kv_offload,
         )
         self.forgotten = []
+        spec_tokens = sched.spec_tokens
         for request, num_tokens in sched.scheduled:
             if request.request_id not in self.num_blocks_sent:
                 step.new_requests.append(_new_request_data(request))
-            step.scheduled.append(self._scheduled(request, num_tokens, sched.spec_tokens.get(request.request_id, [])))
+            drafts = spec_tokens.get(request.request_id) if spec_tokens else None
+            step.scheduled.append(self._scheduled(request, num_tokens, drafts or []))
         return step
 
     def _scheduled(self, request: Request, num_tokens: int, drafts: list[int]) -> ScheduledRequest:
+        """One request's row (called for every row of every step: kept short)."""
         rid = request.request_id
         blocks = self.kv.get_block_ids(rid)
         sent = self.num_blocks_sent.get(rid, 0)
@@ -47,15 +50,18 @@ class StepInputBuilder:
         self.num_blocks_sent[rid] = len(blocks)
         start = request.num_computed_tokens
         end = start + num_tokens - len(drafts)
+        token_ids = request.all_token_ids[start:end]
+        if drafts:
+            token_ids += drafts
         return ScheduledRequest(
-            request_id=rid,
-            num_computed_tokens=start,
-            num_tokens=num_tokens,
-            token_ids=request.all_token_ids[start:end] + drafts,
-            new_block_ids=blocks[sent:],
-            samples=end == request.num_tokens_with_pending,
-            resumed=_take(self.resumed, rid),
-            num_draft_tokens=len(drafts),
+            rid,
+            start,
+            num_tokens,
+            token_ids,
+            blocks[sent:],
+            end == request.num_tokens_with_pending,
+            bool(self.resumed) and _take(self.resumed, rid),
+            len(drafts),
         )
 
     def forget(self, request_ids: Iterable[str]) -> None:
