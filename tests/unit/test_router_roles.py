@@ -70,7 +70,13 @@ class RoleFake(FakeInstance):
     async def generate(self, request: web.Request) -> web.StreamResponse:
         kv = (await request.json()).get("kv_transfer_params") or {}
         needed = "prefill" if kv.get("do_remote_decode") else "decode" if kv.get("do_remote_prefill") else None
-        if needed is not None and needed != self.role:
+        if self.role == "mixed" and needed == PREFILL:  # mixed takes both phases: it answers as a prefill one
+            self.role = PREFILL
+            try:
+                return await super().generate(request)
+            finally:
+                self.role = "mixed"
+        if needed is not None and needed != self.role and self.role != "mixed":
             self.count += 1
             error = {"message": f"now a {self.role} instance", "type": "pd_role_changed", "param": None, "code": 409}
             return web.json_response({"error": error}, status=409)
@@ -114,6 +120,24 @@ def test_switching_through_the_router(cluster):
     assert r.status_code == 404 and p0.url in r.json()["error"]["message"]
     r = server.client.post("/router/pd_role", json={"url": p0.url, "pd_role": "encode"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "pd_role"
+
+
+def test_a_mixed_instance_decodes_what_it_prefilled_without_pulling_from_itself(cluster):
+    server, [p0], [d0], log = cluster(1, 1, fake=RoleFake)
+    for inst, role in ((p0, "mixed"), (d0, PREFILL)):
+        assert server.client.post("/router/pd_role", json={"url": inst.url, "pd_role": role}).status_code == 200
+    for _ in range(4):  # prefill alternates between d0 and the mixed p0; p0 decodes every one
+        r = server.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 200, r.text
+    assert [name for role, name in log] == ["d0", "p0", "p0", "p0", "d0", "p0", "p0", "p0"]
+    kv = [body.get("kv_transfer_params") or {} for _, body in p0.bodies]
+    prefills = [k for k in kv if k.get("do_remote_decode")]
+    pulled = [k for k in kv if k.get("do_remote_prefill")]
+    whole = [k for k in kv if not k]
+    assert len(prefills) == 2 and len(whole) == 2  # what p0 prefilled it ran whole, from its prefix cache
+    assert len(pulled) == 2 and all(k["remote_request_id"].startswith("d0-") for k in pulled)  # d0's: pulled
+    # the leases of p0's own prefills are handed back at once, not left to expire
+    assert sorted(k["remote_request_id"] for k in p0.released) == sorted(f"p0-{i}" for i in (2, 5)), p0.released
 
 
 # --- --auto-roles --------------------------------------------------------------------------------------

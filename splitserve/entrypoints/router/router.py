@@ -133,9 +133,10 @@ class Router(UpstreamPool):
                 decode_body = fallback_request_body(body)
             else:
                 decode_body = decode_request_body(body, prefilled)
-            response = await self._decode(request, path, decode_body, trace)
-            if response.status_code != 200 and prefilled is not None:
-                await self._release_lease(trace, prefilled)
+            local_body = fallback_request_body(body) if prefilled is not None else None
+            response = await self._decode(request, path, decode_body, trace, local_body)
+            if prefilled is not None and (response.status_code != 200 or trace.decode == trace.prefill):
+                await self._release_lease(trace, prefilled)  # not pulled: refused, or decoded where it was prefilled
             return response
         except ClientGone:
             trace.notes.append("the client disconnected (upstream request closed)")
@@ -231,12 +232,21 @@ class Router(UpstreamPool):
         trace.fallback = "; ".join(reasons) if reasons else "no prefill instance is up"
         return None
 
-    async def _decode(self, request: Request, path: str, body: dict, trace: RoutedRequest) -> Response:
+    async def _decode(
+        self, request: Request, path: str, body: dict, trace: RoutedRequest, local_body: dict | None = None
+    ) -> Response:
         """The decode instance's answer: passed through as it comes. Failures before the first byte
-        reached the client are retried on another decode instance; a 503 when none is left."""
+        reached the client are retried on another decode instance; a 503 when none is left.
+        `local_body`: what to send instead when the instance chosen is the one that prefilled the
+        request (an instance switched to mixed takes both phases): it runs the request whole, its
+        prompt found in its own prefix cache, rather than pulling the KV from itself."""
         reasons: list[str] = []
         for inst in self._attempts(self.answer_role, body, trace):
             trace.decode = inst.url
+            json_body = body
+            if local_body is not None and inst.url == trace.prefill:
+                json_body = local_body
+                trace.notes.append("decoded on the mixed instance that prefilled it, from its own prefix cache")
             open_request = OpenRequest(inst)
             handed_over = False
             span, trace_headers = trace.open_call(self.answer_role, inst.url)
@@ -247,7 +257,7 @@ class Router(UpstreamPool):
                     open_request,
                     "POST",
                     path,
-                    json_body=body,
+                    json_body=json_body,
                     request_id=trace.request_id,
                     trace_headers=trace_headers,
                 )
