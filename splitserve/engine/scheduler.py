@@ -9,15 +9,10 @@ recomputed later (its full blocks usually come back as prefix-cache hits); or, w
 preemption_mode "swap" and room in host memory, its blocks are copied there (SchedulePlan's
 swap_out) and back into fresh blocks when it resumes (swap_in), ahead of any waiting request.
 
-With the "priority" policy (vLLM's), requests are ordered by (priority, arrival) instead of
-arrival alone: the waiting queue is kept in that order, and the running list is sorted by it at
-each step, so that the lowest-priority (then latest) running request is the one preempted. A
-waiting request also takes the seat of a running one of a strictly lower priority when every seat
-(max_num_seqs) is taken: one such preemption per step, so that urgent requests start within a step
-or two however busy the engine is. A waiting request of a better priority than a running one's
-unfinished prompt takes the step's budget before that prompt's next chunk, and
-long_prefill_token_threshold chunks only the prompts of a worse priority than the best the engine
-has seen: the steps an urgent request may arrive during stay short, its own prompt runs whole.
+The policies and preemption modes live apart, as mixins over the same queues:
+engine/scheduler_priority.py (the "priority" policy, with request_queue.PriorityQueue as the
+waiting queue), engine/scheduler_swap.py (preemption_mode "swap") and engine/scheduler_pd.py
+(prefill/decode disaggregation).
 """
 
 from __future__ import annotations
@@ -28,17 +23,20 @@ from collections import deque
 from splitserve.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.request_queue import make_queue
 from splitserve.engine.schedule_plan import PrefixCacheStats, SchedulePlan
 from splitserve.engine.scheduler_pd import PDSchedulingMixin
+from splitserve.engine.scheduler_priority import PrioritySchedulingMixin
+from splitserve.engine.scheduler_swap import SwapSchedulingMixin
 
 
-class Scheduler(PDSchedulingMixin):
+class Scheduler(PDSchedulingMixin, PrioritySchedulingMixin, SwapSchedulingMixin):
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_loras: int | None = None):
         """`max_loras`: most LoRA adapters among the running requests (None: LoRA is off)."""
         self.config = config
         self.kv = kv_manager
         self.max_loras = max_loras
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_queue(config.policy)  # request_queue.py: FCFS or priority order
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first
         self.requests: dict[str, Request] = {}
@@ -52,25 +50,13 @@ class Scheduler(PDSchedulingMixin):
         self.num_preemptions = 0
         self.num_generated_tokens = 0  # every request's sampled tokens since start
         self.prefix_cache_stats = PrefixCacheStats()
-        self._best_priority: int | None = None  # the best (lowest) priority added so far (priority policy)
 
     # --- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        if self._best_priority is None or request.priority < self._best_priority:
-            self._best_priority = request.priority
-        self._enqueue(request, front=False)
-
-    def _enqueue(self, request: Request, front: bool) -> None:
-        """Into the waiting queue: at its end (a new request) or its front (one that ran before), or,
-        under the priority policy, after every request that goes first by (priority, arrival)."""
-        if self.config.policy != "priority":
-            self.waiting.appendleft(request) if front else self.waiting.append(request)
-            return
-        key = (request.priority, request.arrival_time)
-        index = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key), len(self.waiting))
-        self.waiting.insert(index, request)
+        self._note_priority(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests by id; unknown or finished ids are ignored."""
@@ -114,9 +100,7 @@ class Scheduler(PDSchedulingMixin):
         if self.config.waiting_ttl > 0 and self.waiting:
             self._expire_waiting(out)
         self._tail_left = self.config.prompt_tail_tokens if self.config.enable_chunked_prefill else 0
-        if self.config.policy == "priority":  # the back of the list is preempted first (stable: ties keep their order)
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-            self._free_a_seat_for_priority(out)
+        self._order_by_priority(out)  # the back of the running list is preempted first
         seated = len(out.preempted)  # preempted for a better request's seat, not for lack of blocks
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if len(out.preempted) == seated and self.swapped:
@@ -157,9 +141,8 @@ class Scheduler(PDSchedulingMixin):
         if 0 < remaining - n <= self._tail_left:
             n, self._tail_left = remaining, self._tail_left - (remaining - n)
         threshold = self.config.long_prefill_token_threshold
-        if threshold and self.config.enable_chunked_prefill:
-            if self.config.policy != "priority" or request.priority > self._best_priority:
-                n = min(n, threshold)
+        if threshold and self.config.enable_chunked_prefill and self._chunks_long_prompt(request):
+            n = min(n, threshold)
         return n
 
     def _schedule_running(self, out: SchedulePlan, budget: int) -> int:
@@ -167,11 +150,8 @@ class Scheduler(PDSchedulingMixin):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.reaches_length_limit_with_pending or (
-                urgent is not None
-                and request.priority > urgent
-                and request.num_computed_tokens < request.num_prompt_tokens
-            ):  # finishes when its pending token is read; or its prompt waits for a more urgent one's
+            if request.reaches_length_limit_with_pending or self._waits_for_urgent(request, urgent):
+                # it finishes when its pending token is read; or its prompt waits for a more urgent one's
                 i += 1
                 continue
             remaining = request.num_tokens_with_pending - request.num_computed_tokens
@@ -195,26 +175,6 @@ class Scheduler(PDSchedulingMixin):
             return []
         return drafts[: budget - 1]
 
-    def _urgent_priority(self) -> int | None:
-        """Under the priority policy, the priority of the first waiting request when it has a seat
-        to take this step: running prompts of a worse priority leave it the budget first."""
-        if self.config.policy != "priority" or not self.waiting or self.swapped:
-            return None
-        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
-            return None
-        return self.waiting[0].priority
-
-    def _free_a_seat_for_priority(self, out: SchedulePlan) -> None:
-        """Every seat taken and the first waiting request of a strictly better priority than the
-        worst running one: that one is preempted (recomputed, or swapped out) and waits again."""
-        seats = self.config.max_num_seqs - len(self.running) - len(self.receiving)
-        if seats > 0 or not self.waiting or not self.running or self.swapped:
-            return
-        if self.waiting[0].priority < self.running[-1].priority:
-            victim = self.running.pop()
-            self._preempt(victim, out)
-            out.preempted.append(victim)
-
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulePlan) -> bool:
         """Find blocks for `request`, preempting from the back of the running list; False when the
         request itself had to be preempted."""
@@ -227,12 +187,7 @@ class Scheduler(PDSchedulingMixin):
         return True
 
     def _preempt(self, request: Request, out: SchedulePlan) -> None:
-        if self.config.preemption_mode == "swap" and request.num_computed_tokens and self.kv.can_swap_out(request):
-            out.swap_out += self.kv.swap_out(request)
-            request.status = RequestStatus.SWAPPED
-            request.num_preemptions += 1
-            self.num_preemptions += 1
-            self.swapped.append(request)
+        if self._swap_out(request, out):
             return
         self._free(request)
         request.spec_token_ids = []
@@ -240,28 +195,7 @@ class Scheduler(PDSchedulingMixin):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, front=True)
-
-    def _schedule_swapped(self, out: SchedulePlan, budget: int) -> int:
-        """Bring swapped-out requests back, oldest first, while budget, seats and blocks last."""
-        loras = self._running_loras()
-        while self.swapped and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= (self.max_loras or 0):
-                break
-            n = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget, request)
-            copies = self.kv.swap_in(request, n + self.config.num_lookahead_tokens)
-            if copies is None:
-                break
-            self.swapped.popleft()
-            out.swap_in += copies
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, n))
-            budget -= n
-            if request.lora_int_id:
-                loras.add(request.lora_int_id)
-        return budget
+        self.waiting.add_front(request)
 
     def _schedule_waiting(self, out: SchedulePlan, budget: int) -> None:
         """Admit waiting requests in order while budget, seats and blocks last. A request whose LoRA

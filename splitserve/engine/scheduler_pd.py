@@ -50,7 +50,7 @@ class PDSchedulingMixin:
         request.kv_transfer = None
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self._enqueue(request, front=True)
+        self.waiting.add_front(request)
         return None
 
     def release_lease(self, request_id: str) -> None:

@@ -12,15 +12,26 @@ BS = 4
 
 
 def make_sched(
-    num_blocks=64, max_num_seqs=8, budget=64, max_model_len=64, chunked=True, threshold=0, caching=True, tail=0
+    num_blocks=64,
+    max_num_seqs=8,
+    budget=64,
+    max_model_len=64,
+    chunked=True,
+    threshold=0,
+    caching=True,
+    tail=0,
+    policy="fcfs",
+    **config_fields,
 ) -> Scheduler:
     config = SchedulerConfig(
+        policy=policy,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold,
         prompt_tail_tokens=tail,
+        **config_fields,
     )
     config.verify()
     return Scheduler(config, KVCacheManager(num_blocks, BS, caching))

@@ -14,10 +14,7 @@ def req(rid: str, prompt, priority: int = 0, max_tokens: int = 4) -> Request:
 
 
 def _sched(policy: str, **kwargs):
-    sched = make_sched(**kwargs)
-    sched.config.policy = policy
-    sched.config.verify()
-    return sched
+    return make_sched(policy=policy, **kwargs)
 
 
 def test_waiting_requests_are_admitted_by_priority_then_arrival():
