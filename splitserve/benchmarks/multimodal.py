@@ -143,7 +143,7 @@ def _run_hf(args: EngineArgs, ns: argparse.Namespace, requests) -> tuple[float, 
     import torch
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    from splitserve.config import resolve_dtype
+    from splitserve.devices import resolve_dtype
 
     directory = args.model
     dtype = resolve_dtype(args.dtype, torch.bfloat16, torch.device("cpu"))

@@ -93,7 +93,7 @@ def measure(
 
 
 def main(ns: argparse.Namespace, args: EngineArgs) -> list[QuantResult]:
-    from splitserve.config import resolve_device
+    from splitserve.devices import resolve_device
     from splitserve.loader.resolve import load_model_config
     from splitserve.tokenizer import get_tokenizer
 

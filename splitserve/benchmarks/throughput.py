@@ -127,7 +127,7 @@ def run_splitserve(
 ) -> Result:
     from splitserve import step_timing
     from splitserve.benchmarks.profiling import profiled
-    from splitserve.config import resolve_device
+    from splitserve.devices import resolve_device
     from splitserve.entrypoints.llm import LLM
     from splitserve.sampling_params import SamplingParams
 
@@ -159,7 +159,7 @@ def run_hf(args: EngineArgs, workload: Workload, temperature: float, max_batch: 
     import torch
     from tqdm.auto import tqdm
 
-    from splitserve.config import resolve_device
+    from splitserve.devices import resolve_device
     from splitserve.loader.hf_model import dummy_hf_model, load_hf_model
     from splitserve.loader.resolve import load_model_config, split_gguf
 
@@ -225,7 +225,7 @@ def fit_max_model_len(args: EngineArgs, workload: Workload, model_limit: int) ->
 
 
 def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
-    from splitserve.config import resolve_device
+    from splitserve.devices import resolve_device
     from splitserve.loader.resolve import load_model_config
     from splitserve.tokenizer import get_tokenizer
 

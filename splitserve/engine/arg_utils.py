@@ -16,8 +16,8 @@ from splitserve.config import (
     LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
-    resolve_device,
 )
+from splitserve.devices import resolve_device
 from splitserve.engine import compatibility, startup
 from splitserve.engine.kv_events import KVEventsConfig
 from splitserve.sampling_params import StructuredOutputsConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splitserve.config import resolve_device
+from splitserve.devices import resolve_device
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.sampling_params import GuidedDecodingParams, SamplingParams
 

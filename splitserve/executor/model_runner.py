@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from splitserve import step_timing
-from splitserve.config import EngineConfig, cpu_kv_cache_bytes
+from splitserve.config import EngineConfig
+from splitserve.devices import cpu_kv_cache_bytes
 from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
 from splitserve.executor.cpu_decode_stack import CPUDecodeStack

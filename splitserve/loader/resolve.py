@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from splitserve.config import ModelConfig, resolve_dtype, text_config
+from splitserve.config import ModelConfig, text_config
+from splitserve.devices import resolve_dtype
 from splitserve.layers.rotary import is_dynamic_ntk, set_rope_scaling
 from splitserve.loader.gguf_cache import hf_dir_for_gguf, read_gguf_config
 from splitserve.loader.gguf_file import gguf_is_quantized

@@ -25,6 +25,7 @@ LEAVES = {
     "spec_decode",
     "tracing",
     "step_timing",
+    "devices",
     "json_config",
 }
 # The layers each layer imports besides the leaves, top to bottom (docs/design.md's table): exactly the
