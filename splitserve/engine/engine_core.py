@@ -243,7 +243,7 @@ class EngineCore:
     def _can_overlap(sched: SchedulePlan) -> bool:
         """A request whose last token is still being sampled can run only if its sampling does not
         read its output tokens on the host (penalties, bad words, min_tokens)."""
-        return not any(r.num_pending_tokens and r.sampling_params.reads_output_history for r, _ in sched.scheduled)
+        return not any(r.num_pending_tokens and r.reads_output_history for r, _ in sched.scheduled)
 
     def _launch(self, sched: SchedulePlan) -> object:
         now = time.monotonic()

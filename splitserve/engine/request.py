@@ -76,6 +76,9 @@ class Request:
     mm_features: list = field(default_factory=list)  # its images (multimodal/inputs.py MultiModalFeature)
 
     def __post_init__(self) -> None:
+        # Whether sampling reads its outputs on the host (SamplingParams.reads_output_history), read
+        # by every overlapped step: its parameters are final by now.
+        self.reads_output_history = self.sampling_params.reads_output_history
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         self.stop_token_set = set(self.sampling_params.stop_token_ids)
         if self.eos_token_id is not None and not self.sampling_params.ignore_eos:

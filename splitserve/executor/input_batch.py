@@ -41,6 +41,10 @@ class CachedRequestState:
     mrope_positions: object = None
     mrope_delta: int = 0
     row: int = -1  # its row in the runner's persistent batch (persistent_batch.py); -1: none
+    records_outputs: bool = field(init=False)  # sampling reads its outputs (SamplingParams.reads_output_history)
+
+    def __post_init__(self) -> None:
+        self.records_outputs = self.sampling_params.reads_output_history
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
@@ -64,7 +68,7 @@ class CachedRequestState:
             self.block_ids = list(row.new_block_ids)
         else:
             self.block_ids.extend(row.new_block_ids)
-        if self.sampling_params.reads_output_history:
+        if self.records_outputs:
             # The engine never overlaps such a request's steps, so its inputs are all known.
             assert not row.last_token_pending, "an output-history request has an unknown input token"
             self._record_outputs(row.num_computed_tokens, row.token_ids)

@@ -227,8 +227,9 @@ class ModelRunner:
         rows = []
         for scheduled in step.scheduled:
             state = self.requests[scheduled.request_id]
-            state.update(scheduled)
-            self.persistent.update_blocks(state, scheduled)
+            if scheduled.new_block_ids or scheduled.resumed or state.records_outputs:  # else: no news
+                state.update(scheduled)
+                self.persistent.update_blocks(state, scheduled)
             rows.append((state, scheduled))
         return rows
 
