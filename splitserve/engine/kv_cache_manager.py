@@ -204,7 +204,9 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         if needed <= 0 and not computed_blocks:  # most decode steps: the last block has room
-            if self.enable_caching and register:
+            # (and no block fills: the first test of _cache_full_blocks, without its call)
+            full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            if self.enable_caching and register and full > self.num_cached_blocks.get(request.request_id, 0):
                 self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
             return True
         on_device = [b for b in computed_blocks if isinstance(b, KVBlock)]

@@ -72,6 +72,9 @@ class RequestState:
         return all(s.finished for s in self.samples.values())
 
 
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -133,8 +136,11 @@ class OutputProcessor:
                 )
             if out.new_token_ids:
                 self._update_metrics(state.metrics, now)
-                state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-                if self._add_tokens(sample, out):
+                if out.num_cached_tokens > state.num_cached_tokens:
+                    state.num_cached_tokens = out.num_cached_tokens
+                if sample.detokenizer is None and out.new_logprobs is None and not out.finished:
+                    _add_plain_tokens(sample, out)  # no text, no stop strings, no top logprobs to look at
+                elif self._add_tokens(sample, out):
                     to_abort.append(out.request_id)
             elif out.finished:  # ended without a token: aborted before it ran, or refused
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
@@ -145,6 +151,8 @@ class OutputProcessor:
             touched[rid] = state
         results = []
         for rid, state in touched.items():
+            if state.kind is FINAL_ONLY and state.error is None and not state.finished:
+                continue  # the most common request offline: nothing to hand out until it ends
             if not self._due(state):
                 continue
             result = state.error if state.error is not None else self._make_output(state)
@@ -282,6 +290,17 @@ class OutputProcessor:
         sample.sent_chars, sample.sent_tokens = len(text), len(sample.token_ids)
         sample.sent_logprobs = len(sample.logprobs or ())
         return out
+
+
+def _add_plain_tokens(sample: SampleState, out: EngineCoreOutput) -> None:
+    """_add_tokens for a sample that is not detokenized and asked for no top logprobs, of an output
+    that does not finish it: the tokens, and their logprobs into cumulative_logprob."""
+    sample.token_ids.extend(out.new_token_ids)
+    if out.new_token_logprobs is not None:  # AIAK's cum_log_probs on every choice, added as _add_tokens does
+        total = sample.cumulative_logprob or 0.0
+        for logprob in out.new_token_logprobs:
+            total += logprob
+        sample.cumulative_logprob = total
 
 
 def _best_of(completions: list[CompletionOutput], n: int, keep_logprobs: bool) -> list[CompletionOutput]:

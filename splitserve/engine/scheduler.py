@@ -146,18 +146,23 @@ class Scheduler(PDSchedulingMixin, PrioritySchedulingMixin, SwapSchedulingMixin)
         return n
 
     def _schedule_running(self, out: SchedulePlan, budget: int) -> int:
+        """Every running request's tokens for this step, in order, while the budget lasts (a loop
+        over every row of every step: its common case, a decode, takes the fewest calls)."""
         urgent = self._urgent_priority()
+        lookahead, allocate = self.config.num_lookahead_tokens, self.kv.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.reaches_length_limit_with_pending or self._waits_for_urgent(request, urgent):
-                # it finishes when its pending token is read; or its prompt waits for a more urgent one's
+            if (request.num_pending_tokens and request.reaches_length_limit_with_pending) or (
+                urgent is not None and self._waits_for_urgent(request, urgent)
+            ):  # it finishes when its pending token is read; or its prompt waits for a more urgent one's
                 i += 1
                 continue
             remaining = request.num_tokens_with_pending - request.num_computed_tokens
             n = 1 if remaining == 1 else self._chunk(remaining, budget, request)  # a decode: one token, always
             drafts = self._drafts(request, n, budget) if request.spec_token_ids else []
-            if not self._allocate_or_preempt(request, n + len(drafts) + self.config.num_lookahead_tokens, out):
+            need = n + len(drafts) + lookahead
+            if not allocate(request, need) and not self._allocate_or_preempt(request, need, out):
                 break
             if drafts:
                 out.spec_tokens[request.request_id] = drafts
@@ -270,18 +275,20 @@ class Scheduler(PDSchedulingMixin, PrioritySchedulingMixin, SwapSchedulingMixin)
         (finished ones too), each with `new_token_ids` set. A request finished since the step was
         launched (aborted, or stopped by the step before) drops its tokens."""
         updated = []
+        spec_tokens, max_model_len = out.spec_tokens, self.config.max_model_len
         for request, _ in out.scheduled:
             tokens = sampled.get(request.request_id)
             if tokens is None or request.is_finished():
                 continue
             assert request.num_pending_tokens > 0
             request.num_pending_tokens -= 1
-            request.num_computed_tokens -= len(out.spec_tokens.get(request.request_id, ())) - (len(tokens) - 1)
+            if spec_tokens:
+                request.num_computed_tokens -= len(spec_tokens.get(request.request_id, ())) - (len(tokens) - 1)
             request.new_token_ids = []
             for token in tokens:
                 request.append_output_token(token)
                 request.new_token_ids.append(token)
-                if request.check_stop(self.config.max_model_len):
+                if request.check_stop(max_model_len):
                     self._finish_stopped(request)
                     break
             self.num_generated_tokens += len(request.new_token_ids)
