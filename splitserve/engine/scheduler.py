@@ -265,7 +265,7 @@ class Scheduler(PDSchedulingMixin, PrioritySchedulingMixin, SwapSchedulingMixin)
             if request.is_finished():  # stopped by the step before, after this one was launched
                 continue
             request.num_computed_tokens += n  # its draft tokens too, until they are verified
-            if request.num_computed_tokens >= request.num_tokens_with_pending:
+            if request.num_computed_tokens >= len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
 
     def record_samples(self, out: SchedulePlan, sampled: dict[str, list[int]]) -> list[Request]:

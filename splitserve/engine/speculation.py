@@ -35,6 +35,8 @@ class Speculator:
     def new_tokens(self, sched: SchedulePlan, result: ModelRunnerOutput) -> dict[str, list[int]]:
         """Each sampling request's tokens from this step: its accepted drafts, then the token the
         target sampled after them."""
+        if not sched.spec_tokens:  # nothing was verified: each request's one sampled token
+            return {rid: [token] for rid, token in result.sampled.items()}
         tokens = {}
         for rid, token in result.sampled.items():
             accepted = result.num_accepted.get(rid, 0)
