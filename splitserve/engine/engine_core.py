@@ -17,6 +17,7 @@ import time
 from splitserve import kernels, step_timing
 from splitserve.config import EngineConfig
 from splitserve.engine import messages, pd, startup
+from splitserve.engine.core_stats import CoreStats
 from splitserve.engine.expert_stats import ExpertLoadWatch
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_events import attach_events
@@ -37,7 +38,6 @@ from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-_KV_MEMORY_REFRESH_S = 5.0  # how often stats ask the ranks how much of their KV cache is resident
 
 
 class EngineCore:
@@ -69,7 +69,6 @@ class EngineCore:
         offload = make_offload_tier(config, self.executor)  # None without --kv-offloading-size / --kv-cache-dir
         with startup.phase("KV cache"):
             self.executor.initialize_kv_cache(num_blocks, cc.num_cpu_blocks, cc.num_offload_blocks)
-        self._kv_memory, self._kv_memory_at = (0, 0), -_KV_MEMORY_REFRESH_S
         self.expert_load = ExpertLoadWatch(self.executor)  # MoE models: tokens per expert, for /metrics
         self.executor.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(
@@ -84,23 +83,15 @@ class EngineCore:
         self._pending_outputs: list[EngineCoreOutput] = []  # outputs of requests that never ran
         self._in_flight: tuple[SchedulePlan, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
-        self.connector = self._make_connector()
+        self.connector = pd.make_connector(self.config, self.executor)  # None unless a PD instance
         self.sleeping = EngineSleep(self)  # sleep mode: engine/sleep_mode.py
         self.kv_events = attach_events(self, config.kv_events_config)  # engine/kv_events.py; None: off
+        self.reporter = CoreStats(self)  # what stats() reports: engine/core_stats.py
         if self.config.device.type == "cpu":
             with startup.phase("CPU kernels"):  # built once per machine, loaded from torch's cache after
                 kernels.cpu_ops()
         with startup.phase("warm-up"):
             self._warm_up()
-
-    def _make_connector(self):
-        """PD instances move KV blocks between engines. Each rank's connector holds its own share
-        of the KV tensors; the engine only calls the group's narrow interface (leases, pulls)."""
-        if not self.config.kv_transfer_config.is_disaggregated:
-            return None
-        from splitserve.distributed.kv_transfer.connector import KVConnectorGroup
-
-        return KVConnectorGroup(self.executor.call_kv_connector)
 
     def _warm_up(self) -> None:
         """Run one tiny request through the model: the first forward pays for thread pools and
@@ -302,19 +293,10 @@ class EngineCore:
 
     # --- prefill/decode disaggregation ---------------------------------------------------------
     def poll_connector(self) -> None:
-        """Free the blocks of leases that ended, and let requests whose KV arrived run. The busy
-        loop calls it once per iteration, busy or idle (leases expire while nothing runs)."""
-        if self.connector is None:
-            return
-        released, pulled = self.connector.poll()
-        for request_id in released:
-            self.scheduler.release_lease(request_id)
-        for result in pulled:
-            request = self.scheduler.finish_remote_prefill(result.request_id, result.ok)
-            if request is not None:
-                self._pending_outputs.append(pd.first_token_output(request, self.scheduler))
-                if request.is_finished():
-                    self.step_inputs.forget([request.request_id])
+        """Free the blocks of leases that ended, and let requests whose KV arrived run (engine/pd.py).
+        The busy loop calls it once per iteration, busy or idle (leases expire while nothing runs)."""
+        if self.connector is not None:
+            self._pending_outputs += pd.poll(self.connector, self.scheduler, self.step_inputs)
 
     def _output(self, request: Request, result) -> EngineCoreOutput:
         rid = request.request_id
@@ -348,29 +330,4 @@ class EngineCore:
             self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
-        s = self.scheduler
-        kv_stats = self.connector.snapshot_stats() if self.connector is not None else None
-        return SchedulerStats(
-            s.num_running,
-            s.num_waiting,
-            self.kv_manager.usage,
-            s.num_preemptions,
-            s.prefix_cache_stats.queries,
-            s.prefix_cache_stats.hits,
-            kv_stats,
-            self.loras.version,
-            *self._kv_cache_memory(),
-            spec_decoding=self.speculator.stats if self.speculator.enabled else None,
-            kv_offload=tier.snapshot_stats() if (tier := self.kv_manager.pool.tier) is not None else None,
-            generation_tokens=s.num_generated_tokens,
-            expert_load=self.expert_load.snapshot(),
-            **self.loras.request_counts(s),
-        )
-
-    def _kv_cache_memory(self) -> tuple[int, int]:
-        """The executor's answer, asked at most every few seconds (it asks every rank, and a rank
-        answers after the step it is running)."""
-        now = time.monotonic()
-        if now - self._kv_memory_at >= _KV_MEMORY_REFRESH_S:
-            self._kv_memory, self._kv_memory_at = self.executor.kv_cache_memory(), now
-        return self._kv_memory
+        return self.reporter.snapshot()

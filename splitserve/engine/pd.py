@@ -1,6 +1,7 @@
 """The engine's side of prefill/decode disaggregation: a prefill instance's lease of a finished
 request's blocks (with the first token it sampled), and a decode instance's first output when the
-KV arrives with that token. The transfer itself is distributed/kv_transfer/."""
+KV arrives with that token; the engine's connector and its poll. The transfer itself is
+distributed/kv_transfer/."""
 
 from __future__ import annotations
 
@@ -48,3 +49,29 @@ def lease(connector, request: Request, kv_manager: KVCacheManager, output: Engin
         first_token_logprob=output.new_token_logprobs[0] if output.new_token_logprobs else None,
         first_logprobs=output.new_logprobs[0] if output.new_logprobs else None,
     )
+
+
+def make_connector(config, executor):
+    """PD instances move KV blocks between engines. Each rank's connector holds its own share of the
+    KV tensors; the engine only calls the group's narrow interface (leases, pulls). None elsewhere."""
+    if not config.kv_transfer_config.is_disaggregated:
+        return None
+    from splitserve.distributed.kv_transfer.connector import KVConnectorGroup
+
+    return KVConnectorGroup(executor.call_kv_connector)
+
+
+def poll(connector, scheduler: Scheduler, step_inputs) -> list[EngineCoreOutput]:
+    """Leases that ended free their blocks, and the requests whose KV arrived run on. Returns their
+    first outputs (the prefill's token); `step_inputs` (StepInputBuilder) forgets those it finished."""
+    released, pulled = connector.poll()
+    for request_id in released:
+        scheduler.release_lease(request_id)
+    outputs = []
+    for result in pulled:
+        request = scheduler.finish_remote_prefill(result.request_id, result.ok)
+        if request is not None:
+            outputs.append(first_token_output(request, scheduler))
+            if request.is_finished():
+                step_inputs.forget([request.request_id])
+    return outputs
