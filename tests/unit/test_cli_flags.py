@@ -81,3 +81,32 @@ def test_fastdeploy_scheduler_flags():
         check_server_args(ServerArgs(scheduler_name="splitwise"))
     with pytest.raises(ValueError, match="must be local"):
         check_server_args(ServerArgs(scheduler_name="nope"))
+
+
+def test_api_server_count_defaults_to_the_host(monkeypatch, caplog):
+    """--api-server-count (--workers): 1 on a CPU host; on a GPU host one per 8 cores, at most 4, logged."""
+    from splitserve.entrypoints.openai import api_processes
+    from splitserve.entrypoints.openai.args import make_arg_parser, split_args
+
+    caplog.set_level("INFO", logger=api_processes.__name__)
+    assert api_processes.default_api_server_count("cpu", cores=64) == 1
+    assert [api_processes.default_api_server_count("cuda", cores=n) for n in (2, 8, 16, 24, 64, 192)] == [
+        1,
+        1,
+        2,
+        3,
+        4,
+        4,
+    ]
+    assert "API server processes: 2 (a GPU host with 16 CPU cores" in caplog.text
+    monkeypatch.setattr(api_processes.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert api_processes.is_gpu_host("auto") and api_processes.is_gpu_host("cuda:1")
+    assert not api_processes.is_gpu_host("cpu")
+    monkeypatch.setattr(api_processes.os, "sched_getaffinity", lambda pid: set(range(32)))
+    parser = make_arg_parser()
+    _, server = split_args(parser.parse_args(["some/model"]))
+    assert server.workers == 4  # auto device on a GPU host with 32 cores
+    _, server = split_args(parser.parse_args(["some/model", "--device", "cpu"]))
+    assert server.workers == 1
+    _, server = split_args(parser.parse_args(["some/model", "--api-server-count", "3"]))
+    assert server.workers == 3  # given: kept

@@ -12,6 +12,7 @@ from splitserve import envs
 from splitserve.engine import compatibility
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 from splitserve.engine.arg_utils import EngineArgs
+from splitserve.entrypoints.openai.api_processes import default_api_server_count
 from splitserve.tracing import check_endpoint
 
 
@@ -71,8 +72,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--api-server-count",
         dest="workers",
         type=int,
-        default=1,
-        help="API server processes sharing the port",
+        default=None,
+        help="API server processes sharing the port (default: 1 on a CPU host; on a GPU host one per 8 CPU cores, "
+        "at most 4, logged: entrypoints/openai/api_processes.py)",
     )
     g.add_argument(
         "--stream-interval",
@@ -265,6 +267,8 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
         ns.model = ns.model_tag
     server = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
     engine = engine_args_from(ns)
+    if server.workers is None:
+        server.workers = default_api_server_count(engine.device)
     if server.scheduler_name == "global" and engine.pd_role != "mixed":
         raise compatibility.refusal("global_scheduler+pd")
     if engine.data_parallel_size > 1 and engine.pd_role != "mixed":
