@@ -222,3 +222,52 @@ def unavailable_before_output(data: bytes) -> str | None:
         if isinstance(error, dict) and error.get("code") == 503:
             return str(error.get("message"))
     return None
+
+
+def decode_refused(data: bytes, decode_url: str, trace) -> bytes:
+    """A 404 from the decode instance after the prefill instance served the request: the two serve
+    different models or LoRA adapters. The error says so, and how to fix it."""
+    note = (
+        f"the decode instance {decode_url} does not serve what the prefill instance {trace.prefill} served; "
+        "prefill and decode instances must serve the same model and LoRA adapters (load adapters through "
+        "the router's /v1/load_lora_adapter, which loads them on every instance)"
+    )
+    trace.notes.append(note)
+    try:
+        body = json.loads(data)
+        body["error"]["message"] = f"{body['error']['message']} ({note})"
+    except (ValueError, KeyError, TypeError):
+        return data
+    return json.dumps(body).encode()
+
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+async def relay_stream(pool, open_request: OpenRequest, first: bytes, trace) -> AsyncIterator[bytes]:
+    """The decode instance's SSE bytes as they arrive (`pool`: the Router, `trace`: its RoutedRequest).
+    If the stream breaks, the client gets an error event and [DONE] (its own SDK then raises instead
+    of waiting). If the client leaves, Starlette cancels this generator and `finally` closes the
+    upstream connection."""
+    ended = False
+    try:
+        if first:
+            yield first
+        async for chunk in open_request.resp.content.iter_any():
+            yield chunk
+        ended = True
+    except UPSTREAM_ERRORS as exc:
+        ended = True
+        reason = f"the stream broke off ({describe_error(exc, pool.config.request_timeout)})"
+        pool._failed(open_request.instance, reason)
+        trace.notes.append(f"decode {reason}")
+        message = f"The decode instance failed mid-stream: {reason}."
+        if open_request.resp.content_type == "text/event-stream":
+            yield sse_error_event(message)
+            yield _DONE_EVENT
+        else:  # /generate's newline-delimited JSON
+            yield json.dumps(error_body(message, "service_unavailable", None, 503)).encode() + b"\n"
+    finally:
+        if not ended:
+            trace.notes.append("the client disconnected mid-stream (upstream request closed)")
+        open_request.release()

@@ -29,17 +29,16 @@ closes the upstream connection at once, so that the instance aborts the request 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.disagg.policies import Upstream
-from splitserve.entrypoints.http import error_body, error_response, parse_json_object, read_body, read_json_body
+from splitserve.entrypoints.http import error_response, parse_json_object, read_body, read_json_body
 from splitserve.entrypoints.router.config import DECODE, PREFILL
 from splitserve.entrypoints.router.control import broadcast_json
 from splitserve.entrypoints.router.pool import UpstreamPool
@@ -48,6 +47,7 @@ from splitserve.entrypoints.router.relay import (
     ClientGone,
     OpenRequest,
     RelayResponse,
+    decode_refused,
     decode_request_body,
     describe_error,
     fallback_request_body,
@@ -55,8 +55,8 @@ from splitserve.entrypoints.router.relay import (
     is_batch,
     kv_params,
     prefill_request_body,
+    relay_stream,
     scores_the_prompt,
-    sse_error_event,
     status_reason,
     unavailable_before_output,
     until_disconnected,
@@ -65,25 +65,7 @@ from splitserve.entrypoints.router.request_log import RoutedRequest
 
 logger = logging.getLogger("splitserve.router")
 
-_DONE_EVENT = b"data: [DONE]\n\n"
 _STREAMS = ("text/event-stream", "application/x-ndjson")  # OpenAI's server-sent events; /generate's JSON lines
-
-
-def _decode_refused(data: bytes, decode_url: str, trace: RoutedRequest) -> bytes:
-    """A 404 from the decode instance after the prefill instance served the request: the two serve
-    different models or LoRA adapters. The error says so, and how to fix it."""
-    note = (
-        f"the decode instance {decode_url} does not serve what the prefill instance {trace.prefill} served; "
-        "prefill and decode instances must serve the same model and LoRA adapters (load adapters through "
-        "the router's /v1/load_lora_adapter, which loads them on every instance)"
-    )
-    trace.notes.append(note)
-    try:
-        body = json.loads(data)
-        body["error"]["message"] = f"{body['error']['message']} ({note})"
-    except (ValueError, KeyError, TypeError):
-        return data
-    return json.dumps(body).encode()
 
 
 class _Unavailable(Exception):
@@ -272,7 +254,7 @@ class Router(UpstreamPool):
                     open_request.on_release = lambda: self._log_request(trace, 200)
                     handed_over = True
                     return RelayResponse(
-                        self._relay(open_request, first, trace), open_request, media_type=resp.content_type
+                        relay_stream(self, open_request, first, trace), open_request, media_type=resp.content_type
                     )
                 else:
                     data = await until_disconnected(request, resp.read())
@@ -280,7 +262,7 @@ class Router(UpstreamPool):
                         reasons.append(f"{inst.url}: no longer a {self.answer_role} instance (409)")
                         continue
                     if resp.status == 404 and trace.prefill:
-                        data = _decode_refused(data, inst.url, trace)
+                        data = decode_refused(data, inst.url, trace)
                     return self._finish(
                         trace, Response(data, status_code=resp.status, media_type=resp.headers.get("Content-Type"))
                     )
@@ -301,33 +283,6 @@ class Router(UpstreamPool):
             message = f"No {self.answer_role} instance could serve the request: " + "; ".join(reasons) + "."
         trace.notes.append(message)
         return self._finish(trace, error_response(message, 503, "service_unavailable"))
-
-    async def _relay(self, open_request: OpenRequest, first: bytes, trace: RoutedRequest) -> AsyncIterator[bytes]:
-        """The decode instance's SSE bytes as they arrive. If the stream breaks, the client gets an
-        error event and [DONE] (its own SDK then raises instead of waiting). If the client leaves,
-        Starlette cancels this generator and `finally` closes the upstream connection."""
-        ended = False
-        try:
-            if first:
-                yield first
-            async for chunk in open_request.resp.content.iter_any():
-                yield chunk
-            ended = True
-        except UPSTREAM_ERRORS as exc:
-            ended = True
-            reason = f"the stream broke off ({describe_error(exc, self.config.request_timeout)})"
-            self._failed(open_request.instance, reason)
-            trace.notes.append(f"decode {reason}")
-            message = f"The decode instance failed mid-stream: {reason}."
-            if open_request.resp.content_type == "text/event-stream":
-                yield sse_error_event(message)
-                yield _DONE_EVENT
-            else:  # /generate's newline-delimited JSON
-                yield json.dumps(error_body(message, "service_unavailable", None, 503)).encode() + b"\n"
-        finally:
-            if not ended:
-                trace.notes.append("the client disconnected mid-stream (upstream request closed)")
-            open_request.release()
 
     # --- other routes ------------------------------------------------------------------------
     async def forward(self, request: Request, method: str, path: str) -> Response:
