@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from splitserve import envs
 from splitserve.config import (
-    LOAD_FORMATS,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -19,6 +18,13 @@ from splitserve.config import (
 )
 from splitserve.devices import resolve_device
 from splitserve.engine import compatibility, startup
+from splitserve.engine.arg_defaults import (
+    default_executor_backend,
+    default_step_budget,
+    pooling_may_cache,
+    resolve_async_scheduling,
+)
+from splitserve.engine.compatibility import check_settings
 from splitserve.engine.kv_events import KVEventsConfig
 from splitserve.sampling_params import StructuredOutputsConfig
 from splitserve.spec_decode.config import SpeculativeConfig
@@ -108,7 +114,7 @@ class EngineArgs:
         from splitserve.loader.generation_config import sampling_defaults
         from splitserve.loader.resolve import load_model_config  # transformers: only when an engine is made
 
-        self._verify_supported()
+        check_settings(self)
         device = resolve_device(self.device)
         with startup.phase("model config"):
             model_config = load_model_config(self, device)
@@ -121,7 +127,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching and _pooling_may_cache(model_config),
+            enable_prefix_caching=self.enable_prefix_caching and pooling_may_cache(model_config),
             cache_dtype=self.kv_cache_dtype,
             num_cpu_blocks_override=self.num_cpu_blocks,
             swap_space_bytes=int(self.swap_space * (1 << 30)),
@@ -131,7 +137,7 @@ class EngineArgs:
         )
         cache_config.verify()
         max_len = model_config.max_model_len
-        budget = self.max_num_batched_tokens or _default_step_budget(device, max_len, self.enable_chunked_prefill)
+        budget = self.max_num_batched_tokens or default_step_budget(device, max_len, self.enable_chunked_prefill)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
@@ -271,7 +277,7 @@ class EngineArgs:
             return False
         if speculative is not None and self.async_scheduling is None:  # off unless asked for
             return False
-        return _resolve_async_scheduling(self.async_scheduling, device, parallel)
+        return resolve_async_scheduling(self.async_scheduling, device, parallel)
 
     @property
     def _world_size(self) -> int:
@@ -295,85 +301,6 @@ class EngineArgs:
                 )
             config.distributed_executor_backend = "ray"
         elif self.distributed_executor_backend is None and config.world_size > 1:
-            config.distributed_executor_backend = _default_executor_backend(config.world_size, device)
+            config.distributed_executor_backend = default_executor_backend(config.world_size, device)
         config.verify()
         return config
-
-    def _verify_supported(self) -> None:
-        """Refuse settings whose feature does not exist yet, instead of silently ignoring them, and
-        combinations of features that do not go together (engine/compatibility.py)."""
-        compatibility.check(self)
-        if self.swap_space < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):
-            raise ValueError("swap_space and num_cpu_blocks must be >= 0.")
-        swap_memory = self.swap_space > 0 or bool(self.num_cpu_blocks)
-        if swap_memory and self.preemption_mode != "swap":
-            raise ValueError("--swap-space / num_cpu_blocks is host memory for --preemption-mode swap; set that too.")
-        if self.preemption_mode == "swap" and not swap_memory:
-            raise ValueError("--preemption-mode swap needs host memory: give --swap-space (GiB per rank).")
-        if self.kv_offloading_backend not in (None, "native"):
-            raise ValueError(
-                f"--kv-offloading-backend {self.kv_offloading_backend!r}: only 'native' is built (host memory, and "
-                "disk with --kv-cache-dir); LMCache is not integrated."
-            )
-        if self.kv_offloading_backend and not (self.kv_offloading_size or self.kv_cache_dir):
-            raise ValueError("--kv-offloading-backend needs --kv-offloading-size (GiB of host memory).")
-        if self.num_scheduler_steps != 1:
-            raise ValueError(
-                f"num_scheduler_steps={self.num_scheduler_steps}: multi-step decoding is not implemented; only 1 "
-                "is. Its purpose, hiding the scheduler's time behind the device's, is what --async-scheduling "
-                "does (on by default on GPUs)."
-            )
-        if self.tokenizer_extension_path is not None:
-            raise ValueError(
-                "--tokenizer-extension-path (AIAK's vllm_extension.py hook) is not supported: splitserve loads "
-                "tokenizers with transformers. Give a tokenizer directory with --tokenizer (and "
-                "--trust-remote-code for a custom tokenizer class)."
-            )
-        if self.max_seq_len_to_capture < 1:
-            raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}.")
-        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
-            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}.")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
-
-
-def _pooling_may_cache(model_config) -> bool:
-    """Prefix caching skips the cached tokens' forward: MEAN and CLS pooling need every token's."""
-    pooler = model_config.pooler_config
-    return pooler is None or pooler.pooling_type == "LAST"
-
-
-def _resolve_async_scheduling(asked: bool | None, device: torch.device, parallel: ParallelConfig) -> bool:
-    """Overlap pays where the device computes while the host works: on a GPU. A CPU forward runs
-    on the host's own cores, so there it only reorders work (it stays available, for testing).
-    Pipeline stages run one after another within a step, so with several there is no overlap."""
-    if parallel.pipeline_parallel_size > 1:  # asked for too: refused by compatibility.py
-        return False
-    return device.type == "cuda" if asked is None else asked
-
-
-def _default_executor_backend(world_size: int, device: torch.device) -> str:
-    """vLLM's rule: Ray when a Ray cluster is given (RAY_ADDRESS, or Ray already running in this
-    process) or the world is larger than this machine's GPUs; else one process per rank here
-    (on CPU, ranks share the cores when there are fewer cores than ranks)."""
-    import os
-    import sys
-
-    ray = sys.modules.get("ray")
-    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
-        return "ray"
-    import torch
-
-    if device.type == "cuda" and world_size > torch.cuda.device_count():
-        return "ray"
-    return "mp"
-
-
-def _default_step_budget(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:
-    """max_num_batched_tokens when not given. Without chunked prefill a whole prompt must fit.
-    With it: 8192 on GPUs; 2048 on CPUs, where smaller prompt chunks mixed with the running decodes
-    measured ~8% more output tokens/s than 8192 (docs/cpu-performance.md) and let the first
-    requests of a burst start streaming after one chunk instead of after every prompt."""
-    if not chunked_prefill:
-        return max(8192, max_model_len)
-    return 2048 if device.type == "cpu" else 8192

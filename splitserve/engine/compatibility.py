@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitserve.config import LOAD_FORMATS
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -169,3 +171,41 @@ def markdown_table() -> str:
     for rule in RULES:
         lines.append(f"| {rule.first} | {rule.second} | {rule.where} | {rule.reason} |")
     return "\n".join(lines) + "\n"
+
+
+def check_settings(args) -> None:
+    """Refuse EngineArgs settings whose feature does not exist yet, instead of silently ignoring them,
+    and combinations of features that do not go together (check)."""
+    check(args)
+    if args.swap_space < 0 or (args.num_cpu_blocks is not None and args.num_cpu_blocks < 0):
+        raise ValueError("swap_space and num_cpu_blocks must be >= 0.")
+    swap_memory = args.swap_space > 0 or bool(args.num_cpu_blocks)
+    if swap_memory and args.preemption_mode != "swap":
+        raise ValueError("--swap-space / num_cpu_blocks is host memory for --preemption-mode swap; set that too.")
+    if args.preemption_mode == "swap" and not swap_memory:
+        raise ValueError("--preemption-mode swap needs host memory: give --swap-space (GiB per rank).")
+    if args.kv_offloading_backend not in (None, "native"):
+        raise ValueError(
+            f"--kv-offloading-backend {args.kv_offloading_backend!r}: only 'native' is built (host memory, and "
+            "disk with --kv-cache-dir); LMCache is not integrated."
+        )
+    if args.kv_offloading_backend and not (args.kv_offloading_size or args.kv_cache_dir):
+        raise ValueError("--kv-offloading-backend needs --kv-offloading-size (GiB of host memory).")
+    if args.num_scheduler_steps != 1:
+        raise ValueError(
+            f"num_scheduler_steps={args.num_scheduler_steps}: multi-step decoding is not implemented; only 1 "
+            "is. Its purpose, hiding the scheduler's time behind the device's, is what --async-scheduling "
+            "does (on by default on GPUs)."
+        )
+    if args.tokenizer_extension_path is not None:
+        raise ValueError(
+            "--tokenizer-extension-path (AIAK's vllm_extension.py hook) is not supported: splitserve loads "
+            "tokenizers with transformers. Give a tokenizer directory with --tokenizer (and "
+            "--trust-remote-code for a custom tokenizer class)."
+        )
+    if args.max_seq_len_to_capture < 1:
+        raise ValueError(f"max_seq_len_to_capture must be >= 1, got {args.max_seq_len_to_capture}.")
+    if args.cuda_graph_sizes is not None and (not args.cuda_graph_sizes or min(args.cuda_graph_sizes) < 1):
+        raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {args.cuda_graph_sizes}.")
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}.")
