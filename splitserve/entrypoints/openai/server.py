@@ -247,7 +247,7 @@ def serve_worker(
     global_scheduler = None
     if server_args.scheduler_name == "global":  # one replica: refused with data parallelism
         from splitserve.engine.global_scheduler import GlobalScheduler
-        from splitserve.entrypoints.openai.args import global_scheduler_config
+        from splitserve.entrypoints.openai.scheduler_args import global_scheduler_config
 
         model, sched = config.model_config.served_model_name, config.scheduler_config
         global_scheduler = GlobalScheduler(
