@@ -37,7 +37,8 @@ from splitserve.entrypoints.lmdeploy_chat_template import (
     resolve_chat_template,
     template_by_model_name,
 )
-from splitserve.entrypoints.lmdeploy_config import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
+from splitserve.entrypoints.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
+from splitserve.entrypoints.lmdeploy_generation import GenerationConfig
 from splitserve.entrypoints.lmdeploy_legacy import gen_config_from_call
 from splitserve.multimodal import chat
 from splitserve.outputs import RequestOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from splitserve.entrypoints.lmdeploy_config import GenerationConfig
+from splitserve.entrypoints.lmdeploy_generation import GenerationConfig
 
 _LEGACY_CALL_ARGS = {  # LMDeploy's deprecated call-level arguments and the defaults its document gives
     "request_output_len": ("max_new_tokens", 512),
