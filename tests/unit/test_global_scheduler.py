@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from splitserve.engine import global_scheduler as gs
+from splitserve.engine import global_scheduler_nodes
 from splitserve.engine.global_scheduler import GlobalScheduler
 from splitserve.engine.global_scheduler_protocol import GlobalSchedulerConfig, InboxMessage
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest
@@ -198,5 +198,5 @@ def test_queued_requests_expire_and_dead_nodes_fail_theirs(redis_port, monkeypat
         finally:
             await a.close()
 
-    monkeypatch.setattr(gs, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(global_scheduler_nodes, "HEARTBEAT_S", 0.1)
     asyncio.run(main())
