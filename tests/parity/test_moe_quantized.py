@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from splitserve import SamplingParams
+from splitserve.loader.hf_model import gguf_name_maps_built_once
 from splitserve.loader.resolve import default_model_path
 from tests.helpers.gguf_files import tensor_types, write_gguf
 from tests.helpers.hf_reference import assert_greedy_match, hf_greedy
@@ -64,9 +65,10 @@ def _gguf_reference(path: str):
 
     directory, name = os.path.split(path)
     config = read_gguf_config(directory, name)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, config=config, dtype=torch.float32
-    ).eval()
+    with gguf_name_maps_built_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=name, config=config, dtype=torch.float32
+        ).eval()
 
 
 def _check(engine, refs) -> None:
