@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from splitserve.benchmarks import serve, serve_client, serve_report
+from splitserve.benchmarks import serve, serve_client, serve_report, serve_workload
 from splitserve.entrypoints.cli import build_parser
 
 FIRST_DELAY = 0.06  # seconds before the first chunk with text
@@ -299,15 +299,15 @@ def test_plot(fake, tmp_path):
 
 def test_arrival_gaps():
     rate, n = 10.0, 20000
-    poisson = np.array(serve.arrival_gaps(n, rate, 1.0, seed=1))
+    poisson = np.array(serve_workload.arrival_gaps(n, rate, 1.0, seed=1))
     assert poisson.mean() == pytest.approx(1 / rate, rel=0.03)
     assert poisson.var() == pytest.approx(1 / rate**2, rel=0.1)  # exponential: variance = mean^2
-    assert serve.arrival_gaps(50, rate, 1.0, seed=1) == serve.arrival_gaps(50, rate, 1.0, seed=1)
-    assert serve.arrival_gaps(50, rate, 1.0, seed=1) != serve.arrival_gaps(50, rate, 1.0, seed=2)
-    bursty, even = (np.array(serve.arrival_gaps(n, rate, b, seed=1)) for b in (0.25, 4.0))
+    assert serve_workload.arrival_gaps(50, rate, 1.0, seed=1) == serve_workload.arrival_gaps(50, rate, 1.0, seed=1)
+    assert serve_workload.arrival_gaps(50, rate, 1.0, seed=1) != serve_workload.arrival_gaps(50, rate, 1.0, seed=2)
+    bursty, even = (np.array(serve_workload.arrival_gaps(n, rate, b, seed=1)) for b in (0.25, 4.0))
     assert bursty.mean() == pytest.approx(1 / rate, rel=0.05) and even.mean() == pytest.approx(1 / rate, rel=0.03)
     assert bursty.var() > 3 * poisson.var() > 9 * even.var()  # variance 1 / (rate^2 * burstiness)
-    assert serve.arrival_gaps(3, math.inf, 1.0, seed=0) == [0.0] * 3
+    assert serve_workload.arrival_gaps(3, math.inf, 1.0, seed=0) == [0.0] * 3
 
 
 def test_summarize_percentiles():
@@ -358,12 +358,12 @@ def test_tokenizer_prompts(smollm_tokenizer):
     ]
     ns = build_parser().parse_args(args)
     special = set(smollm_tokenizer.all_special_ids)
-    requests = serve.make_requests(ns, smollm_tokenizer, chat=False)
+    requests = serve_workload.make_requests(ns, smollm_tokenizer, chat=False)
     assert len({r.output_len for r in requests}) > 1 and all(64 <= r.output_len <= 192 for r in requests)
     for r in requests:
         assert isinstance(r.prompt, list) and r.prompt_len == len(r.prompt) and 25 <= len(r.prompt) <= 65
         assert r.prompt[:5] == requests[0].prompt[:5] and not special & set(r.prompt)
-    chat = serve.make_requests(ns, smollm_tokenizer, chat=True)
+    chat = serve_workload.make_requests(ns, smollm_tokenizer, chat=True)
     for r, ids in zip(chat, requests):
         assert len(smollm_tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len
         assert abs(r.prompt_len - len(ids.prompt)) <= 2
@@ -379,7 +379,7 @@ def test_guided_json_is_sent_with_every_request(tmp_path):
     path.write_text(json.dumps(schema))
     for value in (json.dumps(schema), f"@{path}"):
         ns = build_parser().parse_args(["bench", "serve", "--guided-json", value])
-        body = serve.request_body(serve_client.Request("hi", 2, 8), ns, "m", chat=False)
+        body = serve_workload.request_body(serve_client.Request("hi", 2, 8), ns, "m", chat=False)
         assert body["guided_json"] == schema and body["prompt"] == "hi"
 
 
