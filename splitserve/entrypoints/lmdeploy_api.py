@@ -16,14 +16,12 @@ and `get_ppl` are not.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
@@ -38,7 +36,7 @@ from splitserve.entrypoints.lmdeploy_chat_template import (
     template_by_model_name,
 )
 from splitserve.entrypoints.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
-from splitserve.entrypoints.lmdeploy_generation import GenerationConfig
+from splitserve.entrypoints.lmdeploy_generation import GenerationConfig, Response, response_of, with_stop_words
 from splitserve.entrypoints.lmdeploy_legacy import gen_config_from_call
 from splitserve.multimodal import chat
 from splitserve.outputs import RequestOutput
@@ -46,21 +44,6 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
 
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
-
-
-@dataclass
-class Response:
-    """One prompt's result, as LMDeploy's. From `stream_infer`, `text`, `token_ids` and `logprobs`
-    hold only what is new since the previous Response of the same prompt, while
-    `generate_token_len` counts every token generated so far."""
-
-    text: str
-    generate_token_len: int
-    input_token_len: int
-    finish_reason: str | None = None  # 'stop' or 'length' once the prompt is done
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    index: int = 0  # the prompt's position in the batch
 
 
 # --- prompts ---------------------------------------------------------------------------------
@@ -122,7 +105,7 @@ class Pipeline:
         with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
             for index, output in self._serve(inputs, params, RequestOutputKind.FINAL_ONLY, lora):
                 completion = output.outputs[0]
-                results[index] = _response(output, index, len(completion.token_ids))
+                results[index] = response_of(output, index, len(completion.token_ids))
                 bar.update(1)
         return results[0] if single else results
 
@@ -186,7 +169,7 @@ class Pipeline:
         inputs = [self._engine_prompt(p, do_preprocess) for p in batch]
         params = self._sampling_params(gen_config, len(batch))
         if isinstance(self.chat_template, NamedChatTemplate) and self.chat_template.stop_words and do_preprocess:
-            params = [_with_stop_words(p, self.chat_template.stop_words) for p in params]
+            params = [with_stop_words(p, self.chat_template.stop_words) for p in params]
         return single, inputs, params, lora
 
     def _engine_prompt(self, prompt, do_preprocess: bool):
@@ -244,7 +227,7 @@ class Pipeline:
         generated = [0] * len(inputs)
         for index, output in self._serve(inputs, params, RequestOutputKind.DELTA, lora):
             generated[index] += len(output.outputs[0].token_ids)
-            yield _response(output, index, generated[index])
+            yield response_of(output, index, generated[index])
 
     def _serve(self, inputs, params, kind: RequestOutputKind, lora=None) -> Iterator[tuple[int, RequestOutput]]:
         """Add the requests, then yield (prompt index, output) until all are finished. Whatever
@@ -309,28 +292,6 @@ class Pipeline:
             self._queues.pop(request_id, None)
         if self.engine is not None and request_ids:
             self.engine.abort_request(request_ids)
-
-
-def _with_stop_words(params: SamplingParams, words: list[str]) -> SamplingParams:
-    """The named template's end-of-answer words added to a request's stop strings."""
-    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-    return dataclasses.replace(params, stop=stop + [w for w in words if w not in stop])
-
-
-def _response(output: RequestOutput, index: int, generate_token_len: int) -> Response:
-    completion = output.outputs[0]
-    logprobs = None
-    if completion.logprobs is not None:
-        logprobs = [{tid: lp.logprob for tid, lp in position.items()} for position in completion.logprobs]
-    return Response(
-        text=completion.text,
-        generate_token_len=generate_token_len,
-        input_token_len=len(output.prompt_token_ids),
-        finish_reason=completion.finish_reason,
-        token_ids=list(completion.token_ids),
-        logprobs=logprobs,
-        index=index,
-    )
 
 
 def pipeline(

@@ -1,11 +1,14 @@
 """LMDeploy's `GenerationConfig`, mapped onto splitserve's SamplingParams (see lmdeploy_api.py): its
-sampling fields, stop words, `response_format` as structured output, and the fields splitserve refuses."""
+sampling fields, stop words, `response_format` as structured output, and the fields splitserve refuses;
+and what comes back, LMDeploy's `Response`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import GuidedDecodingParams, SamplingParams
 
 _DO_SAMPLE_TOP_K = 50  # LMDeploy >= 0.6's default top_k, which came with do_sample
@@ -111,4 +114,41 @@ def _guide_from_response_format(response_format: dict | None) -> GuidedDecodingP
     raise ValueError(
         f"GenerationConfig.response_format type {kind!r} is not supported "
         "(text, json_object, json_schema, regex_schema are)."
+    )
+
+
+@dataclass
+class Response:
+    """One prompt's result, as LMDeploy's. From `stream_infer`, `text`, `token_ids` and `logprobs`
+    hold only what is new since the previous Response of the same prompt, while
+    `generate_token_len` counts every token generated so far."""
+
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: str | None = None  # 'stop' or 'length' once the prompt is done
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0  # the prompt's position in the batch
+
+
+def with_stop_words(params: SamplingParams, words: list[str]) -> SamplingParams:
+    """The named template's end-of-answer words added to a request's stop strings."""
+    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    return dataclasses.replace(params, stop=stop + [w for w in words if w not in stop])
+
+
+def response_of(output: RequestOutput, index: int, generate_token_len: int) -> Response:
+    completion = output.outputs[0]
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = [{tid: lp.logprob for tid, lp in position.items()} for position in completion.logprobs]
+    return Response(
+        text=completion.text,
+        generate_token_len=generate_token_len,
+        input_token_len=len(output.prompt_token_ids),
+        finish_reason=completion.finish_reason,
+        token_ids=list(completion.token_ids),
+        logprobs=logprobs,
+        index=index,
     )
