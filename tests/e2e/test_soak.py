@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from splitserve.benchmarks import soak, soak_probe
+from splitserve.benchmarks import soak, soak_probe, soak_report
 from splitserve.entrypoints.cli import build_parser
 
 pytestmark = pytest.mark.slow  # soaks a real server (and all of tests/e2e is slow)
@@ -24,13 +24,13 @@ def _sample(t: float, **rss_mb: float) -> dict:
 
 def test_memory_growth_is_measured_from_the_first_sample_after_warmup():
     samples = [_sample(0, a=100, b=1000), _sample(60, a=400, b=3000), _sample(120, a=410, b=3030)]
-    growth = soak.memory_growth(samples, warmup=60)
+    growth = soak_report.memory_growth(samples, warmup=60)
     assert growth["baseline_t_s"] == 60 and growth["growth_bytes"] == 40 * 2**20
     assert growth["allowed_bytes"] == 68 * 2**20  # 2% of 3400 MB beats 50 MB
     assert growth["within_goal"] and growth["per_process_growth_bytes"] == {"a": 10 * 2**20, "b": 30 * 2**20}
-    small = soak.memory_growth([_sample(0, a=100), _sample(10, a=149)], warmup=0)
+    small = soak_report.memory_growth([_sample(0, a=100), _sample(10, a=149)], warmup=0)
     assert small["allowed_bytes"] == 50 * 2**20 and small["within_goal"]
-    assert not soak.memory_growth([_sample(0, a=100), _sample(10, a=151)], warmup=0)["within_goal"]
+    assert not soak_report.memory_growth([_sample(0, a=100), _sample(10, a=151)], warmup=0)["within_goal"]
 
 
 def test_process_tree_finds_children_and_their_memory():
