@@ -13,14 +13,7 @@ from pydantic import ValidationError
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.entrypoints.http import error_body, install_error_handlers
-from splitserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    parse_tokenize_request,
-)
+from splitserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.entrypoints.openai.request_model import validation_error_message
 from splitserve.entrypoints.openai.response_models import (
     ChatCompletionResponse,
@@ -34,6 +27,12 @@ from splitserve.entrypoints.openai.response_models import (
     ModelCard,
     ModelList,
     UsageInfo,
+)
+from splitserve.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse_tokenize_request,
 )
 from splitserve.outputs import Logprob
 

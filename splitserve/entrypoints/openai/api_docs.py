@@ -54,13 +54,7 @@ from splitserve.entrypoints.openai.pooling_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from splitserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
+from splitserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.entrypoints.openai.recent_requests import RecentRequestsResponse
 from splitserve.entrypoints.openai.request_model import TOKEN_ID_SCHEMA
 from splitserve.entrypoints.openai.response_models import (
@@ -71,6 +65,11 @@ from splitserve.entrypoints.openai.response_models import (
     TokenizeResponse,
 )
 from splitserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
+from splitserve.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 _SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")

@@ -275,7 +275,7 @@ class CompletionRequest(_GenerationRequest):
         return SamplingParams(**self._sampling_kwargs(default_max_tokens, defaults), logprobs=self.logprobs)
 
 
-class _ConversationRequest(RequestModel):
+class ConversationRequest(RequestModel):
     """What /v1/chat/completions and /tokenize (chat form) share: the messages and the template."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
@@ -285,7 +285,7 @@ class _ConversationRequest(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_template_flags(self) -> _ConversationRequest:
+    def _check_template_flags(self) -> ConversationRequest:
         """Continuing the last message and opening a new assistant turn exclude each other."""
         if self.add_generation_prompt and self.continue_final_message:
             raise ParameterError(
@@ -300,7 +300,7 @@ class _ConversationRequest(RequestModel):
         return [message.template_dict() for message in self.messages]
 
 
-class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
+class ChatCompletionRequest(_GenerationRequest, ConversationRequest):
     """POST /v1/chat/completions. `max_tokens` (or `max_completion_tokens`) defaults to the rest of
     the context (`to_sampling_params`'s `default_max_tokens`). `echo` is only carried: the server
     prepends the last message's content when that message is the assistant's."""
@@ -346,33 +346,3 @@ class ChatCompletionRequest(_GenerationRequest, _ConversationRequest):
         asks for top_logprobs alternatives (0: only the chosen token)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(**self._sampling_kwargs(default_max_tokens, defaults), logprobs=logprobs)
-
-
-class TokenizeCompletionRequest(RequestModel):
-    """POST /tokenize with a text prompt."""
-
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(_ConversationRequest):
-    """POST /tokenize with messages, rendered by the chat template first."""
-
-    model: str | None = None
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
-
-
-def parse_tokenize_request(data: Any, context: dict | None = None) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """/tokenize takes either form: the one with `messages` is the chat form. Raises
-    pydantic.ValidationError like model_validate."""
-    if isinstance(data, dict) and "messages" in data:
-        return TokenizeChatRequest.model_validate(data, context=context)
-    return TokenizeCompletionRequest.model_validate(data, context=context)
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]

@@ -9,9 +9,13 @@ from fastapi.responses import JSONResponse
 
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai import chat_images
-from splitserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, parse_tokenize_request
 from splitserve.entrypoints.openai.response_models import DetokenizeResponse, TokenizeResponse
 from splitserve.entrypoints.openai.serving_base import OpenAIServing, json_response
+from splitserve.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    parse_tokenize_request,
+)
 
 
 class OpenAIServingTokenization(OpenAIServing):
