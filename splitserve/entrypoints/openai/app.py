@@ -18,10 +18,10 @@ from splitserve.entrypoints.http import (
     read_json_body,
 )
 from splitserve.entrypoints.openai.api_docs import document_routes
+from splitserve.entrypoints.openai.encoding import json_response
 from splitserve.entrypoints.openai.load_signals import add_load_signals
 from splitserve.entrypoints.openai.metrics import Metrics, render_metrics
 from splitserve.entrypoints.openai.serving_anthropic import AnthropicServing
-from splitserve.entrypoints.openai.serving_base import json_response
 from splitserve.entrypoints.openai.serving_batches import add_batch_routes, batch_serving
 from splitserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from splitserve.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -172,3 +172,12 @@ class NamedFunction(RequestModel):
 class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
+
+
+def template_kwargs(req) -> dict:
+    """The request's chat_template_kwargs, and its tools (chat requests only) as templates read them."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    tools = getattr(req, "tools", None)
+    if tools:
+        kwargs.setdefault("tools", [tool.model_dump(exclude_none=True) for tool in tools])
+    return kwargs

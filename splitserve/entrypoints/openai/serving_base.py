@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from splitserve.engine.async_llm import AsyncLLM, EngineDeadError
@@ -27,15 +26,17 @@ from splitserve.engine.messages import KVTransferParams
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.pd_role import role_state
 from splitserve.engine.processor import ProcessedRequest, PromptType
-from splitserve.entrypoints.http import CLIENT_REQUEST_ID, APIError, ErrorResponse, error_body
+from splitserve.entrypoints.http import CLIENT_REQUEST_ID, APIError
 from splitserve.entrypoints.openai import chat_images
+from splitserve.entrypoints.openai.chat_messages import template_kwargs
+from splitserve.entrypoints.openai.encoding import merge_streams
 from splitserve.entrypoints.openai.request_model import parse_request
 from splitserve.entrypoints.openai.response_models import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
 from splitserve.entrypoints.openai.serving_beam import beam_search_output
 from splitserve.entrypoints.openai.serving_models import OpenAIServingModels
 from splitserve.entrypoints.openai.serving_pd import PDServingMixin
 from splitserve.lora.request import LoRARequest
-from splitserve.outputs import Logprob, RequestOutput
+from splitserve.outputs import RequestOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import apply_chat_template
 from splitserve.tracing import REQUEST_TRACE, tracing_for
@@ -292,86 +293,3 @@ class OpenAIServing(PDServingMixin):
         async for _ in self.engine.generate("warmup", request):
             pass
         logger.info("Warm-up request done in %.2f s", time.monotonic() - start)
-
-
-def ranked_logprobs(entry: dict[int, Logprob], n: int) -> list[Logprob]:
-    """The n most likely tokens of a logprobs entry (it holds the top n plus the chosen token)."""
-    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
-
-
-async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Items of several async iterators as they come, tagged with the iterator's index. Closing this
-    closes them all (which aborts their requests)."""
-    if len(streams) == 1:
-        try:
-            async for item in streams[0]:
-                yield 0, item
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item))
-            await queue.put((i, done))
-        except BaseException as exc:  # hand errors (and cancellation) to the consumer
-            await queue.put((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
-
-
-def sse_event(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
-
-
-def json_response(model: BaseModel) -> Response:
-    """The model as JSON; a NaN or infinity left anywhere becomes null rather than a 500."""
-    return Response(model.model_dump_json(), media_type="application/json")
-
-
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    async def with_done() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        except EngineDeadError as exc:
-            yield f"data: {_error_json(str(exc), 503, 'service_unavailable')}\n\n"
-        except InvalidRequestError as exc:
-            yield f"data: {_error_json(str(exc), exc.status, exc.err_type)}\n\n"
-        except ValueError as exc:
-            yield f"data: {_error_json(str(exc), 400, 'invalid_request_error')}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(with_done(), media_type="text/event-stream")
-
-
-def _error_json(message: str, code: int, err_type: str) -> str:
-    return ErrorResponse.model_validate(error_body(message, err_type, None, code)).model_dump_json()
-
-
-def template_kwargs(req) -> dict:
-    """The request's chat_template_kwargs, and its tools (chat requests only) as templates read them."""
-    kwargs = dict(req.chat_template_kwargs or {})
-    tools = getattr(req, "tools", None)
-    if tools:
-        kwargs.setdefault("tools", [tool.model_dump(exclude_none=True) for tool in tools])
-    return kwargs

@@ -12,6 +12,13 @@ from fastapi import Request
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai import chat_images
+from splitserve.entrypoints.openai.encoding import (
+    json_response,
+    merge_streams,
+    ranked_logprobs,
+    sse_event,
+    sse_response,
+)
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest
 from splitserve.entrypoints.openai.reasoning import get_reasoning_parser, parser_for_model
 from splitserve.entrypoints.openai.response_models import (
@@ -27,15 +34,7 @@ from splitserve.entrypoints.openai.response_models import (
     finite_logprob,
     random_id,
 )
-from splitserve.entrypoints.openai.serving_base import (
-    ChoiceState,
-    OpenAIServing,
-    json_response,
-    merge_streams,
-    ranked_logprobs,
-    sse_event,
-    sse_response,
-)
+from splitserve.entrypoints.openai.serving_base import ChoiceState, OpenAIServing
 from splitserve.entrypoints.openai.timings import StreamTimings, request_timings
 from splitserve.entrypoints.openai.tool_calling import ToolPlan, plan_tools, tool_guide
 from splitserve.outputs import Logprob, RequestOutput

@@ -9,6 +9,13 @@ from fastapi import Request
 
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
+from splitserve.entrypoints.openai.encoding import (
+    json_response,
+    merge_streams,
+    ranked_logprobs,
+    sse_event,
+    sse_response,
+)
 from splitserve.entrypoints.openai.protocol import CompletionRequest
 from splitserve.entrypoints.openai.response_models import (
     CompletionLogProbs,
@@ -19,15 +26,7 @@ from splitserve.entrypoints.openai.response_models import (
     finite_logprob,
     random_id,
 )
-from splitserve.entrypoints.openai.serving_base import (
-    ChoiceState,
-    OpenAIServing,
-    json_response,
-    merge_streams,
-    ranked_logprobs,
-    sse_event,
-    sse_response,
-)
+from splitserve.entrypoints.openai.serving_base import ChoiceState, OpenAIServing
 from splitserve.entrypoints.openai.timings import StreamTimings, request_timings
 from splitserve.outputs import Logprob, RequestOutput
 

@@ -21,8 +21,9 @@ from splitserve.engine.async_llm import EngineDeadError
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import error_body
 from splitserve.entrypoints.openai.control_protocol import GenerateRequest
+from splitserve.entrypoints.openai.encoding import merge_streams
 from splitserve.entrypoints.openai.response_models import random_id
-from splitserve.entrypoints.openai.serving_base import OpenAIServing, merge_streams
+from splitserve.entrypoints.openai.serving_base import OpenAIServing
 
 
 class NativeServing(OpenAIServing):

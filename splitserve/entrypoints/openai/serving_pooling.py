@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.entrypoints.http import APIError
+from splitserve.entrypoints.openai.encoding import json_response
 from splitserve.entrypoints.openai.pooling_protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -34,7 +35,7 @@ from splitserve.entrypoints.openai.pooling_protocol import (
     ScoreResponse,
 )
 from splitserve.entrypoints.openai.response_models import random_id
-from splitserve.entrypoints.openai.serving_base import OpenAIServing, json_response
+from splitserve.entrypoints.openai.serving_base import OpenAIServing
 from splitserve.outputs import RequestOutput
 from splitserve.pooling_params import PoolingParams, classifier_activation, cosine_similarity, is_classifier
 

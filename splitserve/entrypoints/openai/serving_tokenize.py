@@ -9,8 +9,9 @@ from fastapi.responses import JSONResponse
 
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai import chat_images
+from splitserve.entrypoints.openai.encoding import json_response
 from splitserve.entrypoints.openai.response_models import DetokenizeResponse, TokenizeResponse
-from splitserve.entrypoints.openai.serving_base import OpenAIServing, json_response
+from splitserve.entrypoints.openai.serving_base import OpenAIServing
 from splitserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,

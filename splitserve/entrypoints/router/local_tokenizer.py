@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from splitserve.entrypoints.openai.chat_messages import template_kwargs
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest
-from splitserve.entrypoints.openai.serving_base import template_kwargs
 from splitserve.multimodal.chat import has_images
 from splitserve.tokenizer import apply_chat_template, get_tokenizer
 
