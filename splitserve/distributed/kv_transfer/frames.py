@@ -1,6 +1,7 @@
-"""What one KV pull carries: a header naming the blocks, then their bytes (and a quantized cache's
-scales), gathered from a rank's KV cache on the prefill side and scattered into it on the decode
-side. The header's request id, block ids, shape, dtype and CRC-32 let the decode side refuse a frame
+"""What travels between KV connectors: a decode side's requests (PullRequest: send me these blocks
+of a lease; Release: the lease is done), and what one KV pull carries back: a header naming the
+blocks, then their bytes (and a quantized cache's scales), gathered from a rank's KV cache on the
+prefill side and scattered into it on the decode side. The header's request id, block ids, shape, dtype and CRC-32 let the decode side refuse a frame
 that is not the one it asked for."""
 
 from __future__ import annotations
@@ -9,6 +10,19 @@ import zlib
 
 import msgspec
 import torch
+
+
+class PullRequest(msgspec.Struct, tag="pull", array_like=True):
+    request_id: str
+    first_block: int
+    num_blocks: int
+
+
+class Release(msgspec.Struct, tag="release", array_like=True):
+    request_id: str
+
+
+ConnectorMessage = PullRequest | Release
 
 _BLOCK_DIM = 2  # of a layer's cache [2, num_kv_heads, num_blocks, block_size, head_dim]
 

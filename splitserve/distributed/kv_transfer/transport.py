@@ -37,7 +37,17 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve import envs
 from splitserve.config import KVTransferConfig
-from splitserve.distributed.kv_transfer.frames import KVFrameHeader, crc32, dtype_name, frame_shape, gather, scatter
+from splitserve.distributed.kv_transfer.frames import (
+    ConnectorMessage,
+    KVFrameHeader,
+    PullRequest,
+    Release,
+    crc32,
+    dtype_name,
+    frame_shape,
+    gather,
+    scatter,
+)
 from splitserve.distributed.kv_transfer.stats import KVTransferStats, PullResult
 
 logger = logging.getLogger(__name__)
@@ -47,19 +57,6 @@ PULL_TIMEOUT_S = 30.0  # a KV server that neither answers nor drops the connecti
 # The events of a pull's connection that mean the KV server is gone: it dropped the connection,
 # or it refused one (ZMQ then retries, which would last until the timeout).
 _PEER_GONE = {zmq.EVENT_DISCONNECTED: "closed the connection", zmq.EVENT_CONNECT_RETRIED: "refused the connection"}
-
-
-class PullRequest(msgspec.Struct, tag="pull", array_like=True):
-    request_id: str
-    first_block: int
-    num_blocks: int
-
-
-class Release(msgspec.Struct, tag="release", array_like=True):
-    request_id: str
-
-
-ConnectorMessage = PullRequest | Release
 
 
 @dataclass
