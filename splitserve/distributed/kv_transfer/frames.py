@@ -1,8 +1,8 @@
 """What travels between KV connectors: a decode side's requests (PullRequest: send me these blocks
 of a lease; Release: the lease is done), and what one KV pull carries back: a header naming the
 blocks, then their bytes (and a quantized cache's scales), gathered from a rank's KV cache on the
-prefill side and scattered into it on the decode side. The header's request id, block ids, shape, dtype and CRC-32 let the decode side refuse a frame
-that is not the one it asked for."""
+prefill side and scattered into it on the decode side. The header's request id, block ids, shape,
+dtype and CRC-32 let the decode side refuse a frame that is not the one it asked for."""
 
 from __future__ import annotations
 
