@@ -42,18 +42,32 @@ def _config(kind: str, vocab_size: int):
     )  # fmt: skip
 
 
+def _make_checkpoint(directory: str, kind: str, tokenizer) -> str:
+    build(_config(kind, len(tokenizer)), seed=3).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture
 def checkpoint(tmp_path, smollm_tokenizer):
     """A tiny MoE checkpoint of `kind` with the default model's tokenizer and its whole vocabulary
     (a GGUF carries that tokenizer)."""
+    return lambda kind: _make_checkpoint(str(tmp_path / kind), kind, smollm_tokenizer)
 
-    def make(kind: str) -> str:
-        directory = str(tmp_path / kind)
-        build(_config(kind, len(smollm_tokenizer)), seed=3).save_pretrained(directory)
-        smollm_tokenizer.save_pretrained(directory)
-        return directory
 
-    return make
+def _gguf_and_refs(directory, kind: str, qtype: str, tokenizer) -> tuple[str, list]:
+    """The tiny `kind` checkpoint as a `qtype` .gguf, and transformers' greedy references on it."""
+    checkpoint = _make_checkpoint(str(directory / kind), kind, tokenizer)
+    path = write_gguf(checkpoint, str(directory / "moe.gguf"), qtype, default_model_path())
+    reference = _gguf_reference(path)  # read once: parsing the file's metadata (a whole vocabulary) takes seconds
+    return path, [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def qwen3_q8_0(tmp_path_factory, smollm_tokenizer) -> tuple[str, list]:
+    """The Qwen3-MoE Q8_0 file and its references, shared by the two tests that read it: writing it
+    and reading its metadata back (a whole vocabulary) take about 15 s."""
+    return _gguf_and_refs(tmp_path_factory.mktemp("qwen3_q8_0"), "qwen3_moe", "Q8_0", smollm_tokenizer)
 
 
 def _gguf_reference(path: str):
@@ -92,16 +106,17 @@ def _check_in_blocks(engine, refs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,qtype", [("qwen3_moe", "Q8_0"), ("qwen2_moe", "Q4_0")], ids=["qwen3-q8_0", "qwen2-q4_0"])
-def test_gguf_moe_in_its_blocks_and_dequantized(tmp_path, checkpoint, kind, qtype):
+def test_gguf_moe_in_its_blocks_and_dequantized(request, tmp_path, smollm_tokenizer, kind, qtype):
     """Dequantized (--quantization none), the file generates what transformers generates from it.
     In its blocks, every expert's products read its own blocks: the layer's output is the
     dequantized layer's up to the 8-bit rounding of the activations; with Q8_0 (the closest
     rounding) whole generations agree too."""
-    path = write_gguf(checkpoint(kind), str(tmp_path / "moe.gguf"), qtype, default_model_path())
+    if (kind, qtype) == ("qwen3_moe", "Q8_0"):
+        path, refs = request.getfixturevalue("qwen3_q8_0")
+    else:
+        path, refs = _gguf_and_refs(tmp_path, kind, qtype, smollm_tokenizer)
     types = tensor_types(path)
     assert types["blk.0.ffn_gate_exps.weight"] == qtype and types["blk.0.ffn_gate_inp.weight"] == "F32"
-    reference = _gguf_reference(path)  # read once: parsing the file's metadata (a whole vocabulary) takes seconds
-    refs = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
     dequantized = llm(path, quantization="none")
     _check(dequantized, refs)
     quantized = llm(path)  # --quantization gguf, the default for a quantized .gguf on CPU
@@ -121,18 +136,16 @@ def test_gguf_moe_in_its_blocks_and_dequantized(tmp_path, checkpoint, kind, qtyp
 
 
 @pytest.mark.slow
-def test_gguf_moe_with_expert_parallelism(tmp_path, checkpoint):
-    path = write_gguf(checkpoint("qwen3_moe"), str(tmp_path / "moe.gguf"), "Q8_0", default_model_path())
-    reference = _gguf_reference(path)
-    refs = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+def test_gguf_moe_with_expert_parallelism(qwen3_q8_0):
+    path, refs = qwen3_q8_0
     _check_in_blocks(llm(path, tensor_parallel_size=2, enable_expert_parallel=True), refs)
 
 
 @pytest.mark.slow
-def test_gguf_experts_split_inside_a_block_are_refused(tmp_path, checkpoint):
+def test_gguf_experts_split_inside_a_block_are_refused(qwen3_q8_0):
     """tp=4 without expert parallelism splits each expert's 64 channels into 16 per rank: the down
-    projection's input then cuts a Q4_0 block (32 values) in two."""
-    path = write_gguf(checkpoint("qwen3_moe"), str(tmp_path / "moe.gguf"), "Q4_0", default_model_path())
+    projection's input then cuts a Q8_0 block (32 values, as Q4_0's) in two."""
+    path, _ = qwen3_q8_0
     with pytest.raises(Exception, match="can only be split between its 32-value blocks"):
         llm(path, tensor_parallel_size=4)
 
