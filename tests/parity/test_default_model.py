@@ -29,7 +29,11 @@ def test_default_model_matches_transformers(llm, default_gguf):
     )
     import torch
 
-    hf = load_hf_model(os.path.dirname(default_gguf), os.path.basename(default_gguf), torch.float32)
+    from splitserve.loader.resolve import load_hf_config
+
+    # with splitserve's config: transformers does not read the file's metadata again (4-5 s)
+    directory, name = os.path.split(default_gguf)
+    hf = load_hf_model(directory, name, torch.float32, config=load_hf_config(default_gguf))
     for out in outputs:
         completion = out.outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
