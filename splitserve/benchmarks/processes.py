@@ -31,7 +31,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
                     return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise TimeoutError("the server did not answer /health in time")
 
 

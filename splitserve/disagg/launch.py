@@ -206,4 +206,4 @@ def wait_healthy(instances: list[LocalInstance], timeout: float = _STARTUP_TIMEO
                 pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(pending)} PD instances did not become healthy in time.")
-        time.sleep(0.5)
+        time.sleep(0.2)

@@ -80,7 +80,7 @@ class RemoteServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a refused connection costs next to nothing; a server is up sooner
         self.close()
         raise TimeoutError("the server did not become healthy in time")
 
