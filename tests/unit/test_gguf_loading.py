@@ -46,13 +46,15 @@ def test_config_and_tokenizer_are_read_once_then_from_the_cache(default_gguf, tm
     assert saved is not None and saved.startswith(str(tmp_path))
     assert gguf_cache.hf_dir_for_gguf(default_gguf) == saved  # found, not saved again
     directory, name = os.path.split(default_gguf)
-    direct_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with gguf_cache.gguf_parsed_once():  # transformers' own reads, on one parse of the file
+        direct_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        direct_cfg = AutoConfig.from_pretrained(directory, gguf_file=name)
     cached_tok = AutoTokenizer.from_pretrained(saved)
     text = "Hello world!\n  def f(x): return x ** 2  # 日本語 émoji 🙂"
     assert cached_tok.encode(text) == direct_tok.encode(text)
     assert cached_tok.chat_template == direct_tok.chat_template
     assert (cached_tok.bos_token_id, cached_tok.eos_token_id) == (direct_tok.bos_token_id, direct_tok.eos_token_id)
-    direct_cfg, cached_cfg = AutoConfig.from_pretrained(directory, gguf_file=name), AutoConfig.from_pretrained(saved)
+    cached_cfg = AutoConfig.from_pretrained(saved)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         assert getattr(cached_cfg, key) == getattr(direct_cfg, key)
     assert cached_cfg.rope_parameters == direct_cfg.rope_parameters
