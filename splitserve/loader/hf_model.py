@@ -21,7 +21,9 @@ def load_hf_model(directory: str, gguf_file: str | None, dtype, config=None):
         from transformers import GgufConfig
 
         kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
-    with gguf_name_maps_built_once():
+    from splitserve.loader.gguf_cache import gguf_parsed_once
+
+    with gguf_name_maps_built_once(), gguf_parsed_once():  # without `config`, the file is read twice
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype, **kwargs).eval()
 
 

@@ -18,9 +18,10 @@ class Reference:
 def load_hf_model(path: str, dtype=torch.float32, gguf_file: str | None = None):
     from transformers import AutoModelForCausalLM
 
+    from splitserve.loader.gguf_cache import gguf_parsed_once
     from splitserve.loader.hf_model import gguf_name_maps_built_once
 
-    with gguf_name_maps_built_once():
+    with gguf_name_maps_built_once(), gguf_parsed_once():  # the config's read and the weights' share a parse
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
     return model.eval()
 
