@@ -99,7 +99,7 @@ class CacheConfig:
     num_cpu_blocks_override: int | None = None
     swap_space_bytes: int = 0
     num_cpu_blocks: int = 0  # decided when the KV cache is allocated
-    # The KV offloading tier (engine/kv_offload.py): host memory per rank for prefix-cache blocks
+    # The KV offloading tier (kv_tier/index.py): host memory per rank for prefix-cache blocks
     # evicted from the device pool; a directory that keeps them on disk too, up to a size per rank.
     kv_offloading_bytes: int = 0
     kv_cache_dir: str | None = None

@@ -85,7 +85,7 @@ class EngineArgs:
     scheduler_ttl: float = 0.0  # FastDeploy's: seconds a request may wait before it first runs (0: no limit)
     num_cpu_blocks: int | None = None  # exact host blocks, instead of swap_space (LMDeploy's num_cpu_blocks)
     kv_offloading_size: float | None = None  # GiB of host memory (all ranks together) for evicted prefix blocks
-    kv_offloading_backend: str | None = None  # native (vLLM's names; engine/kv_offload.py)
+    kv_offloading_backend: str | None = None  # native (vLLM's names; kv_tier/index.py)
     kv_cache_dir: str | None = None  # the offloaded blocks on disk too: survive restarts, shared on a host
     kv_cache_dir_size: float = 16.0  # GiB of files (all ranks together) in kv_cache_dir
     pd_role: str = "mixed"

@@ -21,7 +21,6 @@ from splitserve.engine.core_stats import CoreStats
 from splitserve.engine.expert_stats import ExpertLoadWatch
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_events import attach_events
-from splitserve.engine.kv_offload import make_offload_tier
 from splitserve.engine.lora_registry import LoRARegistry
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine.request import Request, RequestStatus
@@ -34,6 +33,7 @@ from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
 from splitserve.executor.factory import create_executor
 from splitserve.executor.step_input import ModelRunnerOutput
+from splitserve.kv_tier.index import make_offload_tier
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.sampling_params import SamplingParams
 

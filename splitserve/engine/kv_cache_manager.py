@@ -4,7 +4,7 @@ A block holds `block_size` tokens of KV. Full blocks are named by a chained hash
 (parent block's hash, the block's token ids, extra keys); a block that is freed keeps its hash
 and stays findable until it is reused, least recently freed first. The hash is sha256 over a
 fixed byte encoding, so every process (prefill and decode instances too) computes the same one.
-With a KV offloading tier (engine/kv_offload.py), a hashed block that is reused is first kept
+With a KV offloading tier (kv_tier/index.py), a hashed block that is reused is first kept
 there, and prefix lookups go on into the tier where the device pool misses.
 """
 
@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from splitserve.engine.kv_offload import KVOffloadTier, TierHit
 from splitserve.engine.request import Request
-from splitserve.executor.step_input import KVOffloadOps
+from splitserve.kv_tier.index import KVOffloadTier, TierHit
+from splitserve.kv_tier.ops import KVOffloadOps
 
 _ROOT_HASH = hashlib.sha256(b"splitserve-prefix-cache-v1").digest()
 

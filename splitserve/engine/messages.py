@@ -10,6 +10,7 @@ import msgspec
 
 from splitserve.distributed.kv_transfer.stats import KVTransferStats
 from splitserve.executor.step_input import TokenLogprobs
+from splitserve.kv_tier.stats import KVOffloadStats
 from splitserve.lora.request import LoRARequest
 from splitserve.multimodal.inputs import MultiModalFeature
 from splitserve.pooling_params import PoolingParams
@@ -190,15 +191,6 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
             f"{self.num_draft_tokens} draft tokens), mean acceptance length {self.mean_acceptance_length:.2f} "
             f"over {self.num_drafts} drafts"
         )
-
-
-class KVOffloadStats(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The KV offloading tier's counters since start (engine/kv_offload.py), in blocks."""
-
-    stored_blocks: int = 0  # kept when their device block was reused (host memory and/or disk)
-    host_hit_blocks: int = 0  # loaded back from host memory
-    disk_hit_blocks: int = 0  # loaded back from disk
-    disk_skipped_files: int = 0  # disk-tier blocks refused: corrupt, cut short or another layout's
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.request import Request
-from splitserve.executor.step_input import KVOffloadOps
+from splitserve.kv_tier.ops import KVOffloadOps
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SchedulePlan:
     # Speculative decoding: the draft tokens each request verifies in this step (its scheduled count
     # includes them, after its last token).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Copies to and from the KV offloading tier that this step's allocations need (engine/kv_offload.py).
+    # Copies to and from the KV offloading tier that this step's allocations need (kv_tier/index.py).
     kv_offload: KVOffloadOps | None = None
     # Requests dropped before they ever ran: they waited longer than SchedulerConfig.waiting_ttl.
     expired: list[Request] = field(default_factory=list)

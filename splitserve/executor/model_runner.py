@@ -19,7 +19,6 @@ from splitserve.executor.gpu_memory import run_largest_step
 from splitserve.executor.host import StepReady, move, start_host_copy, to_device
 from splitserve.executor.in_flight import InFlightStep, collect_pooled, collect_samples
 from splitserve.executor.input_batch import CachedRequestState, InputBatch
-from splitserve.executor.kv_offload import KVOffloadCopier
 from splitserve.executor.kv_swap import HostKVSwap
 from splitserve.executor.mrope import remember_prompt_positions, step_positions
 from splitserve.executor.persistent_batch import PersistentBatch
@@ -30,6 +29,7 @@ from splitserve.executor.sampler import Sampler, apply_token_bitmask
 from splitserve.executor.sampling_metadata import build_sampling_metadata
 from splitserve.executor.step_input import ModelRunnerOutput, ScheduledRequest, StepInput
 from splitserve.kernels import batch_invariant, cpu_memory
+from splitserve.kv_tier.copier import KVOffloadCopier
 from splitserve.layers.moe import FusedMoE, expert_load, moe_capturable
 from splitserve.layers.rotary import is_dynamic_ntk
 from splitserve.loader.weights import load_model

@@ -13,8 +13,8 @@ from splitserve.devices import cpu_kv_cache_bytes
 from splitserve.executor.cpu_decode_stack import CPUDecodeStack
 from splitserve.executor.gpu_memory import profile_cuda_memory
 from splitserve.executor.kv_memory import allocate_kv_cache, kv_memory_use
-from splitserve.executor.kv_offload import KVOffloadCopier
 from splitserve.executor.kv_swap import HostKVSwap
+from splitserve.kv_tier.copier import KVOffloadCopier
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RunnerKVCache:
         """Blocks 0..num_blocks-1 are the block manager's; with CUDA graphs one more is allocated,
         block num_blocks, where padding rows write (see cuda_graph). `num_cpu_blocks`: host blocks
         that preempted requests' KV is swapped to (kv_swap.py); `num_offload_blocks`: the KV
-        offloading tier's (kv_offload.py, on with --kv-offloading-size or --kv-cache-dir)."""
+        offloading tier's (kv_tier/copier.py, on with --kv-offloading-size or --kv-cache-dir)."""
         self.kv_caches, self.kv_scales = self._allocate_kv_cache(num_blocks + self.use_cuda_graphs)
         self.swap = HostKVSwap(self.kv_caches, self.kv_scales, num_cpu_blocks) if num_cpu_blocks else None
         if self.config.cache_config.offloads_kv:

@@ -78,7 +78,7 @@ class RankSleep:
         self.make_runner = make_runner  # builds a new ModelRunner (level 2's wake-up)
         self.model_config = model_config  # what make_runner reads the weights from
         self.level = 0
-        self.offload = None  # while asleep: the KV offloading tier's copier (kv_offload.py), rebound on waking
+        self.offload = None  # while asleep: the KV offloading tier's copier (kv_tier/copier.py), rebound on waking
 
     def sleep(self, runner, level: int):
         """Returns the runner to keep (None at level 2)."""

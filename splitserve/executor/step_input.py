@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from splitserve.kv_tier.ops import KVOffloadOps
 from splitserve.lora.request import LoRARequest
 from splitserve.multimodal.inputs import MultiModalFeature
 from splitserve.pooling_params import PoolingParams
@@ -50,24 +51,6 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         """Its last input is the token the step in flight is sampling (overlap scheduling): the runner
         takes it from that step's output on the device."""
         return len(self.token_ids) < self.num_tokens
-
-
-# KVOffloadOps' kinds of copy
-OFFLOAD_STORE, OFFLOAD_HOST_LOAD, OFFLOAD_DISK_LOAD = 0, 1, 2
-
-
-class KVOffloadOps(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step's block copies between the device KV cache and the offloading tier (engine/kv_offload.py),
-    made before its forward, in the order given: each reads what the ones before it wrote.
-
-    Each is (kind, source, destination, block hash in hex):
-    - OFFLOAD_STORE: a device block about to be reused -> a host slot (-1: none); with a hash, its
-      file in the disk tier is written too;
-    - OFFLOAD_HOST_LOAD: a host slot -> a device block;
-    - OFFLOAD_DISK_LOAD: the hash's file in the disk tier -> a device block (source -1)."""
-
-    copies: list[tuple[int, int, int, str]] = []
-    disk_dir: str = ""  # the disk tier's directory for this model and layout
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,6 +1,6 @@
-"""A rank's side of the KV offloading tier (engine/kv_offload.py decides, this copies): host memory
+"""A rank's side of the KV offloading tier (kv_tier/index.py decides, this copies): host memory
 with the device cache's layout and `num_host_blocks` blocks (pinned on CUDA), the disk tier's
-files for this rank (executor/kv_tier_files.py), written by a background thread so that a step
+files for this rank (kv_tier/files.py), written by a background thread so that a step
 never waits on the disk to store, and read back when a step loads a block from disk.
 
 A step's copies (KVOffloadOps) are made in their order, in runs of one kind: each run is one
@@ -17,9 +17,9 @@ import threading
 import msgspec
 import torch
 
-from splitserve.executor.kv_swap import BLOCK_DIM, copy_blocks, host_blocks_like
-from splitserve.executor.kv_tier_files import TierFileError, block_path, read_block_file, write_block_file
-from splitserve.executor.step_input import OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
+from splitserve.kv_tier.files import TierFileError, block_path, read_block_file, write_block_file
+from splitserve.kv_tier.host_blocks import BLOCK_DIM, copy_blocks, host_blocks_like
+from splitserve.kv_tier.ops import OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
 
 logger = logging.getLogger(__name__)
 

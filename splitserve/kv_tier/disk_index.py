@@ -1,7 +1,7 @@
 """The engine's index of the disk tier (`--kv-cache-dir`): which blocks, by prefix-cache hash, have
 files every rank can read, the least recently used first out past `--kv-cache-dir-size`.
 
-The files themselves (executor/kv_tier_files.py) are written and read by the model runners. A
+The files themselves (kv_tier/files.py) are written and read by the model runners. A
 block counts as on disk once its file is there (a write still queued, or one that failed, is a
 miss); the index trusts the files this engine asked for, and any other file (left by an earlier run, or written by
 another instance of the same model on this host) is read and checked, every rank's, before it
@@ -14,7 +14,7 @@ import logging
 import os
 from collections import OrderedDict
 
-from splitserve.executor.kv_tier_files import TierFileError, block_path, parse_block_name, read_block_file
+from splitserve.kv_tier.files import TierFileError, block_path, parse_block_name, read_block_file
 
 logger = logging.getLogger(__name__)
 

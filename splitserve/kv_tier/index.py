@@ -7,12 +7,12 @@ into fresh device blocks before its step instead of computing them again.
 Pure Python, like the block pool it extends (engine/kv_cache_manager.py): the pool calls `offload`
 when it reuses a block that has a hash, and `KVCacheManager.get_computed_blocks` asks `lookup`
 where the device misses. What this decides reaches the model runners as one step's copies
-(executor/step_input.py KVOffloadOps; executor/kv_offload.py makes them), all before the forward
+(kv_tier/ops.py KVOffloadOps; kv_tier/copier.py makes them), all before the forward
 of the step whose allocations caused them, in the order they were decided. Only the engine reads
 or changes this index, so that a block counted as a hit is still there when its step runs.
 
 The disk tier is written through: a block offloaded to host memory is also written to disk, so a
-restart finds every block that left the device (engine/kv_disk_tier.py indexes the files).
+restart finds every block that left the device (kv_tier/disk_index.py indexes the files).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from splitserve.engine.kv_disk_tier import DiskTierIndex
-from splitserve.engine.messages import KVOffloadStats
-from splitserve.executor.kv_tier_files import layout_key, tier_directory
-from splitserve.executor.step_input import OFFLOAD_DISK_LOAD, OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
+from splitserve.kv_tier.disk_index import DiskTierIndex
+from splitserve.kv_tier.files import layout_key, tier_directory
+from splitserve.kv_tier.ops import OFFLOAD_DISK_LOAD, OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
+from splitserve.kv_tier.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
 

@@ -190,7 +190,7 @@ def test_a_decode_instances_offload_copies_reach_the_ranks_before_its_pulls():
     from types import SimpleNamespace
 
     from splitserve.distributed.kv_transfer.connector import KVConnectorGroup
-    from splitserve.executor.step_input import OFFLOAD_STORE, KVOffloadOps
+    from splitserve.kv_tier.ops import OFFLOAD_STORE, KVOffloadOps
 
     calls = []
 

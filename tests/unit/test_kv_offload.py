@@ -1,5 +1,5 @@
-"""The KV offloading tier's bookkeeping on tiny pools (engine/kv_offload.py, kv_disk_tier.py), its
-files (executor/kv_tier_files.py) and a rank's copies (executor/kv_offload.py), exact block ids."""
+"""The KV offloading tier's bookkeeping on tiny pools (kv_tier/index.py, kv_disk_tier.py), its
+files (kv_tier/files.py) and a rank's copies (kv_tier/copier.py), exact block ids."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.kv_disk_tier import DiskTierIndex
-from splitserve.engine.kv_offload import KVOffloadTier, TierHit
 from splitserve.engine.request import Request
-from splitserve.executor.kv_offload import KVOffloadCopier
-from splitserve.executor.kv_tier_files import TierFileError, block_path, read_block_file, write_block_file
-from splitserve.executor.step_input import OFFLOAD_DISK_LOAD, OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
+from splitserve.kv_tier.copier import KVOffloadCopier
+from splitserve.kv_tier.disk_index import DiskTierIndex
+from splitserve.kv_tier.files import TierFileError, block_path, read_block_file, write_block_file
+from splitserve.kv_tier.index import KVOffloadTier, TierHit
+from splitserve.kv_tier.ops import OFFLOAD_DISK_LOAD, OFFLOAD_HOST_LOAD, OFFLOAD_STORE, KVOffloadOps
 from splitserve.sampling_params import SamplingParams
 
 BS = 4

@@ -37,11 +37,12 @@ ALLOWED = {
     "cli": {"benchmarks", "deploy", "entrypoints", "engine"},
     "deploy": set(),  # Kubernetes manifests and their renderer: YAML, no engine
     "benchmarks": {"disagg", "engine", "entrypoints", "loader", "quantization", "tokenizer"},
-    "entrypoints": {"disagg", "engine", "loader", "multimodal", "quantization", "tokenizer"},
+    "entrypoints": {"disagg", "engine", "kv_tier", "loader", "multimodal", "quantization", "tokenizer"},
     "disagg": {"executor"},
-    "engine": {"distributed", "executor", "layers", "loader", "multimodal", "tokenizer"},
+    "engine": {"distributed", "executor", "kv_tier", "layers", "loader", "multimodal", "tokenizer"},
     "tokenizer": {"loader"},
-    "executor": {"distributed", "layers", "loader", "models", "multimodal", "quantization"},
+    "executor": {"distributed", "kv_tier", "layers", "loader", "models", "multimodal", "quantization"},
+    "kv_tier": set(),  # the KV offloading tier: the engine's index, the ranks' copier, the disk files
     "multimodal": set(),  # images in requests: loaded, processed, carried as data
     "vl": {"multimodal"},  # LMDeploy's lmdeploy.vl (load_image)
     "loader": {"layers", "models", "quantization"},

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 
-from splitserve.engine.messages import KVOffloadStats, KVTransferStats, SchedulerStats, SpecDecodingStats
+from splitserve.engine.messages import KVTransferStats, SchedulerStats, SpecDecodingStats
 from splitserve.entrypoints.openai.recent_requests import RecentRequests
+from splitserve.kv_tier.stats import KVOffloadStats
 from splitserve.outputs import RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
