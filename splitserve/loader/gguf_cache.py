@@ -120,7 +120,7 @@ def gguf_parsed_once():
         yield
         return
     if getattr(gguf.GGUFReader, "_splitserve_parsed_once", False):
-        yield  # an enclosing block of this thread already shares the parses
+        yield  # an enclosing block (or another thread's) already shares the parses
         return
     with _reader_lock:
         original = gguf.GGUFReader
