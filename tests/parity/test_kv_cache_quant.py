@@ -166,7 +166,7 @@ def test_accuracy_against_the_unquantized_cache(tiny_models, arch):
 def test_the_same_memory_holds_more_blocks(tiny_models, caplog, kv_cache_dtype, vector_bytes, described):
     """head_dim 16 in float32 is 64 bytes a cached vector; int8 and fp8 16 plus a 4-byte scale;
     int4 8 plus scale and min. A block: K and V, 3 layers, 16 tokens, 2 KV heads."""
-    with caplog.at_level(logging.INFO, logger="splitserve.executor.model_runner"):
+    with caplog.at_level(logging.INFO, logger="splitserve.executor.runner_kv_cache"):
         llm = LLM(
             tiny_models["llama"],
             dtype="float32",
