@@ -65,8 +65,9 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
         serve = "--num-prompts 256 --max-concurrency 64 --random-input-len 1024 --random-output-len 128"
         max_len, caps = "2048", (100, 60, 90, 120)
     throughput = ["bench", "throughput", *model]
-    nano_argv = [*throughput, *nano.split(), "--seed", "0", "--temperature", "0.6"]
-    single_argv = [*throughput, *single.split(), "--max-num-seqs", "8"]
+    # --step-breakdown: the host's time per step by phase (splitserve/step_timing.py) in the bench log
+    nano_argv = [*throughput, *nano.split(), "--seed", "0", "--temperature", "0.6", "--step-breakdown"]
+    single_argv = [*throughput, *single.split(), "--max-num-seqs", "8", "--step-breakdown"]
     batch_argv = [*throughput, *batch.split(), "--backend", "splitserve", "hf"]
     moe_argv = [*throughput[:2], "--model", MOE_MODEL, *model[2:], *batch.split()]
     serve_argv = ["bench", "serve", *serve.split(), *(["--tokenizer", tokenizer] if tokenizer else [])]
