@@ -140,7 +140,8 @@ def run_splitserve(
     per_expert = getattr(args, "data_parallel_size", 1) == 1  # replicas count their experts in their own processes
     before = llm.llm_engine.expert_load() if per_expert else {}
     with profiled(profile, cuda=resolve_device(args.device).type == "cuda"):
-        timer = step_timing.start() if breakdown or profile else None
+        # Data-parallel replicas run their engine steps in their own processes: nothing to time here.
+        timer = step_timing.start() if (breakdown or profile) and per_expert else None
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
         elapsed = time.perf_counter() - start
@@ -225,6 +226,11 @@ def fit_max_model_len(args: EngineArgs, workload: Workload, model_limit: int) ->
 
 
 def main(ns: argparse.Namespace, args: EngineArgs) -> list[Result]:
+    if getattr(ns, "step_breakdown", False) and args.data_parallel_size > 1:
+        raise ValueError(
+            "--step-breakdown times the engine steps of this process; with --data-parallel-size above 1 they run "
+            "in the replicas' processes. Time one replica (--data-parallel-size 1)."
+        )
     from splitserve.devices import resolve_device
     from splitserve.loader.resolve import load_model_config
     from splitserve.tokenizer import get_tokenizer

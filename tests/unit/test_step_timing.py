@@ -35,3 +35,14 @@ def test_laps_are_free_when_timing_is_off():
     step_timing.lap("forward")  # nothing to charge: no error, no state
     step_timing.count_step(3)
     assert step_timing.stop() is None
+
+
+def test_bench_throughput_refuses_a_breakdown_of_data_parallel_replicas():
+    import pytest
+
+    from splitserve.benchmarks import throughput
+    from splitserve.entrypoints.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["bench", "throughput", "--step-breakdown", "--data-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--step-breakdown .* replicas' processes"):
+        throughput.main(ns, engine_args_from(ns))
