@@ -114,6 +114,7 @@ class AsyncLLM(FrontEnd, EngineCalls):
         """A processed request's outputs as they come (DELTA: what is new each time; FINAL_ONLY: one
         output). Closing the iterator early, or cancelling the task iterating it, aborts the request."""
         self.start()
+        await self._caught_up()
         self._check_alive()
         core_requests = self.prepare_request(
             request_id, request, kind, arrival_time, kv_transfer, lora_request, priority
@@ -259,6 +260,13 @@ class AsyncLLM(FrontEnd, EngineCalls):
         except Exception as exc:  # a bug here must not leave requests hanging forever
             logger.exception("Output handling failed")
             self._fail_all(f"output handling failed: {exc}")
+
+    async def _caught_up(self) -> None:
+        """Before a new request or call: when the supervisor has already restarted the engine but the
+        output loop has not switched to it yet (it looks every _LIVENESS_CHECK_S), wait for the switch;
+        sent now, the request would go to the old socket and be failed with the dead engine's requests."""
+        while self._replaced() and self._output_task is not None and not self._output_task.done():
+            await asyncio.sleep(0.01)
 
     def _replaced(self) -> bool:
         return self.engine_watch is not None and self.engine_watch.generation != self.generation

@@ -4,7 +4,7 @@ reply by a call id; and the API worker's view of the engine's adapters, which it
 engine that was restarted.
 
 EngineCalls is a mixin of AsyncLLM: it keeps its own state (set up by _init_calls) and needs of its
-host only start(), _check_alive() and _send(), the way AsyncLLM talks to its engine.
+host only start(), _caught_up(), _check_alive() and _send(), the way AsyncLLM talks to its engine.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class EngineCalls:
     async def _call(self, make_message):
         """Send the message make_message(call_id) and wait for the engine's reply to that call id."""
         self.start()
+        await self._caught_up()
         self._check_alive()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
