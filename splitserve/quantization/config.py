@@ -3,11 +3,14 @@ applied while loading, and the linear method each layer gets from it."""
 
 from __future__ import annotations
 
+import re
+
 from splitserve.layers.basic import LinearMethod
+from splitserve.quantization import compressed_tensors
 from splitserve.quantization.gguf import GGUFLinearMethod
 from splitserve.quantization.linear import Fp8Method, Int4Method, Int8WeightOnlyMethod, W8A8Int8Method
 
-QUANTIZATION_METHODS = ("weight_only_int8", "smooth_quant", "awq", "gptq", "fp8", "gguf")
+QUANTIZATION_METHODS = ("weight_only_int8", "smooth_quant", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # --quantization none: run a quantized GGUF file dequantized to --dtype instead of in its blocks.
 NO_QUANTIZATION = "none"
 # Methods that can quantize an unquantized checkpoint while loading it (no calibration needed).
@@ -36,7 +39,7 @@ class QuantizationConfig:
         return f"QuantizationConfig({self.method}, {source})"
 
     def linear_method(self, prefix: str) -> LinearMethod | None:
-        if any(skip in prefix for skip in self.modules_to_not_convert):
+        if any(_skips(skip, prefix) for skip in self.modules_to_not_convert):
             return None
         if self.method == "weight_only_int8":
             return Int8WeightOnlyMethod(self.from_checkpoint)
@@ -47,6 +50,13 @@ class QuantizationConfig:
         if self.method == "gguf":
             return GGUFLinearMethod()
         return Int4Method(self.method, self.group_size, self.from_checkpoint)
+
+
+def _skips(skip: str, prefix: str) -> bool:
+    """A modules_to_not_convert / compressed-tensors `ignore` entry: a name part, or "re:" and a regex."""
+    if skip.startswith("re:"):
+        return re.match(skip[3:], prefix) is not None
+    return skip in prefix
 
 
 def quantization_config_for(
@@ -83,6 +93,9 @@ def quantization_config_for(
             f"`splitserve quantize --quant-type {method}` first, or load a published {method} checkpoint. "
             f"Unquantized checkpoints can be quantized while loading with {ONLINE_METHODS}."
         )
+    if method == compressed_tensors.METHOD:
+        group_size, ignore = compressed_tensors.int4_settings(qc or {})
+        return QuantizationConfig(method, from_checkpoint, group_size, ignore)
     if method in ("awq", "gptq"):
         qc = qc or {}
         bits = qc.get("bits", qc.get("w_bit", 4))

@@ -6,7 +6,8 @@ multiplies with (which method a model runs with is quantization/config.py's to s
 | weight_only_int8 | int8, a scale per output row | model dtype             | `_weight_int8pack_mm` for few rows, |
 |                  |                              |                         | else int8->dtype + matmul           |
 | smooth_quant     | int8, a scale per output row | int8, a scale per token | `torch._int_mm` (int8_mm.py)        |
-| awq, gptq        | int4, scale + zero per group | model dtype             | `_weight_int4pack_mm_for_cpu`       |
+| awq, gptq,       | int4, scale + zero per group | model dtype             | `_weight_int4pack_mm_for_cpu`       |
+| compressed-tensors W4A16        |                         |                                     |
 | fp8              | float8_e4m3, a scale per row | model dtype             | fp8->bf16 by moving bits + matmul   |
 |                  |                              |                         | (no fp8 units on CPUs)              |
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
-from splitserve.quantization import int8_mm
+from splitserve.quantization import compressed_tensors, int8_mm
 from splitserve.quantization.kv_cache import fp8_as_bfloat16
 from splitserve.quantization.packing import (
     Int4Weight,
@@ -240,6 +241,8 @@ class Int4Method(_QuantMethod):
         self.group_size = group_size
         if method == "awq":
             self.required = ("qweight", "qzeros", "scales")
+        elif method == compressed_tensors.METHOD:
+            self.required, self.optional = compressed_tensors.REQUIRED, compressed_tensors.OPTIONAL
         else:
             self.required, self.optional = ("qweight", "qzeros", "scales"), ("g_idx",)
 
@@ -267,6 +270,8 @@ class Int4Method(_QuantMethod):
         group = self._group(in_features)
         if self.method == "awq":
             plain = unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group)
+        elif self.method == compressed_tensors.METHOD:
+            plain = compressed_tensors.unpack(tensors, group)
         else:
             plain = unpack_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"), group)
         _check_shape(f"{self.method} qweight (unpacked)", plain.q, (out_features, in_features))

@@ -102,7 +102,7 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int, sym: bool = False)
 
 
 # --- packing helpers -----------------------------------------------------------------------------
-def _pack_cols(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+def pack_cols(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """[rows, cols] of 0..15 -> [rows, cols/8] int32; nibble i of word j holds column 8j + order[i]."""
     rows, cols = values.shape
     if cols % _NIBBLES:
@@ -112,7 +112,7 @@ def _pack_cols(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     return _to_int32((v << shifts).sum(dim=-1))
 
 
-def _unpack_cols(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+def unpack_cols(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nibbles = (packed.to(torch.int32)[:, :, None] >> shifts) & 0xF  # [rows, words, 8] in nibble order
     inverse = [order.index(c) for c in range(_NIBBLES)]
@@ -124,7 +124,7 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-_SEQUENTIAL = tuple(range(_NIBBLES))
+SEQUENTIAL = tuple(range(_NIBBLES))
 
 
 # --- AutoAWQ gemm layout --------------------------------------------------------------------------
@@ -132,15 +132,15 @@ def pack_awq(weight: Int4Weight) -> dict[str, torch.Tensor]:
     if weight.g_idx is not None:
         raise ValueError("The AWQ layout has no g_idx: groups must be consecutive input channels.")
     return {
-        "qweight": _pack_cols(weight.q.t(), AWQ_PACK_ORDER),
-        "qzeros": _pack_cols(weight.zero.t(), AWQ_PACK_ORDER),
+        "qweight": pack_cols(weight.q.t(), AWQ_PACK_ORDER),
+        "qzeros": pack_cols(weight.zero.t(), AWQ_PACK_ORDER),
         "scales": weight.scale.t().to(torch.float16).contiguous(),
     }
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Weight:
-    q = _unpack_cols(qweight, AWQ_PACK_ORDER).t().contiguous()
-    zero = _unpack_cols(qzeros, AWQ_PACK_ORDER).t().contiguous()
+    q = unpack_cols(qweight, AWQ_PACK_ORDER).t().contiguous()
+    zero = unpack_cols(qzeros, AWQ_PACK_ORDER).t().contiguous()
     _check_shapes("AWQ", q, zero, scales.t(), group_size)
     return Int4Weight(q, scales.t().float().contiguous(), zero, group_size)
 
@@ -153,7 +153,7 @@ def pack_gptq(weight: Int4Weight) -> dict[str, torch.Tensor]:
     g_idx = weight.groups().to(torch.int32)
     return {
         "qweight": _pack_rows(weight.q.t()),
-        "qzeros": _pack_cols((weight.zero.t() - 1) & 0xF, _SEQUENTIAL),
+        "qzeros": pack_cols((weight.zero.t() - 1) & 0xF, SEQUENTIAL),
         "scales": weight.scale.t().to(torch.float16).contiguous(),
         "g_idx": g_idx,
     }
@@ -161,14 +161,14 @@ def pack_gptq(weight: Int4Weight) -> dict[str, torch.Tensor]:
 
 def _pack_rows(values: torch.Tensor) -> torch.Tensor:
     """[rows, cols] -> [rows/8, cols] int32; nibble i of word r holds row 8r + i."""
-    return _pack_cols(values.t(), _SEQUENTIAL).t().contiguous()
+    return pack_cols(values.t(), SEQUENTIAL).t().contiguous()
 
 
 def unpack_gptq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, group_size: int
 ) -> Int4Weight:
-    q = _unpack_cols(qweight.t().contiguous(), _SEQUENTIAL).contiguous()  # [out, in]
-    zero = ((_unpack_cols(qzeros, _SEQUENTIAL) + 1) & 0xF).t().contiguous()  # [out, in/G]
+    q = unpack_cols(qweight.t().contiguous(), SEQUENTIAL).contiguous()  # [out, in]
+    zero = ((unpack_cols(qzeros, SEQUENTIAL) + 1) & 0xF).t().contiguous()  # [out, in/G]
     _check_shapes("GPTQ", q, zero, scales.t(), group_size)
     in_features = q.shape[1]
     default = torch.arange(in_features, dtype=torch.int32) // group_size

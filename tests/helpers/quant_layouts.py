@@ -1,6 +1,7 @@
 """Quantized checkpoints written by the tests themselves, independently of splitserve's packing code.
 
-Round-to-nearest quantizers and the AutoAWQ / GPTQ / fp8 layouts spelled out word by word. Each
+Round-to-nearest quantizers and the AutoAWQ / GPTQ / compressed-tensors / fp8 layouts spelled out word
+by word. Each
 writer also returns the dequantized float weights, so that a transformers model carrying exactly
 those weights is the reference."""
 
@@ -74,6 +75,27 @@ def gptq_tensors(w: torch.Tensor, group_size: int, act_order_seed: int | None = 
     return tensors, deq
 
 
+def compressed_tensors_tensors(w: torch.Tensor, group_size: int, act_order_seed: int | None = None):
+    """llm-compressor's pack-quantized W4A16_ASYM: signed levels and zero points stored + 8 (so the
+    unsigned q and zero as they are), eight input channels per word along the rows, the zero points
+    eight output rows per word; with act-order (`actorder: group`) each channel's group in g_idx."""
+    g_idx = None
+    if act_order_seed is not None:
+        perm = np.random.default_rng(act_order_seed).permutation(w.shape[1])
+        g_idx = np.empty(w.shape[1], dtype=np.int64)
+        g_idx[perm] = np.arange(w.shape[1]) // group_size
+    q, scale, zero, g_idx, deq = rtn_int4(w, group_size, g_idx)
+    tensors = {
+        "weight_packed": _word([q[:, i::8] for i in range(8)]),
+        "weight_scale": torch.tensor(scale, dtype=torch.float16),
+        "weight_zero_point": _word([zero.T[:, i::8] for i in range(8)]).T.contiguous(),
+        "weight_shape": torch.tensor(w.shape),
+    }
+    if act_order_seed is not None:
+        tensors["weight_g_idx"] = torch.tensor(g_idx, dtype=torch.int32)
+    return tensors, deq
+
+
 def int8_tensors(w: torch.Tensor, _group_size: int):
     scale = w.abs().amax(dim=1) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -132,6 +154,19 @@ def quantization_config(method: str, group_size: int, desc_act: bool = False) ->
             "sym": False,
             "checkpoint_format": "gptq",
         }
+    if method == "compressed-tensors":
+        weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "dynamic": False}
+        weights.update(group_size=group_size, actorder="group" if desc_act else None)
+        scheme = {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": "pack-quantized"}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": scheme},
+            "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+        }
     if method == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     return {"quant_method": method, "bits": 8}
@@ -149,9 +184,10 @@ def write_quantized_checkpoint(
     for name, tensor in state.items():
         module, _, kind = name.rpartition(".")
         if kind == "weight" and module.rsplit(".", 1)[-1] in LINEARS:
-            if method == "gptq":
+            if method in ("gptq", "compressed-tensors"):
                 seed = _shared_input_seed(module) if act_order else None
-                tensors, deq = gptq_tensors(tensor, group_size, seed)
+                writer = gptq_tensors if method == "gptq" else compressed_tensors_tensors
+                tensors, deq = writer(tensor, group_size, seed)
             else:
                 tensors, deq = WRITERS[method](tensor, group_size)
             out.update({f"{module}.{k}": v.contiguous() for k, v in tensors.items()})
