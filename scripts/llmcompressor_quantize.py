@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--method", choices=("gptq", "awq"), required=True)
     parser.add_argument("--group-size", type=int, required=True)
-    parser.add_argument("--sym", action="store_true", help="symmetric levels (default: asymmetric, a zero point per group)")
+    parser.add_argument("--sym", action="store_true", help="symmetric (default: asymmetric, a zero point per group)")
     parser.add_argument("--calib-ids", required=True, help="token ids, one calibration sequence per line")
     args = parser.parse_args()
 
@@ -35,13 +35,16 @@ def main() -> None:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not torch.cuda.is_available():
+        # llm-compressor's AWQ pins its cached activations, which torch refuses without an accelerator;
+        # pinning only speeds up copies to a GPU, so on a CPU-only host it is skipped.
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
     with open(args.calib_ids, encoding="utf-8") as f:
         sequences = [[int(t) for t in line.replace(",", " ").split()] for line in f if line.strip()]
     dataset = Dataset.from_dict({"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]})
 
-    weights = QuantizationArgs(
-        num_bits=4, type="int", symmetric=args.sym, strategy="group", group_size=args.group_size
-    )
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=args.sym, strategy="group", group_size=args.group_size)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     if args.method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
@@ -65,7 +68,8 @@ def main() -> None:
         max_seq_length=max(len(s) for s in sequences),
         shuffle_calibration_samples=False,
     )
-    print(f"llm-compressor {args.method} g{args.group_size} {'sym' if args.sym else 'asym'}: {time.perf_counter() - start:.1f} s")
+    levels = "sym" if args.sym else "asym"
+    print(f"llm-compressor {args.method} g{args.group_size} {levels}: {time.perf_counter() - start:.1f} s")
     model.save_pretrained(args.out, save_compressed=True)
     tokenizer.save_pretrained(args.out)
 

@@ -97,7 +97,7 @@ def measure(
     llm = LLM(**dataclasses.asdict(args))
     model_config = llm.llm_engine.model_config
     quant = model_config.quant_config.method if model_config.quant_config is not None else "none"
-    mib = weight_bytes(llm.llm_engine.engine_core.runner.model) / (1 << 20)
+    mib = weight_bytes(llm.llm_engine.engine_core.executor.runner.model) / (1 << 20)
     ppl = [perplexity.compute_perplexity(llm, ids, max_length, max_length // 2).perplexity for ids in texts_ids]
     if quality_only:
         del llm

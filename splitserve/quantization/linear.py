@@ -355,5 +355,8 @@ def _dequantized_linear(layer: Linear, x2: torch.Tensor) -> torch.Tensor:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer: what the weights take in memory."""
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    """Bytes of every parameter and buffer, and of the weights prepacked for oneDNN on CPU (held outside
+    both, layers/basic.py): what the weights take in memory."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)

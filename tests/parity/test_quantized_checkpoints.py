@@ -1,8 +1,8 @@
 """Quantized checkpoints in the AutoAWQ, GPTQ (incl. act-order), compressed-tensors W4A16 (llm-compressor's),
 fp8 and splitserve int8 layouts, written by the tests (tests/helpers/quant_layouts.py), load and generate
-what transformers generates with the same dequantized weights: the engine's unpacking and int4 / int8 kernels are exact up to float
-rounding. SmoothQuant's run-time activation quantization is reproduced on the transformers side
-with a hook that rounds each linear's input per token to int8."""
+what transformers generates with the same dequantized weights: the engine's unpacking and int4 / int8
+kernels are exact up to float rounding. SmoothQuant's run-time activation quantization is reproduced on
+the transformers side with a hook that rounds each linear's input per token to int8."""
 
 from __future__ import annotations
 
