@@ -31,6 +31,8 @@ DTYPES = {
     "float32": torch.float32,
 }
 DEFAULT_GROUP_SIZE = 128
+# awq and gptq calibrate layer by layer on the quantized earlier layers (quantization/sequential.py).
+SEQUENTIAL_DEFAULT = False
 
 
 def _smoothing_strength(text: str) -> float | str:
@@ -123,6 +125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="gptq: quantize columns in order of decreasing activation energy (act-order; the default)",
     )
+    parser.add_argument(
+        "--sequential",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="awq, gptq: calibrate layer by layer on the quantized earlier layers' outputs "
+        "(llm-compressor's sequential pipeline) instead of on one pass of the float model",
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="most calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="most tokens per calibration sequence")
 
@@ -168,8 +177,16 @@ def main(ns: argparse.Namespace) -> str:
     # GPTQ's defaults: asymmetric levels and act-order, which generalize best (docs/quantization.md)
     sym = False if ns.sym is None else ns.sym
     desc_act = True if ns.desc_act is None else ns.desc_act
+    sequential = SEQUENTIAL_DEFAULT if ns.sequential is None else ns.sequential
     linears = quantize_model(
-        model, ns.quant_type, sequences, alpha=alpha, group_size=group_size, sym=sym, desc_act=desc_act
+        model,
+        ns.quant_type,
+        sequences,
+        alpha=alpha,
+        group_size=group_size,
+        sym=sym,
+        desc_act=desc_act,
+        sequential=sequential,
     )
     logger.info(
         "Quantized %d linear layers with %s in %.1f s", len(linears), ns.quant_type, time.perf_counter() - began
@@ -212,6 +229,8 @@ def _check_options(ns: argparse.Namespace) -> None:
         ignored.append("--sym/--no-sym (gptq only; awq is always asymmetric)")
     if ns.desc_act is not None and ns.quant_type != "gptq":
         ignored.append("--desc-act (gptq only)")
+    if ns.sequential is not None and ns.quant_type not in ("awq", "gptq"):
+        ignored.append("--sequential (awq and gptq only)")
     if ns.tokenids_path and ns.quant_type == "weight_only_int8":
         ignored.append("--tokenids-path (weight_only_int8 needs no calibration)")
     if ns.calib_data and ns.quant_type == "weight_only_int8":

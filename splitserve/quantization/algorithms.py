@@ -149,24 +149,35 @@ def awq_search(
 def awq_scale_model(
     model: nn.Module, stats: dict[str, InputStats], group_size: int, clip: bool = True
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Search and fold AWQ's scales for every group with an exact fold, then (with `clip`) search
-    each linear's clipping (`awq_clip_search`) on the rescaled weights and inputs. Returns the
-    chosen scale exponents, and the clipping ratios by linear name."""
+    """`awq_scale_layer` for every decoder layer, on statistics of the float model's inputs."""
     ratios, clips = [], {}
     for groups in tqdm(decoder_groups(model), desc="AWQ scale and clip search", unit="layer"):
-        for group in groups:
-            moment = stats[group.site].second_moment()
-            if group.prev is not None:
-                found = awq_search(moment, group.tied_max(stats[group.site].absmean), group.weight(), group_size)
-                fold_scales(group, found.scale)
-                ratios.append(found.ratio)
-                moment = moment / found.scale[:, None] / found.scale[None, :]  # the input is now x / s
-            if not clip:
-                continue
-            for name, linear in group.linears.items():
-                # q/k are left unclipped (as AutoAWQ does): attention scores are sensitive to them.
-                if not name.endswith(("q_proj", "k_proj")):
-                    clips[name] = awq_clip_search(linear.weight.detach().float(), moment, group_size)
+        layer_ratios, layer_clips = awq_scale_layer(groups, stats, group_size, clip)
+        ratios += layer_ratios
+        clips.update(layer_clips)
+    return ratios, clips
+
+
+def awq_scale_layer(
+    groups: list[InputGroup], stats: dict[str, InputStats], group_size: int, clip: bool = True
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Search and fold AWQ's scales for every group of one layer with an exact fold, then (with `clip`)
+    search each linear's clipping (`awq_clip_search`) on the rescaled weights and inputs. Returns the
+    chosen scale exponents, and the clipping ratios by linear name."""
+    ratios, clips = [], {}
+    for group in groups:
+        moment = stats[group.site].second_moment()
+        if group.prev is not None:
+            found = awq_search(moment, group.tied_max(stats[group.site].absmean), group.weight(), group_size)
+            fold_scales(group, found.scale)
+            ratios.append(found.ratio)
+            moment = moment / found.scale[:, None] / found.scale[None, :]  # the input is now x / s
+        if not clip:
+            continue
+        for name, linear in group.linears.items():
+            # q/k are left unclipped (as AutoAWQ does): attention scores are sensitive to them.
+            if not name.endswith(("q_proj", "k_proj")):
+                clips[name] = awq_clip_search(linear.weight.detach().float(), moment, group_size)
     return ratios, clips
 
 

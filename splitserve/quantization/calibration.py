@@ -1,6 +1,6 @@
 """Calibration for `splitserve quantize`: the token sequences (a file of token ids, or a built-in
 text), and the statistics of each linear layer's input that the algorithms need, gathered with
-forward hooks in one pass of the float model."""
+forward hooks in one pass of the float model (or layer by layer: sequential.py)."""
 
 from __future__ import annotations
 
@@ -148,17 +148,9 @@ def run_with_input_hooks(
             handle.remove()
 
 
-def collect_input_stats(
-    model: nn.Module,
-    sites: dict[str, nn.Linear],
-    sequences: list[list[int]],
-    *,
-    gram: bool = False,
-    folds: int = 1,
-) -> dict[str, InputStats]:
-    """Each site's input over the calibration sequences: per-channel max and mean |x|, X^T X if
-    asked, and with `folds` > 1 the per-channel max of each fold (`token_folds`)."""
-    stats = {
+def new_stats(sites: dict[str, nn.Linear], *, gram: bool = False, folds: int = 1) -> dict[str, InputStats]:
+    """Empty statistics for each site's input (see `collect_input_stats`)."""
+    return {
         name: InputStats(
             torch.zeros(m.in_features),
             torch.zeros(m.in_features),
@@ -167,6 +159,10 @@ def collect_input_stats(
         )
         for name, m in sites.items()
     }
+
+
+def recorder(stats: dict[str, InputStats]) -> Callable[[str, torch.Tensor, torch.Tensor], None]:
+    """record(site, x [tokens, in], fold of each token) adding x to that site's statistics."""
 
     def record(name: str, x: torch.Tensor, fold: torch.Tensor) -> None:
         s = stats[name]
@@ -179,5 +175,19 @@ def collect_input_stats(
             for k in fold.unique().tolist():
                 torch.maximum(s.fold_absmax[k], x[fold == k].abs().amax(dim=0), out=s.fold_absmax[k])
 
-    run_with_input_hooks(model, sites, sequences, record, folds)
+    return record
+
+
+def collect_input_stats(
+    model: nn.Module,
+    sites: dict[str, nn.Linear],
+    sequences: list[list[int]],
+    *,
+    gram: bool = False,
+    folds: int = 1,
+) -> dict[str, InputStats]:
+    """Each site's input over the calibration sequences: per-channel max and mean |x|, X^T X if
+    asked, and with `folds` > 1 the per-channel max of each fold (`token_folds`)."""
+    stats = new_stats(sites, gram=gram, folds=folds)
+    run_with_input_hooks(model, sites, sequences, recorder(stats), folds)
     return stats

@@ -17,7 +17,14 @@ from tqdm.auto import tqdm
 
 from splitserve.quantization import algorithms, smoothquant
 from splitserve.quantization.calibration import collect_input_stats
-from splitserve.quantization.packing import pack_awq, pack_gptq, quantize_int4_groupwise, quantize_int8_per_channel
+from splitserve.quantization.packing import (
+    Int4Weight,
+    pack_awq,
+    pack_gptq,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
+from splitserve.quantization.sequential import quantize_sequentially
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +119,35 @@ def quantize_model(
     group_size: int,
     sym: bool,
     desc_act: bool,
+    sequential: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Calibrate (if the method needs it), transform the model in place as the method says, and
-    return the checkpoint tensors of every quantized linear: {name: {suffix: tensor}}."""
+    return the checkpoint tensors of every quantized linear: {name: {suffix: tensor}}. With
+    `sequential` (awq, gptq), layer by layer on the quantized earlier layers' outputs (sequential.py)."""
     layers = algorithms.decoder_groups(model)
+    options = dict(group_size=group_size, sym=sym, desc_act=desc_act)
+    if sequences is not None and quant_type == "gptq":
+        _warn_short_calibration(sequences, layers)
+    if sequential and sequences is not None and quant_type in ("awq", "gptq"):
+        logger.info("Calibrating layer by layer on %d sequences (%d tokens)", len(sequences), sum(map(len, sequences)))
+
+        def quantize_layer(groups, stats):
+            clips = algorithms.awq_scale_layer(groups, stats, group_size)[1] if quant_type == "awq" else {}
+            plains = {}
+            for group in groups:
+                plains.update(_quantize_group(group, quant_type, stats, clips=clips, **options))
+            return plains
+
+        plains = quantize_sequentially(model, layers, sequences, quantize_layer)
+        return {name: _pack(quant_type, plain) for name, plain in plains.items()}
+
     stats, clips = None, {}
     if sequences is not None:
-        tokens = sum(map(len, sequences))
         # One pass of the float model. SmoothQuant's and AWQ's scalings keep the float model's
         # function, so its activations stay the right ones (divided by s, which the algorithms
         # account for). GPTQ's Hessians are therefore those of the float model's inputs, not of
-        # the already quantized earlier layers' ("true sequential" is off).
-        logger.info("Calibrating on %d sequences (%d tokens)", len(sequences), tokens)
+        # the already quantized earlier layers' (that is `sequential`).
+        logger.info("Calibrating on %d sequences (%d tokens)", len(sequences), sum(map(len, sequences)))
         # GPTQ and AWQ's clipping need every linear's input; SmoothQuant only those it can rescale.
         sites = {
             g.site: next(iter(g.linears.values()))
@@ -138,14 +162,6 @@ def quantize_model(
             gram=quant_type in ("gptq", "awq"),
             folds=smoothquant.SEARCH_FOLDS if quant_type == "smooth_quant" and alpha is None else 1,
         )
-        widest = max(m.in_features for m in sites.values())
-        if quant_type == "gptq" and tokens < widest:
-            logger.warning(
-                "GPTQ: %d calibration tokens for inputs of up to %d channels make rank-deficient "
-                "Hessians, which it may overfit; give more data with --tokenids-path.",
-                tokens,
-                widest,
-            )
     if quant_type == "smooth_quant":
         _log_strengths(smoothquant.smooth_model(model, stats, sequences, alpha), alpha)
     elif quant_type == "awq":
@@ -155,12 +171,21 @@ def quantize_model(
     result = {}
     for groups in tqdm(layers, desc=f"Quantizing ({quant_type})", unit="layer"):
         for group in groups:
-            result.update(
-                _quantize_group(
-                    group, quant_type, stats, group_size=group_size, sym=sym, desc_act=desc_act, clips=clips
-                )
-            )
+            plains = _quantize_group(group, quant_type, stats, clips=clips, **options)
+            result.update({name: _pack(quant_type, plain) for name, plain in plains.items()})
     return result
+
+
+def _warn_short_calibration(sequences: list[list[int]], layers: list[list[algorithms.InputGroup]]) -> None:
+    tokens = sum(map(len, sequences))
+    widest = max(m.in_features for groups in layers for g in groups for m in g.linears.values())
+    if tokens < widest:
+        logger.warning(
+            "GPTQ: %d calibration tokens for inputs of up to %d channels make rank-deficient "
+            "Hessians, which it may overfit; give more data with --tokenids-path.",
+            tokens,
+            widest,
+        )
 
 
 def _log_strengths(chosen: dict[str, float], alpha: float | None) -> None:
@@ -189,7 +214,9 @@ def _quantize_group(
     sym: bool,
     desc_act: bool,
     clips: dict[str, torch.Tensor],
-) -> dict[str, dict[str, torch.Tensor]]:
+) -> dict[str, Int4Weight | tuple[torch.Tensor, torch.Tensor]]:
+    """The plain quantized form of each linear of the group: an Int4Weight (awq, gptq) or int8
+    levels and row scales."""
     if quant_type == "gptq":
         # The linears of a group share one Hessian (their input), and GPTQ treats rows independently.
         hessian = 2.0 * stats[group.site].second_moment()  # GPTQ's H = 2 X^T X / n
@@ -197,18 +224,26 @@ def _quantize_group(
             group.weight(), hessian, group_size, sym=sym, desc_act=desc_act, damp_percent=GPTQ_DAMP_PERCENT
         )
         parts = algorithms.split_rows(stacked, [m.out_features for m in group.linears.values()])
-        return {name: pack_gptq(part) for name, part in zip(group.linears, parts)}
+        return dict(zip(group.linears, parts))
     result = {}
     for name, linear in group.linears.items():
         weight = linear.weight.detach().float()
         if quant_type == "awq" and name in clips:
-            result[name] = pack_awq(algorithms.quantize_int4_clipped(weight, group_size, clips[name]))
+            result[name] = algorithms.quantize_int4_clipped(weight, group_size, clips[name])
         elif quant_type == "awq":
-            result[name] = pack_awq(quantize_int4_groupwise(weight, group_size, sym=False))
+            result[name] = quantize_int4_groupwise(weight, group_size, sym=False)
         else:
-            q, scale = quantize_int8_per_channel(weight)
-            result[name] = {"weight": q, "weight_scale": scale}
+            result[name] = quantize_int8_per_channel(weight)
     return result
+
+
+def _pack(quant_type: str, plain) -> dict[str, torch.Tensor]:
+    if quant_type == "gptq":
+        return pack_gptq(plain)
+    if quant_type == "awq":
+        return pack_awq(plain)
+    q, scale = plain
+    return {"weight": q, "weight_scale": scale}
 
 
 def quantization_config(
