@@ -6,7 +6,7 @@
 # `llama-perplexity` scores its GGUFs as a cross-check. Peers run in environments of their own, made
 # here when missing; nothing is written into the repository.
 #
-#   scripts/quant_peers.sh [WORK_DIR]      # default /tmp/quant-peers; GROUP_SIZES="32 64 128"
+#   scripts/quant_peers.sh [WORK_DIR]      # default /tmp/quant-peers; GROUP_SIZES="32 64" (the default model's width, 576, takes no group of 128)
 #
 # Needs: this project's venv (make setup), network for the peers' first install (pip: torch==2.13.0
 # and llmcompressor in $LC_VENV; the llama-cpp-python sdist for scripts/build_llama_cpp.sh). About an
@@ -19,7 +19,7 @@ PY="${PY:-$ROOT/.venv/bin/python}"
 SPLITSERVE="${SPLITSERVE:-$ROOT/.venv/bin/splitserve}"
 LC_VENV="${LC_VENV:-$W/lc-venv}"
 LLAMA="${LLAMA_CPP:-$HOME/.cache/splitserve/llama.cpp}"
-GROUP_SIZES="${GROUP_SIZES:-32 64 128}"
+GROUP_SIZES="${GROUP_SIZES:-32 64}"
 mkdir -p "$W"
 cd "$W"
 step() { echo "== $*"; }
