@@ -32,7 +32,7 @@ DTYPES = {
 }
 DEFAULT_GROUP_SIZE = 128
 # awq and gptq calibrate layer by layer on the quantized earlier layers (quantization/sequential.py).
-SEQUENTIAL_DEFAULT = False
+SEQUENTIAL_DEFAULT = True
 
 
 def _smoothing_strength(text: str) -> float | str:
@@ -132,6 +132,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="awq, gptq: calibrate layer by layer on the quantized earlier layers' outputs "
         "(llm-compressor's sequential pipeline) instead of on one pass of the float model",
     )
+    parser.add_argument(
+        "--awq-scales",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gptq (with --sequential): fold AWQ's activation-aware scales into each layer before GPTQ rounds it",
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="most calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="most tokens per calibration sequence")
 
@@ -187,6 +193,7 @@ def main(ns: argparse.Namespace) -> str:
         sym=sym,
         desc_act=desc_act,
         sequential=sequential,
+        awq_scales=bool(ns.awq_scales),
     )
     logger.info(
         "Quantized %d linear layers with %s in %.1f s", len(linears), ns.quant_type, time.perf_counter() - began
@@ -220,6 +227,12 @@ def _check_options(ns: argparse.Namespace) -> None:
         raise ValueError("Give calibration data once: --tokenids-path (token ids) or --calib-data (text).")
     if ns.group_size is not None and (ns.group_size < 8 or ns.group_size % 8):
         raise ValueError(f"--group-size {ns.group_size}: must be a positive multiple of 8 (usually 32, 64 or 128).")
+    if (
+        ns.awq_scales
+        and ns.quant_type == "gptq"
+        and not (SEQUENTIAL_DEFAULT if ns.sequential is None else ns.sequential)
+    ):
+        raise ValueError("--awq-scales works layer by layer: it needs --sequential (drop --no-sequential).")
     ignored = []
     if ns.smoothquant is not None and ns.quant_type != "smooth_quant":
         ignored.append("-sq (smooth_quant only; AWQ searches its own scales)")
@@ -231,6 +244,8 @@ def _check_options(ns: argparse.Namespace) -> None:
         ignored.append("--desc-act (gptq only)")
     if ns.sequential is not None and ns.quant_type not in ("awq", "gptq"):
         ignored.append("--sequential (awq and gptq only)")
+    if ns.awq_scales is not None and ns.quant_type != "gptq":
+        ignored.append("--awq-scales (gptq only; awq folds its scales anyway)")
     if ns.tokenids_path and ns.quant_type == "weight_only_int8":
         ignored.append("--tokenids-path (weight_only_int8 needs no calibration)")
     if ns.calib_data and ns.quant_type == "weight_only_int8":

@@ -81,10 +81,12 @@ def quantize_sequentially(
     model: nn.Module,
     layers: list[list[InputGroup]],
     sequences: list[list[int]],
-    quantize_layer: Callable[[list[InputGroup], dict[str, InputStats]], dict[str, Int4Weight]],
+    quantize_layer: Callable[[list[InputGroup], Callable[[], dict[str, InputStats]]], dict[str, Int4Weight]],
 ) -> dict[str, Int4Weight]:
-    """quantize_layer(groups, stats) -> {linear name: Int4Weight} for each decoder layer in turn, its
-    statistics (with X^T X) taken on the quantized earlier layers' outputs. Returns every linear's."""
+    """quantize_layer(groups, collect) -> {linear name: Int4Weight} for each decoder layer in turn;
+    collect() gives the layer's input statistics (with X^T X) on the quantized earlier layers' outputs,
+    as the layer's weights are then (call it again after changing them, e.g. after AWQ's folds).
+    Returns every linear's."""
     calls = first_layer_inputs(model, sequences)
     result: dict[str, Int4Weight] = {}
     no_fold = torch.zeros(0, dtype=torch.long)
@@ -92,14 +94,18 @@ def quantize_sequentially(
         list(zip(model.model.layers, layers)), desc="Calibrating and quantizing layer by layer", unit="layer"
     ):
         sites = {g.site: next(iter(g.linears.values())) for g in groups}
-        stats = new_stats(sites, gram=True)
-        handles = [m.register_forward_pre_hook(_hook(recorder(stats), name, no_fold)) for name, m in sites.items()]
-        try:
-            run_layer(layer, calls)
-        finally:
-            for handle in handles:
-                handle.remove()
-        plains = quantize_layer(groups, stats)
+
+        def collect(layer=layer, sites=sites, calls=calls) -> dict[str, InputStats]:
+            stats = new_stats(sites, gram=True)
+            handles = [m.register_forward_pre_hook(_hook(recorder(stats), name, no_fold)) for name, m in sites.items()]
+            try:
+                run_layer(layer, calls)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            return stats
+
+        plains = quantize_layer(groups, collect)
         modules = {name: linear for g in groups for name, linear in g.linears.items()}
         with torch.no_grad():
             for name, plain in plains.items():

@@ -120,10 +120,12 @@ def quantize_model(
     sym: bool,
     desc_act: bool,
     sequential: bool = False,
+    awq_scales: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Calibrate (if the method needs it), transform the model in place as the method says, and
     return the checkpoint tensors of every quantized linear: {name: {suffix: tensor}}. With
-    `sequential` (awq, gptq), layer by layer on the quantized earlier layers' outputs (sequential.py)."""
+    `sequential` (awq, gptq), layer by layer on the quantized earlier layers' outputs (sequential.py);
+    with `awq_scales` (gptq, sequential), AWQ's scales are folded into each layer before GPTQ rounds it."""
     layers = algorithms.decoder_groups(model)
     options = dict(group_size=group_size, sym=sym, desc_act=desc_act)
     if sequences is not None and quant_type == "gptq":
@@ -131,8 +133,13 @@ def quantize_model(
     if sequential and sequences is not None and quant_type in ("awq", "gptq"):
         logger.info("Calibrating layer by layer on %d sequences (%d tokens)", len(sequences), sum(map(len, sequences)))
 
-        def quantize_layer(groups, stats):
-            clips = algorithms.awq_scale_layer(groups, stats, group_size)[1] if quant_type == "awq" else {}
+        def quantize_layer(groups, collect):
+            stats, clips = collect(), {}
+            if quant_type == "awq":
+                clips = algorithms.awq_scale_layer(groups, stats, group_size)[1]
+            elif awq_scales:  # GPTQ on the rescaled weights, with the Hessians of their rescaled inputs
+                algorithms.awq_scale_layer(groups, stats, group_size, clip=False)
+                stats = collect()
             plains = {}
             for group in groups:
                 plains.update(_quantize_group(group, quant_type, stats, clips=clips, **options))

@@ -1,8 +1,9 @@
-"""4-bit quantization on text it was not calibrated on: GPTQ with `splitserve quantize`'s defaults
-(asymmetric, act-order, damping 0.1, the built-in calibration corpus) must not be worse than plain
-round-to-nearest at the same group size, on the embedded default model (a real one: a random model's
-perplexity says nothing). The quantized weights are put back into the transformers model, so the
-test measures the algorithm, not the runtime kernels (tests/unit/test_quantize_tool.py has those)."""
+"""4-bit quantization on text it was not calibrated on: GPTQ and AWQ with `splitserve quantize`'s
+defaults (layer by layer; GPTQ asymmetric with act-order and its damping; the built-in calibration
+corpus) must not be worse than plain round-to-nearest at the same group size, on the embedded default
+model (a real one: a random model's perplexity says nothing). The quantized weights are put back into
+the transformers model, so the test measures the algorithms, not the runtime kernels
+(tests/unit/test_quantize_tool.py has those)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ import pytest
 import torch
 
 from splitserve.benchmarks.perplexity import BUILTIN_TEXT
+from splitserve.entrypoints.quantize_cli import SEQUENTIAL_DEFAULT
 from splitserve.loader.hf_model import load_hf_model
 from splitserve.loader.resolve import default_model_path, load_hf_config, split_gguf
-from splitserve.quantization import algorithms
-from splitserve.quantization.calibration import builtin_sequences, collect_input_stats
+from splitserve.quantization import algorithms, tool
+from splitserve.quantization.calibration import builtin_sequences
 from splitserve.quantization.packing import quantize_int4_groupwise
-from splitserve.quantization.tool import GPTQ_DAMP_PERCENT
 from splitserve.tokenizer import get_tokenizer
 
-pytestmark = pytest.mark.slow  # the default model quantized twice (about a minute)
+pytestmark = pytest.mark.slow  # the default model quantized three times (about two minutes)
 
 GROUP = 64  # the group size splitserve quantize picks for SmolLM2 (576 channels)
 
@@ -62,23 +63,26 @@ def _with_weights(base, quantize) -> torch.nn.Module:
     return model
 
 
-@torch.no_grad()
-def test_gptq_is_not_worse_than_rounding_on_held_out_text():
+@pytest.fixture(scope="module")
+def default_model():
     path = default_model_path()
     tokenizer = get_tokenizer(path)
     base = load_hf_model(*split_gguf(path), torch.float32, config=load_hf_config(path))
-    held_out = _held_out_texts(tokenizer)
     sequences = builtin_sequences(tokenizer, base.config.vocab_size, 512, 128)
-    sites = {g.site: next(iter(g.linears.values())) for groups in algorithms.decoder_groups(base) for g in groups}
-    stats = collect_input_stats(base, sites, sequences, gram=True)
+    held_out = _held_out_texts(tokenizer)
+    with torch.no_grad():
+        rounded = _perplexity(_with_weights(base, lambda w, _: quantize_int4_groupwise(w, GROUP, sym=False)), held_out)
+        return base, sequences, held_out, _perplexity(base, held_out), rounded
 
-    def gptq(weight, site):
-        hessian = 2.0 * stats[site].second_moment()
-        return algorithms.gptq_quantize(
-            weight, hessian, GROUP, sym=False, desc_act=True, damp_percent=GPTQ_DAMP_PERCENT
-        )
 
-    reference = _perplexity(base, held_out)
-    rounded = _perplexity(_with_weights(base, lambda w, _: quantize_int4_groupwise(w, GROUP, sym=False)), held_out)
-    calibrated = _perplexity(_with_weights(base, gptq), held_out)
+@pytest.mark.parametrize("quant_type", ["gptq", "awq"])
+@torch.no_grad()
+def test_each_4bit_method_is_not_worse_than_rounding_on_held_out_text(default_model, quant_type):
+    base, sequences, held_out, reference, rounded = default_model
+    model = copy.deepcopy(base)
+    # The tool's defaults: layer by layer, each layer's weights left dequantized in the model.
+    options = dict(alpha=None, group_size=GROUP, sym=False, desc_act=True, sequential=SEQUENTIAL_DEFAULT)
+    assert SEQUENTIAL_DEFAULT
+    tool.quantize_model(model, quant_type, sequences, **options)
+    calibrated = _perplexity(model, held_out)
     assert reference < calibrated <= rounded, (reference, calibrated, rounded)

@@ -63,3 +63,23 @@ def test_later_layers_are_calibrated_on_the_quantized_ones(model_dir, quant_type
             assert torch.equal(tensor, sequential[name][suffix]), (name, suffix)
     changed = [n for n in later if not torch.equal(one_pass[n]["qweight"], sequential[n]["qweight"])]
     assert changed, "the last layer saw the same inputs with its predecessors quantized"
+
+
+def test_gptq_with_awq_scales_folds_them_before_rounding(model_dir):
+    sequences = _sequences()
+    options = dict(alpha=None, group_size=GROUP, sym=False, desc_act=True, sequential=True)
+    plain_model, scaled_model = _load(model_dir), _load(model_dir)
+    plain = tool.quantize_model(plain_model, "gptq", sequences, **options)
+    scaled = tool.quantize_model(scaled_model, "gptq", sequences, awq_scales=True, **options)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(plain_model.state_dict()[norm], _load(model_dir).state_dict()[norm])
+    assert not torch.equal(scaled_model.state_dict()[norm], plain_model.state_dict()[norm])  # 1/s folded in
+    assert any(not torch.equal(plain[n]["qweight"], scaled[n]["qweight"]) for n in plain)
+
+
+def test_awq_scales_need_the_sequential_mode(model_dir, tmp_path):
+    from tests.helpers.quantize import run_tool
+
+    with pytest.raises(ValueError, match="--awq-scales works layer by layer"):
+        run_tool("-i", model_dir, "-o", str(tmp_path / "out"), "--quant-type", "gptq", "--group-size", "32",
+                 "--no-sequential", "--awq-scales")  # fmt: skip
