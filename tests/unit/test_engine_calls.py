@@ -27,6 +27,9 @@ class Host(EngineCalls):
     def start(self) -> None:
         pass
 
+    async def _caught_up(self) -> None:  # no restarted engine to switch to
+        pass
+
     def _check_alive(self) -> None:
         pass
 
