@@ -183,7 +183,6 @@ def main(ns: argparse.Namespace) -> str:
     # GPTQ's defaults: asymmetric levels and act-order, which generalize best (docs/quantization.md)
     sym = False if ns.sym is None else ns.sym
     desc_act = True if ns.desc_act is None else ns.desc_act
-    sequential = SEQUENTIAL_DEFAULT if ns.sequential is None else ns.sequential
     linears = quantize_model(
         model,
         ns.quant_type,
@@ -192,7 +191,7 @@ def main(ns: argparse.Namespace) -> str:
         group_size=group_size,
         sym=sym,
         desc_act=desc_act,
-        sequential=sequential,
+        sequential=_sequential(ns),
         awq_scales=bool(ns.awq_scales),
     )
     logger.info(
@@ -219,6 +218,10 @@ def _check_paths(source: str, output: str) -> tuple[str, str]:
     return source, output
 
 
+def _sequential(ns: argparse.Namespace) -> bool:
+    return SEQUENTIAL_DEFAULT if ns.sequential is None else ns.sequential
+
+
 def _check_options(ns: argparse.Namespace) -> None:
     """Refuse impossible values; warn about options the chosen method ignores."""
     if ns.num_samples < 1 or ns.seq_len < 1:
@@ -227,11 +230,7 @@ def _check_options(ns: argparse.Namespace) -> None:
         raise ValueError("Give calibration data once: --tokenids-path (token ids) or --calib-data (text).")
     if ns.group_size is not None and (ns.group_size < 8 or ns.group_size % 8):
         raise ValueError(f"--group-size {ns.group_size}: must be a positive multiple of 8 (usually 32, 64 or 128).")
-    if (
-        ns.awq_scales
-        and ns.quant_type == "gptq"
-        and not (SEQUENTIAL_DEFAULT if ns.sequential is None else ns.sequential)
-    ):
+    if ns.awq_scales and ns.quant_type == "gptq" and not _sequential(ns):
         raise ValueError("--awq-scales works layer by layer: it needs --sequential (drop --no-sequential).")
     ignored = []
     if ns.smoothquant is not None and ns.quant_type != "smooth_quant":

@@ -58,15 +58,10 @@ def run_layer(layer: nn.Module, calls: list[LayerCall]) -> list[LayerCall]:
     result = []
     with torch.no_grad():
         for args, kwargs in calls:
-            if args:
-                out = layer(*args, **kwargs)
-            else:  # hidden states passed by keyword
-                out = layer(**kwargs)
+            out = layer(*args, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
-            if args:
-                result.append(((hidden, *args[1:]), kwargs))
-            else:
-                result.append(((), {**kwargs, "hidden_states": hidden}))
+            # The hidden states go on as they came: first positional argument, or by keyword.
+            result.append(((hidden, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": hidden}))
     return result
 
 

@@ -58,13 +58,18 @@ def awq_tensors(w: torch.Tensor, group_size: int):
     return tensors, deq
 
 
+def _act_order(in_features: int, group_size: int, seed: int | None) -> np.ndarray | None:
+    """The group of each input channel when a random permutation (act-order) formed the groups."""
+    if seed is None:
+        return None
+    perm = np.random.default_rng(seed).permutation(in_features)
+    g_idx = np.empty(in_features, dtype=np.int64)
+    g_idx[perm] = np.arange(in_features) // group_size
+    return g_idx
+
+
 def gptq_tensors(w: torch.Tensor, group_size: int, act_order_seed: int | None = None):
-    g_idx = None
-    if act_order_seed is not None:
-        perm = np.random.default_rng(act_order_seed).permutation(w.shape[1])
-        g_idx = np.empty(w.shape[1], dtype=np.int64)
-        g_idx[perm] = np.arange(w.shape[1]) // group_size
-    q, scale, zero, g_idx, deq = rtn_int4(w, group_size, g_idx)
+    q, scale, zero, g_idx, deq = rtn_int4(w, group_size, _act_order(w.shape[1], group_size, act_order_seed))
     qt, zt = q.T, zero.T - 1  # GPTQ stores zero - 1
     tensors = {
         "qweight": _word([qt[i::8, :] for i in range(8)]),
@@ -79,12 +84,7 @@ def compressed_tensors_tensors(w: torch.Tensor, group_size: int, act_order_seed:
     """llm-compressor's pack-quantized W4A16_ASYM: signed levels and zero points stored + 8 (so the
     unsigned q and zero as they are), eight input channels per word along the rows, the zero points
     eight output rows per word; with act-order (`actorder: group`) each channel's group in g_idx."""
-    g_idx = None
-    if act_order_seed is not None:
-        perm = np.random.default_rng(act_order_seed).permutation(w.shape[1])
-        g_idx = np.empty(w.shape[1], dtype=np.int64)
-        g_idx[perm] = np.arange(w.shape[1]) // group_size
-    q, scale, zero, g_idx, deq = rtn_int4(w, group_size, g_idx)
+    q, scale, zero, g_idx, deq = rtn_int4(w, group_size, _act_order(w.shape[1], group_size, act_order_seed))
     tensors = {
         "weight_packed": _word([q[:, i::8] for i in range(8)]),
         "weight_scale": torch.tensor(scale, dtype=torch.float16),
