@@ -11,6 +11,7 @@ import time
 import torch
 
 from splitserve.quantization.calibration import builtin_sequences, read_text_sequences, read_token_ids
+from splitserve.quantization.moe_experts import unfuse_experts
 from splitserve.quantization.tool import (
     check_shapes,
     default_group_size,
@@ -174,6 +175,9 @@ def main(ns: argparse.Namespace) -> str:
         else:
             sequences = builtin_sequences(tokenizer, config.vocab_size, ns.seq_len, ns.num_samples)
     model = load_hf_model(*split_gguf(source), torch.float32, config=config)
+    moe_layers = unfuse_experts(model)  # each expert's matrices as Linears (quantization/moe_experts.py)
+    if moe_layers:
+        logger.info("Mixture of experts: %d layers' experts, each calibrated on the tokens routed to it", moe_layers)
     logger.info(
         "Loaded %s (%d decoder layers) in %.1f s", source, config.num_hidden_layers, time.perf_counter() - start
     )

@@ -17,10 +17,11 @@ are all-reduced; with expert parallelism (--enable-expert-parallel) each rank ho
 experts and computes only their share, and the same all-reduce combines the ranks' outputs (every
 rank holds every token, so dispatching is just each rank skipping the experts it does not hold).
 
-Quantized experts (a GGUF file's blocks under --quantization gguf, or weight_only_int8 / fp8
-applied while loading) are one pair of Linears per expert (gate/up stacked, down) with the model's
-linear method, loaded and split exactly as the dense stacks are; a decode step then reads only the
-selected experts' quantized blocks.
+Quantized experts (a GGUF file's blocks under --quantization gguf, weight_only_int8 / fp8 applied
+while loading, or an AWQ / GPTQ / compressed-tensors W4A16 checkpoint) are one pair of Linears per
+expert (gate/up stacked, down) with the model's linear method (layers/moe_quantized.py), split over
+the ranks exactly as the dense stacks are; a decode step then reads only the selected experts'
+quantized blocks.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from splitserve.distributed.communication import tp_all_reduce
 from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.kernels import gguf as gguf_kernels
 from splitserve.kernels import packed_linear, row_buckets
-from splitserve.layers.basic import Linear, silu_and_mul
+from splitserve.layers.basic import silu_and_mul
 from splitserve.layers.gguf_weight import GGUFWeight
 from splitserve.layers.moe_backends import choose_backend, grouped_experts, grouped_mm_works, triton_moe
+from splitserve.layers.moe_quantized import expert_linears, tensor_names, whole_tensors
 
 __all__ = ["FusedMoE", "RouterRule", "expert_load", "grouped_experts", "grouped_mm_works", "moe_capturable"]
 
@@ -109,9 +111,12 @@ class FusedMoE(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         # quantized: per local expert, [gate/up Linear, down Linear] with the model's linear method
         self.quantized: nn.ModuleList | None = None
+        # a quantized checkpoint's expert tensors (AWQ's qweight ...) go whole to their Linears (moe_quantized.py)
+        self.whole_tensors = quant_config is not None and whole_tensors(quant_config)
+        self.checkpoint_tensor_names = tensor_names(quant_config) if quant_config is not None else ()
         if quant_config is not None:
             self.quantized = nn.ModuleList(
-                nn.ModuleList(self._expert_linears(quant_config, f"{prefix}.{self.first_expert + e}", dtype))
+                nn.ModuleList(expert_linears(self, quant_config, f"{prefix}.{self.first_expert + e}", dtype))
                 for e in range(self.local_experts)
             )
             shape13 = shape2 = (0,)  # the stacks stay empty: they only name what the checkpoint fills
@@ -126,13 +131,6 @@ class FusedMoE(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN's layout (CPU)
         self._blocks = None  # _gguf_blocks' answer, found at the first forward (after repacking)
         self._gate_float: torch.Tensor | None = None  # the router in float32, for _router_logits
-
-    def _expert_linears(self, quant_config, prefix: str, dtype: torch.dtype) -> list[Linear]:
-        h, i = self.hidden_size, self.intermediate
-        return [
-            _ExpertLinear(h, [i, i], dtype=dtype, quant_method=quant_config.linear_method(f"{prefix}.gate_up_proj")),
-            _ExpertLinear(i, [h], dtype=dtype, quant_method=quant_config.linear_method(f"{prefix}.down_proj")),
-        ]
 
     def pack_weights(self) -> int:
         """bfloat16 experts on CPU: each expert's two matrices prepacked for oneDNN once
@@ -152,6 +150,8 @@ class FusedMoE(nn.Module):
     def checkpoint_shards(self, name: str) -> list[int]:
         """The pieces of parameter `name` the checkpoint must fill on this rank (load_weights' check)."""
         experts = range(self.first_expert, self.first_expert + self.local_experts)
+        if self.whole_tensors and name in ("w13", "w2"):
+            return []  # each expert's Linear checks that its method's tensors arrived
         if name == "w13":
             return [3 * e + p for e in experts for p in (GATE, UP)]
         if name == "w2":
@@ -159,9 +159,10 @@ class FusedMoE(nn.Module):
         return [0]
 
     def load_checkpoint_tensor(self, name: str, shard: int | None, tensor: torch.Tensor) -> list[int]:
-        """`shard` = 3 * expert + GATE/UP/DOWN for one expert's projection [rows, cols], or None for
-        a whole 3D tensor (every expert) of w13 or w2, or the router's weight or its correction.
-        Returns the pieces it filled on this rank (checkpoint_shards' ids)."""
+        """`shard` = 3 * expert + GATE/UP/DOWN for one expert's projection [rows, cols] (`name` w13 / w2,
+        or a quantized checkpoint's tensor: qweight ...), or None for a whole 3D tensor (every expert)
+        of w13 or w2, or the router's weight or its correction. Returns the pieces it filled on this
+        rank (checkpoint_shards' ids)."""
         if name in ("gate", "e_score_correction_bias"):
             param = getattr(self, name)
             if isinstance(tensor, GGUFWeight):  # a GGUF router (llama.cpp keeps it float32)
@@ -169,7 +170,7 @@ class FusedMoE(nn.Module):
             _copy(param.data, tensor.reshape(param.shape) if tensor.numel() == param.numel() else tensor, name)
             return [0]
         if shard is not None:
-            return self._load_expert(shard // 3, shard % 3, tensor)
+            return self._load_expert(shard // 3, shard % 3, tensor, "weight" if name in ("w13", "w2") else name)
         filled = []
         for expert in range(self.num_experts):
             if name == "w13":
@@ -180,10 +181,14 @@ class FusedMoE(nn.Module):
                 filled += self._load_expert(expert, DOWN, tensor[expert])
         return filled
 
-    def _load_expert(self, expert: int, projection: int, tensor: torch.Tensor) -> list[int]:
+    def _load_expert(self, expert: int, projection: int, tensor: torch.Tensor, kind: str = "weight") -> list[int]:
         local = expert - self.first_expert
         if not 0 <= local < self.local_experts:
             return []  # another rank's expert (expert parallelism)
+        if self.whole_tensors:
+            linear = self.quantized[local][1 if projection == DOWN else 0]
+            linear.load_checkpoint_tensor(kind, None if projection == DOWN else projection, tensor)
+            return [3 * expert + projection]
         share = (
             slice(None)
             if self.expert_parallel
@@ -339,14 +344,6 @@ def expert_load(model: nn.Module) -> dict[int, list[int]]:
                 counts = counts + module.device_tokens_per_expert.cpu()
             loads[int(name.split(".")[2])] = counts.tolist()
     return loads
-
-
-class _ExpertLinear(Linear):
-    """One expert's quantized matrix. The MoE layer loads it with this rank's share already taken
-    and accounts for what the checkpoint filled itself (FusedMoE.checkpoint_shards)."""
-
-    def checkpoint_shards(self, name: str) -> list[int]:
-        return []
 
 
 def _copy(dest: torch.Tensor, tensor: torch.Tensor, what: str) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from splitserve.distributed.parallel_state import get_parallel_rank
 from splitserve.layers.basic import Linear
 from splitserve.layers.moe import DOWN, GATE, UP, FusedMoE, RouterRule
+from splitserve.layers.moe_quantized import CHECKPOINT_METHODS
 from splitserve.models.ernie4_5 import Ernie4_5Attention, Ernie4_5MLP
 from splitserve.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -29,11 +30,12 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config, dtype, quant_config, prefix: str, model: type[MoEForCausalLM]):
         super().__init__()
-        if quant_config is not None and quant_config.from_checkpoint and quant_config.method != "gguf":
+        checkpoint = quant_config is not None and quant_config.from_checkpoint and quant_config.method != "gguf"
+        if checkpoint and quant_config.method not in CHECKPOINT_METHODS:
             raise ValueError(
-                f"{quant_config.method} checkpoints of mixture-of-experts models are not supported yet: serve the "
-                "unquantized checkpoint with --quantization weight_only_int8 or fp8 (experts quantized while "
-                "loading), or a GGUF file."
+                f"{quant_config.method} checkpoints of mixture-of-experts models are not supported yet (experts load "
+                f"from {', '.join(CHECKPOINT_METHODS)} checkpoints): serve the unquantized checkpoint with "
+                "--quantization weight_only_int8 or fp8 (experts quantized while loading), or a GGUF file."
             )
         self.experts = FusedMoE(
             model.num_experts(config),
@@ -49,7 +51,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (
             model.dense_mlp_cls(config, dtype, quant_config, f"{prefix}.shared_expert", shared) if shared else None
         )
-        gate_method = quant_config.linear_method(f"{prefix}.shared_expert_gate") if quant_config else None
+        # A 4-bit checkpoint keeps the one-row shared-expert gate unquantized (no 4-bit layout packs one row).
+        plain_gate = quant_config is None or checkpoint
+        gate_method = None if plain_gate else quant_config.linear_method(f"{prefix}.shared_expert_gate")
         self.shared_expert_gate = (
             Linear(config.hidden_size, [1], dtype=dtype, quant_method=gate_method)
             if shared and model.gated_shared_expert
@@ -109,10 +113,12 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     # checkpoint name (group 1: the decoder layer, group 2: the expert) -> (FusedMoE parameter, which
     # projection, or None for a whole 3D tensor, the router's weight or its correction)
+    # A per-expert name ends in `weight`, or in a quantized checkpoint's own tensor (qweight, scales ...):
+    # FusedMoE takes that tensor by its name (`kind`).
     _EXPERT_NAMES = [
-        (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.gate_proj\.weight$"), "w13", GATE),
-        (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.up_proj\.weight$"), "w13", UP),
-        (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.down_proj\.weight$"), "w2", DOWN),
+        (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.gate_proj\.(?P<kind>\w+)$"), "w13", GATE),
+        (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.up_proj\.(?P<kind>\w+)$"), "w13", UP),
+        (re.compile(r"(.*)\.mlp\.experts\.(\d+)\.down_proj\.(?P<kind>\w+)$"), "w2", DOWN),
         (re.compile(r"(.*)\.mlp\.experts\.gate_up_proj$"), "w13", None),
         (re.compile(r"(.*)\.mlp\.experts\.down_proj$"), "w2", None),
         (re.compile(r"(.*)\.mlp\.gate\.weight$"), "gate", None),
@@ -123,7 +129,8 @@ class MoEForCausalLM(LlamaForCausalLM):
             match = pattern.match(name)
             if match:
                 shard = None if projection is None else 3 * int(match.group(2)) + projection
-                return [(f"{match.group(1)}.mlp.experts.{param}", shard)]
+                kind = match.groupdict().get("kind") or "weight"
+                return [(f"{match.group(1)}.mlp.experts.{param if kind == 'weight' else kind}", shard)]
         return super()._targets(name)
 
 
@@ -162,9 +169,9 @@ class _LocalExperts:
 
 class MixtralForCausalLM(_LocalExperts, MoEForCausalLM):
     _EXPERT_NAMES = MoEForCausalLM._EXPERT_NAMES + [
-        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), "w13", GATE),
-        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), "w13", UP),
-        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), "w2", DOWN),
+        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w1\.(?P<kind>\w+)$"), "w13", GATE),
+        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w3\.(?P<kind>\w+)$"), "w13", UP),
+        (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w2\.(?P<kind>\w+)$"), "w2", DOWN),
         (re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$"), "gate", None),
     ]
 

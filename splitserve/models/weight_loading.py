@@ -92,9 +92,12 @@ class CheckpointLoading:
 
 def _takes(module: nn.Module, name: str) -> bool:
     """Whether `module` has a place for its checkpoint tensor `name`: a parameter, or a tensor its
-    quantized method loads itself (AWQ's qweight ...)."""
+    quantized method loads itself (AWQ's qweight ...), or one it names (a mixture-of-experts layer's
+    quantized experts: `checkpoint_tensor_names`)."""
     method = getattr(module, "quant_method", None)
-    return isinstance(getattr(module, name, None), nn.Parameter) or (method is not None and method.takes(name))
+    if isinstance(getattr(module, name, None), nn.Parameter) or name in getattr(module, "checkpoint_tensor_names", ()):
+        return True
+    return method is not None and method.takes(name)
 
 
 def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

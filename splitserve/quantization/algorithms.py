@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from splitserve.quantization.calibration import InputStats
+from splitserve.quantization.moe_experts import expert_mlps
 from splitserve.quantization.packing import Int4Weight, fake_quantize_int4, int4_params, quantize_int4
 
 AWQ_GRID = 20  # ratios 0, 0.05, ..., 0.95
@@ -68,17 +69,36 @@ def decoder_groups(model: nn.Module) -> list[list[InputGroup]]:
     source = _kv_source(model.config)
     result = []
     for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         result.append(
             [
                 InputGroup("qkv", _named(i, attn, "self_attn", "q_proj", "k_proj", "v_proj"), layer.input_layernorm),
                 InputGroup("o", _named(i, attn, "self_attn", "o_proj"), attn.v_proj, source),
-                InputGroup("gate_up", _named(i, mlp, "mlp", "gate_proj", "up_proj"), layer.post_attention_layernorm),
-                # down_proj reads silu(gate) * up, which is linear in up_proj's output rows.
-                InputGroup("down", _named(i, mlp, "mlp", "down_proj"), mlp.up_proj),
+                *_mlp_groups(i, layer),
             ]
         )
     return result
+
+
+def _mlp_groups(i: int, layer: nn.Module) -> list[InputGroup]:
+    """A dense MLP's gate/up (its input the post-attention norm's) and down groups; in a mixture-of-
+    experts layer, each expert's and the shared expert's, whose gate/up input other readers share
+    (the router, the other experts), so that it has no exact fold (moe_experts.py)."""
+    mlp = layer.mlp
+    if not hasattr(mlp, "experts"):
+        # down_proj reads silu(gate) * up, which is linear in up_proj's output rows.
+        return [
+            InputGroup("gate_up", _named(i, mlp, "mlp", "gate_proj", "up_proj"), layer.post_attention_layernorm),
+            InputGroup("down", _named(i, mlp, "mlp", "down_proj"), mlp.up_proj),
+        ]
+    groups = []
+    for prefix, expert in expert_mlps(i, mlp):
+        gate_up = {f"{prefix}.{n}": getattr(expert, n) for n in ("gate_proj", "up_proj")}
+        groups += [
+            InputGroup("gate_up", gate_up, None),
+            InputGroup("down", {f"{prefix}.down_proj": expert.down_proj}, expert.up_proj),
+        ]
+    return groups
 
 
 def _kv_source(config) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from splitserve.quantization import algorithms, smoothquant
+from splitserve.quantization import algorithms, moe_experts, smoothquant
 from splitserve.quantization.calibration import collect_input_stats
 from splitserve.quantization.packing import (
     Int4Weight,
@@ -37,15 +37,29 @@ GPTQ_DAMP_PERCENT = 1.0
 
 def _group_inputs(config, tp_size: int) -> dict[str, int]:
     """The input sizes (per rank) that a 4-bit format's groups must divide, by what they are."""
-    hidden, inter = config.hidden_size, config.intermediate_size
+    hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     per_rank = " per rank" if tp_size > 1 else ""
-    return {
+    inputs = {
         "hidden_size (the input of q/k/v/gate/up_proj)": hidden,
         f"o_proj's input size{per_rank} ({heads} heads x {head_dim} / {tp_size})": heads * head_dim // tp_size,
-        f"down_proj's input size{per_rank} (intermediate_size / {tp_size})": inter // tp_size,
     }
+    for name in _intermediate_sizes(config):
+        inputs[f"down_proj's input size{per_rank} ({name} / {tp_size})"] = getattr(config, name) // tp_size
+    return inputs
+
+
+def _intermediate_sizes(config) -> list[str]:
+    """The config's intermediate sizes that quantized linears have: the dense MLP's, or in a mixture-of-
+    experts model, the experts' and the shared expert's (a model's dense layers: moe_experts.MODEL_TYPES
+    have none unless mlp_only_layers names some)."""
+    if not moe_experts.is_moe(config):
+        return ["intermediate_size"]
+    names = ["moe_intermediate_size", "shared_expert_intermediate_size"]
+    if getattr(config, "mlp_only_layers", None):
+        names.append("intermediate_size")
+    return [n for n in names if getattr(config, n, 0)]
 
 
 def default_group_size(config, tp_size: int, preferred: int = 128) -> int:
@@ -76,15 +90,13 @@ def check_shapes(config, quant_type: str, group_size: int, tp_size: int) -> None
     the row-parallel layers (o_proj, down_proj)."""
     if tp_size < 1:
         raise ValueError(f"-tp {tp_size}: the tensor-parallel size must be at least 1.")
-    hidden, inter = config.hidden_size, config.intermediate_size
+    moe_experts.check_moe(config, quant_type)
+    hidden = config.hidden_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    for name, value in (
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", kv_heads),
-        ("intermediate_size", inter),
-    ):
+    sizes = [(n, getattr(config, n)) for n in _intermediate_sizes(config)]
+    for name, value in [("num_attention_heads", heads), ("num_key_value_heads", kv_heads), *sizes]:
         if value % tp_size:
             raise ValueError(f"{name} {value} is not divisible by -tp {tp_size}.")
     if quant_type not in ("awq", "gptq"):
@@ -99,7 +111,7 @@ def check_shapes(config, quant_type: str, group_size: int, tp_size: int) -> None
     outputs = {
         "q_proj": heads * head_dim // tp_size,
         "k_proj/v_proj": kv_heads * head_dim // tp_size,
-        "gate_proj/up_proj": inter // tp_size,
+        **{f"gate_proj/up_proj ({name})": value // tp_size for name, value in sizes},
         "o_proj/down_proj": hidden,
     }
     for name, value in outputs.items():
@@ -133,8 +145,11 @@ def quantize_model(
     if sequential and sequences is not None and quant_type in ("awq", "gptq"):
         logger.info("Calibrating layer by layer on %d sequences (%d tokens)", len(sequences), sum(map(len, sequences)))
 
+        seen: dict = {}
+
         def quantize_layer(groups, collect):
             stats, clips = collect(), {}
+            seen.update(stats)
             if quant_type == "awq":
                 clips = algorithms.awq_scale_layer(groups, stats, group_size)[1]
             elif awq_scales:  # GPTQ on the rescaled weights, with the Hessians of their rescaled inputs
@@ -146,6 +161,7 @@ def quantize_model(
             return plains
 
         plains = quantize_sequentially(model, layers, sequences, quantize_layer)
+        moe_experts.log_unreached(seen, moe_experts.expert_sites(layers))
         return {name: _pack(quant_type, plain) for name, plain in plains.items()}
 
     stats, clips = None, {}
@@ -169,6 +185,7 @@ def quantize_model(
             gram=quant_type in ("gptq", "awq"),
             folds=smoothquant.SEARCH_FOLDS if quant_type == "smooth_quant" and alpha is None else 1,
         )
+        moe_experts.log_unreached(stats, moe_experts.expert_sites(layers))
     if quant_type == "smooth_quant":
         _log_strengths(smoothquant.smooth_model(model, stats, sequences, alpha), alpha)
     elif quant_type == "awq":

@@ -43,11 +43,29 @@ def dequantized_model(out_dir: str, float_dir: str):
             ).dequantize()
         elif suffix not in ("weight_scale", "qzeros", "scales", "g_idx"):
             state[name] = tensor.float()
+    if any(".experts." in name for name in state):
+        return _through_a_checkpoint(state, float_dir, out_dir)
     model = load_float(float_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected
     assert set(missing) <= {"lm_head.weight"} and (not missing or model.config.tie_word_embeddings)
     return model
+
+
+def _through_a_checkpoint(state: dict, float_dir: str, out_dir: str):
+    """A mixture-of-experts model: transformers 5 stacks the per-expert tensors while loading a
+    checkpoint, so the dequantized tensors go in as one (beside the quantized one, with the float
+    model's config); every tensor of the float checkpoint must have its dequantized counterpart."""
+    float_names = set(safetensors.torch.load_file(os.path.join(float_dir, "model.safetensors")))
+    assert float_names - {"lm_head.weight"} <= set(state), sorted(float_names - set(state))[:5]
+    directory = os.path.join(out_dir, "dequantized")
+    os.makedirs(directory, exist_ok=True)
+    safetensors.torch.save_file(state, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(float_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return load_float(directory)
 
 
 def read_config(out_dir: str) -> dict:

@@ -1,14 +1,13 @@
 """Quantized mixture-of-experts models against transformers on the same (dequantized) weights:
 GGUF files written from tiny Qwen3-MoE and Qwen2-MoE checkpoints (experts stacked as llama.cpp
 stores them) served in their blocks and dequantized, under expert parallelism too; and unquantized
-checkpoints quantized while loading (weight_only_int8, fp8), every expert per row. Plus what is
-refused, with the reason."""
+checkpoints quantized while loading (weight_only_int8, fp8), every expert per row; AWQ, GPTQ and
+compressed-tensors W4A16 checkpoints, every expert in 4 bits. Plus what is refused, with the reason."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import random
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from splitserve import SamplingParams
 from splitserve.loader.hf_model import gguf_name_maps_built_once
 from splitserve.loader.resolve import default_model_path
 from tests.helpers.gguf_files import tensor_types, write_gguf
-from tests.helpers.hf_reference import assert_greedy_match, hf_greedy
+from tests.helpers.hf_reference import assert_greedy_match, hf_greedy, load_hf_model
 from tests.helpers.parity import build, generate_and_check, llm
+from tests.helpers.quant_layouts import write_quantized_checkpoint
 
 MAX_TOKENS = 12
 PROMPTS = [[5, 7, 9, 11, 13], [100, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 11000], [42] * 3]
@@ -176,17 +176,103 @@ def test_experts_quantized_while_loading(checkpoint, smollm_tokenizer, method):
     _check(engine, refs)
 
 
-def test_quantized_moe_checkpoints_are_refused_with_the_reason(tmp_path, checkpoint):
+def _four_bit_checkpoint(checkpoint, tmp_path, kind: str, method: str, act_order: bool = False):
+    """The tiny `kind` checkpoint with every decoder linear (each expert's, the shared expert's) in
+    `method`'s 4-bit layout, and transformers' model carrying the same weights dequantized."""
+    from safetensors.torch import save_file
+
+    path = checkpoint(kind)
+    reference_state = write_quantized_checkpoint(
+        path, str(tmp_path / method), method, group_size=32, act_order=act_order
+    )
+    # transformers 5 stacks the experts on load: the dequantized weights go in through a checkpoint of their own
+    save_file(reference_state, os.path.join(path, "model.safetensors"))
+    return str(tmp_path / method), load_hf_model(path)
+
+
+FOUR_BIT = [("qwen2_moe", "awq", False), ("qwen3_moe", "gptq", True), ("qwen3_moe", "compressed-tensors", False)]
+
+
+@pytest.mark.parametrize("kind,method,act_order", FOUR_BIT, ids=["qwen2-awq", "qwen3-gptq-act-order", "qwen3-ct"])
+def test_four_bit_moe_checkpoints_match_transformers(checkpoint, tmp_path, kind, method, act_order):
+    """AutoAWQ's, AutoGPTQ's and llm-compressor's per-expert layouts load into the experts' int4 Linears
+    and generate what transformers generates with the dequantized weights; the routers and the one-row
+    shared-expert gate stay unquantized, as these tools leave them."""
+    path, reference = _four_bit_checkpoint(checkpoint, tmp_path, kind, method, act_order)
+    engine = llm(path)
+    moe = _first_moe(engine)
+    assert moe.whole_tensors and type(moe.quantized[0][0].quant_method).__name__ == "Int4Method"
+    _check(engine, [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS])
+
+
+@pytest.mark.slow
+def test_four_bit_moe_checkpoint_split_over_tensor_parallel_ranks(checkpoint, tmp_path):
+    """Each rank unpacks every expert's matrices and keeps its share of the intermediate channels (the
+    down projection's groups of input columns), or whole experts with expert parallelism."""
+    path, reference = _four_bit_checkpoint(checkpoint, tmp_path, "qwen3_moe", "awq")
+    refs = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+    for flags in ({}, {"enable_expert_parallel": True}):
+        engine = llm(path, tensor_parallel_size=2, **flags)
+        _check(engine, refs)
+        engine.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kind,quant_type", [("qwen2_moe", "awq"), ("qwen3_moe", "gptq")])
+def test_quantize_tool_makes_moe_checkpoints(checkpoint, tmp_path, kind, quant_type):
+    """`splitserve quantize` of a mixture-of-experts model: every expert (and the shared expert) in 4
+    bits, each calibrated on the tokens routed to it, the routers and the shared-expert gate as they
+    were; the engine serves it as transformers does with those weights dequantized."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.quantize import dequantized_model, run_tool
+
+    source = checkpoint(kind)
+    rng = random.Random(2)
+    calibration = tmp_path / "ids.txt"
+    calibration.write_text("\n".join(" ".join(str(rng.randrange(3, 1024)) for _ in range(64)) for _ in range(4)))
+    argv = ["-i", source, "-o", str(tmp_path / quant_type), "--quant-type", quant_type, "--group-size", "32"]
+    out = run_tool(*argv, "-t", "fp32", "--tokenids-path", str(calibration))
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    experts = {n.rsplit(".", 1)[0] for n in tensors if ".experts." in n}
+    assert len(experts) == 3 * 3 * (4 if kind == "qwen2_moe" else 8)  # layers x projections x experts
+    assert all(f"{e}.qweight" in tensors and f"{e}.weight" not in tensors for e in experts)
+    assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    if kind == "qwen2_moe":
+        assert "model.layers.0.mlp.shared_expert.down_proj.qweight" in tensors
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in tensors
+    reference = dequantized_model(out, source)
+    _check(llm(out), [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS])
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_unfused_experts_compute_what_the_fused_ones_do(checkpoint, kind):
+    """The quantizer's per-expert Linears (quantization/moe_experts.py) in place of transformers' 3D
+    experts leave the model's function as it was, so calibration sees the model's own activations."""
+    from splitserve.quantization.moe_experts import unfuse_experts
+
+    model = load_hf_model(checkpoint(kind))
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        before = model(ids).logits
+        assert unfuse_experts(model) == 3
+        after = model(ids).logits
+    assert model.model.layers[0].mlp.experts[1].down_proj.weight.shape == (64, 64)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_tool_refuses_eight_bit_moe_checkpoints(checkpoint, tmp_path):
+    from tests.helpers.quantize import run_tool
+
+    with pytest.raises(ValueError, match="no expert layout; use awq or gptq"):
+        run_tool("-i", checkpoint("qwen3_moe"), "-o", str(tmp_path / "int8"), "--quant-type", "weight_only_int8")
+
+
+def test_other_quantized_moe_checkpoints_are_refused_with_the_reason(tmp_path, checkpoint):
     path = checkpoint("qwen3_moe")
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
-    awq = tmp_path / "awq"
-    shutil.copytree(path, awq)
-    with open(awq / "config.json", "w") as f:
-        json.dump(config, f)
-    with pytest.raises(ValueError, match="awq checkpoints of mixture-of-experts models are not supported"):
-        llm(str(awq))
+    fp8 = tmp_path / "fp8"
+    write_quantized_checkpoint(path, str(fp8), "fp8")
+    with pytest.raises(ValueError, match="fp8 checkpoints of mixture-of-experts models are not supported yet"):
+        llm(str(fp8))
 
 
 def _first_moe(engine):
