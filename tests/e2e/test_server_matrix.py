@@ -1,21 +1,24 @@
 """Every serving deployment with every request kind, through HTTP: each pair answers with a 200, no
-process prints a traceback, and the answer is the plain server's once ids and timestamps are left out.
+process prints a traceback, and the answer is the plain server's once ids and timestamps are left
+out.
 
 The server's share of the pairwise matrix (the engine's is tests/parity/test_feature_matrix.py). A
 deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--workers 2`,
 `--data-parallel-size 2`, n-gram speculation. A request kind (a row) is an API and its options:
 completions plain, with a stop string or token, echo and logprobs, prompt logprobs, n and best_of, a
 seed, a guided regex, beam search; chat plain, with logprobs, a JSON schema, forced tool calls; the
-Responses and Anthropic APIs; /tokenize; a streamed answer must be the same request's unstreamed one.
-None of the columns changes the numbers of a request sent alone, so each answer must be the plain
-server's (greedy or seeded, float32, one request at a time). Each column's server starts once for
-all its rows (pytest groups the tests by column); the whole matrix takes about two minutes.
+Responses, Anthropic and Batch APIs; /tokenize; a request dropped by its client. A streamed answer
+must be the same request's unstreamed one. None of the columns changes the numbers of a request sent
+alone, so each answer must be the plain server's (greedy or seeded, float32, one request at a time).
+Each column's server starts once for all its rows (pytest groups the tests by column); the whole
+matrix takes about two minutes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -235,6 +238,42 @@ def _tools_required(url, ref) -> dict:
     return out
 
 
+def _batch(url, ref) -> list[dict]:
+    """Two completions through the Batch API (upload, create, wait, read the output file): each line's
+    answer is the online answer."""
+    lines = [
+        {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": {**GREEDY, "prompt": p}}
+        for i, p in enumerate((PROMPT, PROMPT[:20]))
+    ]
+    content = "\n".join(json.dumps(line) for line in lines).encode()
+    r = httpx.post(f"{url}/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    body = {"input_file_id": r.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    batch = _post(url, "/v1/batches", body)
+    deadline = time.monotonic() + TIMEOUT
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        batch = httpx.get(f"{url}/v1/batches/{batch['id']}", timeout=TIMEOUT).json()
+    assert batch["status"] == "completed" and batch["request_counts"]["failed"] == 0, batch
+    out = httpx.get(f"{url}/v1/files/{batch['output_file_id']}/content", timeout=TIMEOUT)
+    assert out.status_code == 200, out.text
+    answers = sorted((json.loads(line) for line in out.text.splitlines() if line), key=lambda a: a["custom_id"])
+    return [
+        {"custom_id": a["custom_id"], "status": a["response"]["status_code"], "body": _normal(a["response"]["body"])}
+        for a in answers
+    ]
+
+
+def _abort_then_answer(url, ref) -> dict:
+    """A streamed request the client drops after its first token, then a plain one: the server freed
+    the first (nothing hangs or leaks into the next answer)."""
+    body = {**GREEDY, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    return _completion(url, ref)
+
+
 ROWS = {
     "completion": _completion,
     "completion_stream": _completion_stream,
@@ -261,6 +300,8 @@ ROWS = {
     "regex_stop_token_stream": _regex_stop_token,
     "beam_search": lambda url, ref: _completion(url, ref, use_beam_search=True, n=2, max_tokens=6),
     "tokenize": lambda url, ref: _normal(_post(url, "/tokenize", {"model": "default", "prompt": PROMPT})),
+    "batch_api": _batch,
+    "abort_then_answer": _abort_then_answer,
 }
 
 
