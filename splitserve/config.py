@@ -323,4 +323,4 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     batch_invariant: bool = False  # a row's results never depend on the rest of its step (CPU)
     draft_model_config: ModelConfig | None = None  # speculative_config's draft model, resolved
-    kv_events_config: object | None = None  # engine/kv_events.KVEventsConfig; None: no KV cache events
+    kv_events_config: object | None = None  # engine/core/kv_events.KVEventsConfig; None: no KV cache events

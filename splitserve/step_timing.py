@@ -6,7 +6,7 @@ the previous lap (of any phase) to `phase`. Off by default: `lap` then costs one
 phases, in a step's order:
 
 - scheduling: the scheduler's plan, and advancing its requests once the step is launched;
-- step input: the plan turned into the runners' message (engine/step_input_builder.py);
+- step input: the plan turned into the runners' message (engine/core/step_input_builder.py);
 - input preparation: the runner's rows, InputBatch, attention metadata, input tensors;
 - forward: the model (on a GPU, queuing its kernels; on a CPU, computing it);
 - sampling: logits, sampling metadata and the sampler (likewise queued on a GPU);

@@ -25,7 +25,7 @@ from splitserve.engine.arg_defaults import (
     resolve_async_scheduling,
 )
 from splitserve.engine.compatibility import check_settings
-from splitserve.engine.kv_events import KVEventsConfig
+from splitserve.engine.core.kv_events import KVEventsConfig
 from splitserve.sampling_params import StructuredOutputsConfig
 from splitserve.spec_decode.config import SpeculativeConfig
 
@@ -102,7 +102,7 @@ class EngineArgs:
     runner: str = "auto"  # generate or pooling (embeddings); auto: pooling for a bare *Model architecture
     task: str = "auto"  # vLLM's older name for the runner: generate, embed (embedding)
     pooler_config: dict | None = None  # PoolerConfig's keys: pooling_type, normalize, matryoshka_dimensions
-    kv_events_config: dict | None = None  # vLLM's KVEventsConfig keys (engine/kv_events.py)
+    kv_events_config: dict | None = None  # vLLM's KVEventsConfig keys (engine/core/kv_events.py)
     limit_mm_per_prompt: dict | None = None  # vLLM's: most items per prompt by modality, {"image": N}
     structured_outputs_config: dict | None = None  # vLLM's StructuredOutputsConfig keys (sampling_params.py)
 

@@ -3,7 +3,7 @@ core processes, each a whole replica of the model with its own ranks (tensor/pip
 and KV cache, behind the one in-process front-end, which tokenizes and detokenizes for all of them.
 
 Each request goes to the replica with the fewest requests in flight (the lowest index on a tie),
-over the same ZMQ messages the API server's AsyncLLM uses (engine/core_proc.py); the front-end's
+over the same ZMQ messages the API server's AsyncLLM uses (engine/core/core_proc.py); the front-end's
 step collects whatever the replicas have sent. On a CPU each replica gets its own share of the cores
 (SPLITSERVE_CPU_CORES), on CUDA its own GPUs (CUDA_VISIBLE_DEVICES), so that replicas never compete
 for one. LoRA adapters, sleep mode and weight updates act on every replica. This client stands

@@ -59,8 +59,8 @@ class EngineCalls:
 
     # --- sleep mode -------------------------------------------------------------------------------
     async def sleep_call(self, op: str, level: int = 1, model_path: str = "", load_format: str = "auto") -> SleepReply:
-        """sleep (level 1 or 2), wake_up, is_sleeping, reset_prefix_cache (engine/sleep_mode.py) or
-        update_weights from model_path (engine/weight_update.py); the reply has the level the engine
+        """sleep (level 1 or 2), wake_up, is_sleeping, reset_prefix_cache (engine/core/sleep_mode.py) or
+        update_weights from model_path (engine/core/weight_update.py); the reply has the level the engine
         sleeps at after the call (0: awake) and any refusal."""
         return await self._call(lambda call_id: SleepCall(call_id, op, level, model_path, load_format))
 

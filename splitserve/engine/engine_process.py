@@ -1,7 +1,7 @@
 """Starting the engine core process, in a module that does not import torch: `splitserve serve`
 starts its engine process before its own imports of torch and transformers, so that the two
 processes import them side by side (loader/config_cache.py and the start-up section of
-docs/cpu-performance.md). The engine process itself runs engine/core_proc.py."""
+docs/cpu-performance.md). The engine process itself runs engine/core/core_proc.py."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def _run_engine_core(
     source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe, log_path: str, env: dict[str, str]
 ) -> None:
     os.environ.update(env)
-    from splitserve.engine.core_proc import run_engine_core
+    from splitserve.engine.core.core_proc import run_engine_core
 
     _tee_stderr(log_path)
     run_engine_core(source, address, ready_pipe)

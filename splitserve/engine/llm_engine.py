@@ -6,7 +6,7 @@ from splitserve import step_timing
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.core.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import PromptType

@@ -135,7 +135,7 @@ class Processor:
     def guides(self):
         """Structured output's GuideCompiler for this tokenizer and vocabulary, made on first use."""
         if self._guides is None:
-            from splitserve.engine.structured_output import GuideCompiler
+            from splitserve.engine.core.structured_output import GuideCompiler
 
             self._guides = GuideCompiler(self.tokenizer, self.vocab_size)
         return self._guides

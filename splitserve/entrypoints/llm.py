@@ -282,7 +282,7 @@ class LLM:
         )
         return request_id
 
-    # --- sleep mode (vLLM's LLM methods; engine/sleep_mode.py) ---------------------------------
+    # --- sleep mode (vLLM's LLM methods; engine/core/sleep_mode.py) ---------------------------------
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache and move the weights to host memory (1) or drop them (2); the engine
         must be idle, and refuses requests until wake_up()."""
@@ -296,7 +296,7 @@ class LLM:
 
     def update_weights(self, model_path: str, load_format: str = "auto") -> None:
         """Load a new checkpoint of the same model (same architecture and shapes) into the idle
-        engine, on every rank; the prefix cache is emptied (engine/weight_update.py)."""
+        engine, on every rank; the prefix cache is emptied (engine/core/weight_update.py)."""
         self.llm_engine.engine_core.sleeping.update_weights(model_path, load_format)
 
     def reset_prefix_cache(self) -> bool:

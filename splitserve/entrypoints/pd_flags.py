@@ -19,7 +19,7 @@ import json
 from splitserve.engine import compatibility
 from splitserve.engine.arg_flags import engine_flags
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.engine.kv_events import KVEventsConfig
+from splitserve.engine.core.kv_events import KVEventsConfig
 from splitserve.entrypoints.openai.args import ServerArgs, add_server_args
 
 ROUTER, BOTH = "router", "both"  # every other server flag goes to the instances
@@ -82,7 +82,7 @@ def instance_env(server_args: ServerArgs) -> dict[str, str]:
 
 def instance_kv_events(config: dict, index: int) -> dict:
     """Instance `index`'s --kv-events-config: its own sockets, offset by its index (vLLM's rule for
-    data-parallel ranks, engine/kv_events.py)."""
+    data-parallel ranks, engine/core/kv_events.py)."""
     events = KVEventsConfig.from_value(config)
     if events is None:
         return config

@@ -80,7 +80,7 @@ class Executor(ABC):
 
     def wake_up(self, num_blocks: int, num_cpu_blocks: int, weights: tuple[str, str] | None = None) -> None:
         """Weights back on the device (read again after level 2) and a new, empty KV cache;
-        `weights` (path, load format): after level 2, read these instead (engine/weight_update.py)."""
+        `weights` (path, load format): after level 2, read these instead (engine/core/weight_update.py)."""
         self.collective_rpc("wake_up", num_blocks, num_cpu_blocks, weights)
 
     def expert_load(self) -> dict[int, list[int]]:

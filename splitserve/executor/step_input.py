@@ -1,7 +1,7 @@
 """What the engine and the model runners tell each other each step: data only (ids, token ids, block ids, sampling
 parameters), so that one message can be sent as it is to every rank of a multi-process executor.
 
-The engine's scheduler plans with live `Request` objects (engine/scheduler.py); `StepInput` is that
+The engine's scheduler plans with live `Request` objects (engine/core/scheduler.py); `StepInput` is that
 plan as the runners need it. A runner keeps its own state per request (executor/input_batch.py):
 it is told about a request once (`NewRequestData`), then only what changes each step.
 """

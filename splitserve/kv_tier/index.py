@@ -4,7 +4,7 @@ kept in host memory, least recently used out first, and on disk when a directory
 prompt whose prefix is no longer on the device but still in a lower tier loads those blocks back
 into fresh device blocks before its step instead of computing them again.
 
-Pure Python, like the block pool it extends (engine/kv_cache_manager.py): the pool calls `offload`
+Pure Python, like the block pool it extends (engine/core/kv_cache_manager.py): the pool calls `offload`
 when it reuses a block that has a hash, and `KVCacheManager.get_computed_blocks` asks `lookup`
 where the device misses. What this decides reaches the model runners as one step's copies
 (kv_tier/ops.py KVOffloadOps; kv_tier/copier.py makes them), all before the forward

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from splitserve.config import SchedulerConfig
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request
-from splitserve.engine.schedule_plan import SchedulePlan
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request
+from splitserve.engine.core.schedule_plan import SchedulePlan
+from splitserve.engine.core.scheduler import Scheduler
 
 BS = 4
 

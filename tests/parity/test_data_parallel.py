@@ -12,7 +12,7 @@ import zmq
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.engine.kv_events import KVEventBatch
+from splitserve.engine.core.kv_events import KVEventBatch
 from splitserve.entrypoints.openai.server import refuse_data_parallel
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j) % 900 + 5 for j in range(12 + 3 * i)]} for i in range(8)]

@@ -59,7 +59,7 @@ def test_a_busy_engine_does_not_sleep(llm):
     assert _tokens(llm) and not llm.is_sleeping()
 
 
-# --- weights updated from disk (engine/weight_update.py) ----------------------------------------
+# --- weights updated from disk (engine/core/weight_update.py) ----------------------------------------
 def test_update_weights_gives_the_new_checkpoints_tokens(llm, tiny_models, tmp_path):
     original = tiny_models["qwen3"]
     before = _tokens(llm)

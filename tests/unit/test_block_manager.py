@@ -9,13 +9,13 @@ import struct
 
 import pytest
 
-from splitserve.engine.kv_cache_manager import (
+from splitserve.engine.core.kv_cache_manager import (
     BlockPool,
     KVCacheManager,
     hash_block_tokens,
     update_block_hashes,
 )
-from splitserve.engine.request import Request
+from splitserve.engine.core.request import Request
 from splitserve.sampling_params import SamplingParams
 
 BS = 4

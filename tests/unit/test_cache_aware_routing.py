@@ -6,9 +6,9 @@ pile-up on a hot prefix."""
 from __future__ import annotations
 
 from splitserve.disagg.policies import CacheAwarePolicy, Upstream, cached_prefix_blocks
-from splitserve.engine.kv_cache_manager import update_block_hashes
-from splitserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from splitserve.engine.request import Request
+from splitserve.engine.core.kv_cache_manager import update_block_hashes
+from splitserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from splitserve.engine.core.request import Request
 from splitserve.entrypoints.router.kv_index import apply_events, prompt_block_hashes, reachable_endpoint
 from splitserve.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.core.engine_core import EngineCore
 from splitserve.engine.messages import EngineCoreRequest
 from splitserve.executor.step_input import ModelRunnerOutput, StepInput
 from splitserve.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""KV cache events (engine/kv_events.py, vLLM's format): the block pool records BlockStored chains,
+"""KV cache events (engine/core/kv_events.py, vLLM's format): the block pool records BlockStored chains,
 BlockRemoved evictions and AllBlocksCleared resets on a tiny pool; an engine publishes them over ZMQ,
 read by a subscriber whose message types are written here from vLLM's published wire format (not
 imported from splitserve), and its replay socket sends buffered batches again."""
@@ -13,9 +13,15 @@ import pytest
 import zmq
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.kv_cache_manager import hash_block_tokens
-from splitserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, KVEventsConfig
-from splitserve.engine.request import Request
+from splitserve.engine.core.kv_cache_manager import hash_block_tokens
+from splitserve.engine.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventRecorder,
+    KVEventsConfig,
+)
+from splitserve.engine.core.request import Request
 from splitserve.process_utils import free_port
 from tests.helpers.scheduling import BS, add, make_sched, step
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request
 from splitserve.kv_tier.copier import KVOffloadCopier
 from splitserve.kv_tier.disk_index import DiskTierIndex
 from splitserve.kv_tier.files import TierFileError, block_path, read_block_file, write_block_file

@@ -164,6 +164,26 @@ def test_no_layer_pair_both_ways():
     assert not both, both
 
 
+# What the engine core (engine/core/: the engine process's loop, scheduler, KV cache manager ...) may
+# import of its front-ends' package (engine/): the messages between them and what both use.
+ENGINE_SHARED = {"messages", "errors", "startup", "lora_registry"}
+
+
+def test_the_engine_core_does_not_import_its_front_ends():
+    """engine/core/ sits under engine/'s front-ends (AsyncLLM, LLMEngine, DP, processor, output
+    processor, detokenizer, supervisor, args): they import it, it imports none of them."""
+    wrong = sorted(
+        f"{name} -> {other}"
+        for name, imported in GRAPH.items()
+        if name.startswith("splitserve.engine.core")
+        for other in imported
+        if other.startswith("splitserve.engine.")
+        and not other.startswith("splitserve.engine.core")
+        and other.rsplit(".", 1)[1] not in ENGINE_SHARED
+    )
+    assert not wrong, wrong
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_stay_small(name):
     lines = MODULES[name].read_text().count("\n")

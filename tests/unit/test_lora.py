@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request
 from splitserve.layers.lora import LoRABatchContext, LoRASlots
 from splitserve.lora.peft import BaseModelShapes, LoRALoadError, load_lora_model
 from splitserve.lora.request import LoRAModulePath, LoRARequest, parse_lora_modules

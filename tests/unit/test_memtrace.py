@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from splitserve.engine.memtrace import MemoryTrace
+from splitserve.engine.core.memtrace import MemoryTrace
 
 
 def test_off_unless_asked(monkeypatch):
@@ -27,7 +27,7 @@ def test_bad_values_are_refused(monkeypatch, frames, interval):
 def test_reports_the_call_site_that_grew(monkeypatch, caplog):
     monkeypatch.setenv("SPLITSERVE_TRACEMALLOC", "1")
     monkeypatch.setenv("SPLITSERVE_TRACEMALLOC_INTERVAL_S", "0.001")
-    caplog.set_level(logging.INFO, logger="splitserve.engine.memtrace")
+    caplog.set_level(logging.INFO, logger="splitserve.engine.core.memtrace")
     trace = MemoryTrace.from_env()
     try:
         trace.last_report = 0.0

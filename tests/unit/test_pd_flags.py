@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.compatibility import CombinationRefused
-from splitserve.engine.kv_events import KVEventsConfig, offset_endpoint
+from splitserve.engine.core.kv_events import KVEventsConfig, offset_endpoint
 from splitserve.entrypoints import serve as serve_module
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.pd_flags import REFUSED, ROUTER, SERVER_PLACES, check_pd_flags, instance_env, instance_flags

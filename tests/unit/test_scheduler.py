@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from splitserve.config import SchedulerConfig
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request, RequestStatus
+from splitserve.engine.core.scheduler import Scheduler
 from splitserve.sampling_params import SamplingParams
 from tests.helpers.scheduling import BS, add, make_sched, plan, run_step, step
 

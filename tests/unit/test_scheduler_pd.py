@@ -3,8 +3,8 @@ and without the prefill's first token, with exact block ids on a tiny pool."""
 
 from __future__ import annotations
 
+from splitserve.engine.core.request import Request, RequestStatus
 from splitserve.engine.messages import KVTransferParams
-from splitserve.engine.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 from tests.helpers.scheduling import BS, add, make_sched, plan, step
 

@@ -4,7 +4,7 @@ preempted, and a preempted request does not pass a waiting request that goes fir
 
 from __future__ import annotations
 
-from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 from tests.helpers.scheduling import add, make_sched, plan, step
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.engine.core.request import Request
 from splitserve.engine.messages import SpecDecodingStats
-from splitserve.engine.request import Request
 from splitserve.sampling_params import SamplingParams
 from splitserve.spec_decode.config import SpeculativeConfig
 from splitserve.spec_decode.ngram import NgramProposer

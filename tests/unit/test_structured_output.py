@@ -10,7 +10,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from splitserve.engine.structured_output import GuideCompiler, choice_grammar
+from splitserve.engine.core.structured_output import GuideCompiler, choice_grammar
 from splitserve.entrypoints.http import APIError
 from splitserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.entrypoints.openai.tool_calling import plan_tools, tool_guide

@@ -42,7 +42,7 @@ class KVTransferHandler:
             released = self.connector.poll_released()
             pulled = [(r.request_id, r.error) for r in self.connector.poll_pulled()]
             return released, pulled, self.connector.snapshot_stats()
-        if method == "rebind":  # sleep released the KV cache, or waking allocated a new one (engine/sleep_mode.py)
+        if method == "rebind":  # sleep released the KV cache, or waking allocated a new one (engine/core/sleep_mode.py)
             self.connector.kv_caches = runner.kv_caches if runner is not None else []
             self.connector.kv_scales = runner.kv_scales if runner is not None else None
             return None

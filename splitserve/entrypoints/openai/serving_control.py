@@ -38,7 +38,7 @@ async def abort_by_client_ids(engine: AsyncLLM, body: dict) -> AbortRequestsResp
 
 async def sleep_call(engine: AsyncLLM, op: str, level: int | str = 1) -> SleepStatus:
     """POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping, POST /reset_prefix_cache (vLLM's
-    routes; engine/sleep_mode.py): a refusal (requests still running, a level other than 1 or 2)
+    routes; engine/core/sleep_mode.py): a refusal (requests still running, a level other than 1 or 2)
     is a 400 that says why."""
     try:
         level = int(level)
@@ -54,7 +54,7 @@ async def sleep_call(engine: AsyncLLM, op: str, level: int | str = 1) -> SleepSt
 
 
 async def update_weights(engine: AsyncLLM, body: dict) -> UpdateWeightsResponse:
-    """Load a new checkpoint of the served model (engine/weight_update.py): a 400 that says why when
+    """Load a new checkpoint of the served model (engine/core/weight_update.py): a 400 that says why when
     it is refused (another architecture or shape, requests running, asleep, no such path) or when
     loading failed (the previous weights are then loaded again)."""
     try:

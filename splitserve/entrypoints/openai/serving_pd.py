@@ -1,6 +1,6 @@
 """The OpenAI endpoints' side of prefill/decode disaggregation: the router's kv_transfer_params read
 and checked, the prompt a decode request carries, and where a prefill instance's answer says its KV
-waits. The transfer itself is distributed/kv_transfer/; the engine's side is engine/pd.py."""
+waits. The transfer itself is distributed/kv_transfer/; the engine's side is engine/core/pd.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What each instance has in its prefix cache, as the router knows it from the instances' own KV
-cache events (engine/kv_events.py, vLLM's format): the `cache_aware` policy's index. Exact, not a
+cache events (engine/core/kv_events.py, vLLM's format): the `cache_aware` policy's index. Exact, not a
 guess from prompt text: a block counts as cached on an instance from its BlockStored event until its
 BlockRemoved (or an AllBlocksCleared). An instance says where it publishes in its /pd_role answer; a
 gap in its sequence numbers (messages dropped, or the instance started again) empties its index
@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 import msgspec
 
 from splitserve.disagg.policies import Upstream
-from splitserve.engine.kv_cache_manager import hash_block_tokens
-from splitserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from splitserve.engine.core.kv_cache_manager import hash_block_tokens
+from splitserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 logger = logging.getLogger("splitserve.router")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from splitserve.engine.request import Request
+from splitserve.engine.core.request import Request
 
 
 class FCFSQueue(deque):

@@ -66,7 +66,7 @@ class EngineSleep:
 
     def wake_up(self, weights: tuple[str, str] | None = None) -> None:
         """`weights` (path, load format), after level 2: the checkpoint to read instead of the
-        model's own (engine/weight_update.py)."""
+        model's own (engine/core/weight_update.py)."""
         core = self.core
         if not self.level:
             return
@@ -83,8 +83,8 @@ class EngineSleep:
         logger.info("Engine awake in %.2f s", time.perf_counter() - start)
 
     def update_weights(self, model_path: str, load_format: str = "auto") -> float:
-        """Load a new checkpoint of the same model (engine/weight_update.py); the seconds it took."""
-        from splitserve.engine.weight_update import update_weights
+        """Load a new checkpoint of the same model (engine/core/weight_update.py); the seconds it took."""
+        from splitserve.engine.core.weight_update import update_weights
 
         return update_weights(self.core, model_path, load_format)
 

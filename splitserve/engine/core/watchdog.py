@@ -16,7 +16,7 @@ import traceback
 
 from splitserve import envs
 
-logger = logging.getLogger("splitserve.engine.watchdog")
+logger = logging.getLogger("splitserve.engine.core.watchdog")
 
 
 class StepWatchdog:

@@ -1,13 +1,13 @@
-"""The scheduler's side of prefill/decode disaggregation (engine/pd.py has the engine's): a decode
+"""The scheduler's side of prefill/decode disaggregation (engine/core/pd.py has the engine's): a decode
 instance admits a request whose prompt KV comes from a prefill instance by reserving blocks and
 asking for the pull, and runs it on when the pull ends; a prefill instance keeps a finished
 request's blocks under a lease until the decode instance has them. A mixin of the Scheduler
-(engine/scheduler.py), whose queues and KV cache manager it works on."""
+(engine/core/scheduler.py), whose queues and KV cache manager it works on."""
 
 from __future__ import annotations
 
-from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.schedule_plan import SchedulePlan
+from splitserve.engine.core.request import Request, RequestStatus
+from splitserve.engine.core.schedule_plan import SchedulePlan
 
 
 class PDSchedulingMixin:

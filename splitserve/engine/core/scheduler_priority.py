@@ -7,12 +7,12 @@ urgent requests start within a step or two however busy the engine is. A waiting
 better priority than a running one's unfinished prompt takes the step's budget before that
 prompt's next chunk, and long_prefill_token_threshold chunks only the prompts of a worse priority
 than the best the engine has seen: the steps an urgent request may arrive during stay short, its
-own prompt runs whole. A mixin of the Scheduler (engine/scheduler.py)."""
+own prompt runs whole. A mixin of the Scheduler (engine/core/scheduler.py)."""
 
 from __future__ import annotations
 
-from splitserve.engine.request import Request
-from splitserve.engine.schedule_plan import SchedulePlan
+from splitserve.engine.core.request import Request
+from splitserve.engine.core.schedule_plan import SchedulePlan
 
 
 class PrioritySchedulingMixin:

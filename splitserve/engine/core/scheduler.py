@@ -10,8 +10,8 @@ preemption_mode "swap" and room in host memory, its blocks are copied there (Sch
 swap_out) and back into fresh blocks when it resumes (swap_in), ahead of any waiting request.
 
 The policies and preemption modes live apart, as mixins over the same queues:
-engine/scheduler_priority.py (the "priority" policy, with request_queue.PriorityQueue as the
-waiting queue), engine/scheduler_swap.py (preemption_mode "swap") and engine/scheduler_pd.py
+engine/core/scheduler_priority.py (the "priority" policy, with request_queue.PriorityQueue as the
+waiting queue), engine/core/scheduler_swap.py (preemption_mode "swap") and engine/core/scheduler_pd.py
 (prefill/decode disaggregation).
 """
 
@@ -21,13 +21,13 @@ import time
 from collections import deque
 
 from splitserve.config import SchedulerConfig
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.request_queue import make_queue
-from splitserve.engine.schedule_plan import PrefixCacheStats, SchedulePlan
-from splitserve.engine.scheduler_pd import PDSchedulingMixin
-from splitserve.engine.scheduler_priority import PrioritySchedulingMixin
-from splitserve.engine.scheduler_swap import SwapSchedulingMixin
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request, RequestStatus
+from splitserve.engine.core.request_queue import make_queue
+from splitserve.engine.core.schedule_plan import PrefixCacheStats, SchedulePlan
+from splitserve.engine.core.scheduler_pd import PDSchedulingMixin
+from splitserve.engine.core.scheduler_priority import PrioritySchedulingMixin
+from splitserve.engine.core.scheduler_swap import SwapSchedulingMixin
 
 
 class Scheduler(PDSchedulingMixin, PrioritySchedulingMixin, SwapSchedulingMixin):

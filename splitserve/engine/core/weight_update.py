@@ -2,7 +2,7 @@
 SGLang's `/update_weights_from_disk`; offline `LLM.update_weights`), for reinforcement-learning
 loops where a trainer writes a new checkpoint of the same model between rollouts.
 
-The engine must be idle and awake (as for sleep: engine/sleep_mode.py), and the checkpoint must be
+The engine must be idle and awake (as for sleep: engine/core/sleep_mode.py), and the checkpoint must be
 the same architecture with the same shapes (config.json compared key by key; a mismatch is refused
 before anything changes). Every rank then drops its model runner and builds it again from the new
 checkpoint (level 2 of sleep mode, waking with other weights), so that each quantization's packing

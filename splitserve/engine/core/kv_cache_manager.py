@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from splitserve.engine.request import Request
+from splitserve.engine.core.request import Request
 from splitserve.kv_tier.index import KVOffloadTier, TierHit
 from splitserve.kv_tier.ops import KVOffloadOps
 

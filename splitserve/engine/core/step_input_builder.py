@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request
-from splitserve.engine.schedule_plan import SchedulePlan
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request
+from splitserve.engine.core.schedule_plan import SchedulePlan
 from splitserve.executor.step_input import NewRequestData, ScheduledRequest, StepInput
 
 

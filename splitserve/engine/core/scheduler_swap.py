@@ -2,12 +2,12 @@
 request with room in host memory has its blocks copied there (SchedulePlan's swap_out) and waits in
 the swapped queue, oldest first; it comes back into fresh blocks (swap_in) ahead of any waiting
 request, and while any request is swapped out no new one is admitted (more would thrash). A mixin
-of the Scheduler (engine/scheduler.py), whose queues and KV cache manager it works on."""
+of the Scheduler (engine/core/scheduler.py), whose queues and KV cache manager it works on."""
 
 from __future__ import annotations
 
-from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.schedule_plan import SchedulePlan
+from splitserve.engine.core.request import Request, RequestStatus
+from splitserve.engine.core.schedule_plan import SchedulePlan
 
 
 class SwapSchedulingMixin:

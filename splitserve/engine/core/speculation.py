@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
+from splitserve.engine.core.request import Request
+from splitserve.engine.core.schedule_plan import SchedulePlan
 from splitserve.engine.messages import SpecDecodingStats
-from splitserve.engine.request import Request
-from splitserve.engine.schedule_plan import SchedulePlan
 from splitserve.executor.step_input import ModelRunnerOutput, TokenLogprobs
 from splitserve.spec_decode.config import SpeculativeConfig
 

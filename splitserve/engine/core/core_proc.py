@@ -21,8 +21,10 @@ import zmq
 from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
+from splitserve.engine.core.memtrace import MemoryTrace
+from splitserve.engine.core.watchdog import StepWatchdog
+from splitserve.engine.core.weight_update import update_weights
 from splitserve.engine.errors import EngineAsleepError
-from splitserve.engine.memtrace import MemoryTrace
 from splitserve.engine.messages import (
     AbortClientRequests,
     AbortRequests,
@@ -37,8 +39,6 @@ from splitserve.engine.messages import (
     SleepCall,
     SleepReply,
 )
-from splitserve.engine.watchdog import StepWatchdog
-from splitserve.engine.weight_update import update_weights
 from splitserve.process_utils import exit_with_parent, set_process_name
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ _LOG_INTERVAL_S = 10.0
 
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, address: str):
-        from splitserve.engine.engine_core import EngineCore
+        from splitserve.engine.core.engine_core import EngineCore
 
         self.core = EngineCore(config)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)

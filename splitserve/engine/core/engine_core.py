@@ -16,20 +16,21 @@ import time
 
 from splitserve import kernels, step_timing
 from splitserve.config import EngineConfig
-from splitserve.engine import messages, pd, startup
-from splitserve.engine.core_stats import CoreStats
-from splitserve.engine.expert_stats import ExpertLoadWatch
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.kv_events import attach_events
+from splitserve.engine import messages, startup
+from splitserve.engine.core import pd
+from splitserve.engine.core.core_stats import CoreStats
+from splitserve.engine.core.expert_stats import ExpertLoadWatch
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.kv_events import attach_events
+from splitserve.engine.core.request import Request, RequestStatus
+from splitserve.engine.core.schedule_plan import SchedulePlan
+from splitserve.engine.core.scheduler import Scheduler
+from splitserve.engine.core.sleep_mode import EngineSleep
+from splitserve.engine.core.speculation import Speculator
+from splitserve.engine.core.step_input_builder import StepInputBuilder
+from splitserve.engine.core.structured_output import StructuredOutputManager
 from splitserve.engine.lora_registry import LoRARegistry
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.schedule_plan import SchedulePlan
-from splitserve.engine.scheduler import Scheduler
-from splitserve.engine.sleep_mode import EngineSleep
-from splitserve.engine.speculation import Speculator
-from splitserve.engine.step_input_builder import StepInputBuilder
-from splitserve.engine.structured_output import StructuredOutputManager
 from splitserve.executor.abstract import Executor
 from splitserve.executor.factory import create_executor
 from splitserve.executor.step_input import ModelRunnerOutput
@@ -84,9 +85,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulePlan, object] | None = None  # launched, not yet finished
         self.step_fn = self.step_with_overlap if config.async_scheduling else self.step
         self.connector = pd.make_connector(self.config, self.executor)  # None unless a PD instance
-        self.sleeping = EngineSleep(self)  # sleep mode: engine/sleep_mode.py
-        self.kv_events = attach_events(self, config.kv_events_config)  # engine/kv_events.py; None: off
-        self.reporter = CoreStats(self)  # what stats() reports: engine/core_stats.py
+        self.sleeping = EngineSleep(self)  # sleep mode: engine/core/sleep_mode.py
+        self.kv_events = attach_events(self, config.kv_events_config)  # engine/core/kv_events.py; None: off
+        self.reporter = CoreStats(self)  # what stats() reports: engine/core/core_stats.py
         if self.config.device.type == "cpu":
             with startup.phase("CPU kernels"):  # built once per machine, loaded from torch's cache after
                 kernels.cpu_ops()
@@ -293,7 +294,7 @@ class EngineCore:
 
     # --- prefill/decode disaggregation ---------------------------------------------------------
     def poll_connector(self) -> None:
-        """Free the blocks of leases that ended, and let requests whose KV arrived run (engine/pd.py).
+        """Free the blocks of leases that ended, and let requests whose KV arrived run (engine/core/pd.py).
         The busy loop calls it once per iteration, busy or idle (leases expire while nothing runs)."""
         if self.connector is not None:
             self._pending_outputs += pd.poll(self.connector, self.scheduler, self.step_inputs)

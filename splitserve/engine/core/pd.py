@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 
-from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.request import Request, RequestStatus
+from splitserve.engine.core.scheduler import Scheduler
 from splitserve.engine.messages import EngineCoreOutput, KVTransferParams
-from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

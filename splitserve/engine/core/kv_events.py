@@ -14,7 +14,7 @@ parallel rank when there is one), each event tagged by its class name:
 - `AllBlocksCleared()`: the whole prefix cache was forgotten (reset, sleep, new weights).
 
 Block hashes are splitserve's own (32 bytes, a sha256 chain over the block's tokens: see
-engine/kv_cache_manager.py), so a subscriber that wants to match prompts computes them with
+engine/core/kv_cache_manager.py), so a subscriber that wants to match prompts computes them with
 `hash_block_tokens`. A ROUTER socket at `replay_endpoint` answers a request holding a start
 sequence number (8 big-endian bytes) with every buffered batch from there (the last
 `buffer_steps` batches), one message each (sequence number, payload), then an end marker
@@ -266,7 +266,7 @@ def make_publisher(config: KVEventsConfig | None, data_parallel_rank: int | None
 
 
 def attach_events(core, config: KVEventsConfig | None):
-    """Events on for an EngineCore (engine/engine_core.py): its block pool records them and every
+    """Events on for an EngineCore (engine/core/engine_core.py): its block pool records them and every
     step (core.step_fn) publishes its batch. Returns the publisher (None when off: nothing attached)."""
     rank = envs.SPLITSERVE_DATA_PARALLEL_RANK  # a data-parallel replica's: its own sockets
     if config is not None and rank is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.request import Request
+from splitserve.engine.core.request import Request
 from splitserve.kv_tier.ops import KVOffloadOps
 
 
@@ -22,7 +22,7 @@ class PrefixCacheStats:
 
 @dataclass
 class SchedulePlan:
-    """One step's plan, live objects included (it stays in the engine; engine/step_input_builder.py turns it
+    """One step's plan, live objects included (it stays in the engine; engine/core/step_input_builder.py turns it
     into the data-only StepInput the runners get): requests in execution order with the number of
     tokens each computes, preemptions, KV pulls and swap copies."""
 
