@@ -7,7 +7,8 @@ deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--w
 `--data-parallel-size 2`, n-gram speculation. A request kind (a row) is an API and its options:
 completions plain, with a stop string or token, echo and logprobs, prompt logprobs, n and best_of, a
 seed, a guided regex, beam search; chat plain, with logprobs, a JSON schema, forced tool calls; the
-Responses, Anthropic and Batch APIs; /tokenize; a request dropped by its client. A streamed answer
+Responses, Anthropic and Batch APIs; /tokenize; a request dropped by its client; a LoRA adapter
+loaded at run time (every server takes adapters: `--enable-lora`). A streamed answer
 must be the same request's unstreamed one. None of the columns changes the numbers of a request sent
 alone, so each answer must be the plain server's (greedy or seeded, float32, one request at a time).
 Each column's server starts once for all its rows (pytest groups the tests by column); the whole
@@ -23,11 +24,15 @@ import time
 import httpx
 import pytest
 
+from tests.helpers.models import make_peft_adapter
 from tests.helpers.server import RemoteServer, metric
 
 pytestmark = pytest.mark.slow  # starts five deployments, three of them with several processes
 
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--disable-log-requests")
+# Every server takes LoRA adapters at run time (the lora_runtime row loads one through the deployment).
+COMMON += ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+ADAPTER: dict[str, str] = {}  # "path": the row's adapter, made by the `reference` fixture
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 COLUMNS = {
     "pd_1p1d": ("--pd", "1p1d"),
@@ -274,6 +279,15 @@ def _abort_then_answer(url, ref) -> dict:
     return _completion(url, ref)
 
 
+def _lora_runtime(url, ref) -> dict:
+    """An adapter loaded through the deployment at run time (on every instance, replica and API worker
+    behind it), then asked for by name (streamed and whole)."""
+    load = {"lora_name": "runtime", "lora_path": ADAPTER["path"]}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return _completion_stream(url, ref, model="runtime")
+
+
 ROWS = {
     "completion": _completion,
     "completion_stream": _completion_stream,
@@ -302,12 +316,15 @@ ROWS = {
     "tokenize": lambda url, ref: _normal(_post(url, "/tokenize", {"model": "default", "prompt": PROMPT})),
     "batch_api": _batch,
     "abort_then_answer": _abort_then_answer,
+    "lora_runtime": _lora_runtime,
 }
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_model, tmp_path_factory) -> dict:
     """The plain server's answer to every row."""
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ADAPTER["path"] = make_peft_adapter(tiny_chat_model, str(tmp_path_factory.mktemp("lora")), projections, seed=5)
     answers, log = {}, tmp_path_factory.mktemp("matrix") / "plain.log"
     with RemoteServer(tiny_chat_model, *COMMON, log_path=str(log)) as plain:
         for row in ROWS:
