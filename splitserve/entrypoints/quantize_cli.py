@@ -11,14 +11,9 @@ import time
 import torch
 
 from splitserve.quantization.calibration import builtin_sequences, read_text_sequences, read_token_ids
+from splitserve.quantization.checkpoint import quantization_config, write_checkpoint
 from splitserve.quantization.moe_experts import unfuse_experts
-from splitserve.quantization.tool import (
-    check_shapes,
-    default_group_size,
-    quantization_config,
-    quantize_model,
-    write_checkpoint,
-)
+from splitserve.quantization.tool import check_shapes, default_group_size, quantize_model
 
 logger = logging.getLogger(__name__)
 

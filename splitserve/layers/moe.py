@@ -27,7 +27,6 @@ quantized blocks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,7 @@ from splitserve.layers.basic import silu_and_mul
 from splitserve.layers.gguf_weight import GGUFWeight
 from splitserve.layers.moe_backends import choose_backend, grouped_experts, grouped_mm_works, triton_moe
 from splitserve.layers.moe_quantized import expert_linears, tensor_names, whole_tensors
+from splitserve.layers.moe_router import RouterRule, choose_experts
 
 __all__ = ["FusedMoE", "RouterRule", "expert_load", "grouped_experts", "grouped_mm_works", "moe_capturable"]
 
@@ -49,27 +49,6 @@ logger = logging.getLogger(__name__)
 
 GATE, UP, DOWN = 0, 1, 2  # which projection of an expert a checkpoint tensor is
 _ROUTER_ELEMENTWISE_ROWS = 4  # up to this many rows, router logits without a BLAS call (_router_logits)
-
-
-@dataclass(frozen=True)
-class RouterRule:
-    """How a model's router turns logits into each token's experts and weights.
-
-    `scoring`: "softmax" (softmax over all experts, then top-k) or "topk_softmax" (top-k of the
-    logits, then softmax over those k: Granite). `renormalize`: divide the top-k weights by their
-    sum (Mixtral always, Qwen with norm_topk_prob, ERNIE with a floor of `norm_min`). `biased`: a
-    per-expert correction added to the probabilities to choose the experts only (ERNIE 4.5's
-    e_score_correction_bias). `weights_in_float`: the weights stay float32 when they scale the
-    experts' outputs (Mixtral), instead of being cast to the model dtype first (Qwen, ERNIE, Granite).
-    `logits_in_float`: the router's product in float32 (ERNIE 4.5)."""
-
-    top_k: int
-    scoring: str = "softmax"
-    renormalize: bool = False
-    norm_min: float = 0.0
-    biased: bool = False
-    weights_in_float: bool = False
-    logits_in_float: bool = False
 
 
 class FusedMoE(nn.Module):
@@ -210,19 +189,9 @@ class FusedMoE(nn.Module):
     # --- forward -------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) by the model's rule."""
-        rule = self.rule
-        logits = self._router_logits(x.float() if rule.logits_in_float else x)
-        if rule.scoring == "topk_softmax":
-            top, ids = logits.float().topk(rule.top_k, dim=-1)
-            return top.softmax(dim=-1).to(x.dtype), ids
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        choice = probs + self.e_score_correction_bias if rule.biased else probs
-        _, ids = choice.topk(rule.top_k, dim=-1)
-        weights = probs.gather(-1, ids)
-        if rule.renormalize:
-            total = weights.sum(dim=-1, keepdim=True)
-            weights = weights / (total.clamp(min=rule.norm_min) if rule.norm_min else total)
-        return (weights if rule.weights_in_float else weights.to(x.dtype)), ids
+        logits = self._router_logits(x.float() if self.rule.logits_in_float else x)
+        bias = self.e_score_correction_bias if self.rule.biased else None
+        return choose_experts(self.rule, logits, bias, x.dtype)
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x @ gate.T. A few rows on CPU (decode) as products summed in float32 rather than a BLAS

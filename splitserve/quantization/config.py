@@ -8,7 +8,8 @@ import re
 from splitserve.layers.basic import LinearMethod
 from splitserve.quantization import compressed_tensors
 from splitserve.quantization.gguf import GGUFLinearMethod
-from splitserve.quantization.linear import Fp8Method, Int4Method, Int8WeightOnlyMethod, W8A8Int8Method
+from splitserve.quantization.int4_linear import Int4Method
+from splitserve.quantization.linear import Fp8Method, Int8WeightOnlyMethod, W8A8Int8Method
 
 QUANTIZATION_METHODS = ("weight_only_int8", "smooth_quant", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # --quantization none: run a quantized GGUF file dequantized to --dtype instead of in its blocks.

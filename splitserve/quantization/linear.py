@@ -11,8 +11,8 @@ multiplies with (which method a model runs with is quantization/config.py's to s
 | fp8              | float8_e4m3, a scale per row | model dtype             | fp8->bf16 by moving bits + matmul   |
 |                  |                              |                         | (no fp8 units on CPUs)              |
 
-Other devices use the same formats through plain torch dequantize-then-matmul
-(`_dequantized_linear`), which the tests also run on CPU.
+Other devices use the same formats through plain torch dequantize-then-matmul, which the tests also
+run on CPU. The 4-bit methods are int4_linear.py's.
 
 Every method first brings what it loaded to one plain form per layer (int8 levels + row scales,
 `Int4Weight`, or fp8 + row scales), stacking q/k/v or gate/up shards along the output dim, and
@@ -26,19 +26,14 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
-from splitserve.quantization import compressed_tensors, int8_mm
+from splitserve.quantization import int8_mm
 from splitserve.quantization.kv_cache import fp8_as_bfloat16
 from splitserve.quantization.packing import (
-    Int4Weight,
-    quantize_int4_groupwise,
     quantize_int8_per_channel,
-    unpack_awq,
-    unpack_gptq,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,7 +46,7 @@ _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 # --- shared plumbing ---------------------------------------------------------------------------------
-class _QuantMethod(LinearMethod):
+class QuantMethod(LinearMethod):
     """Loads per-shard checkpoint tensors (or a dense weight), then builds the kernel form."""
 
     # checkpoint tensor names each shard must provide / may provide
@@ -111,16 +106,16 @@ class _QuantMethod(LinearMethod):
         raise NotImplementedError
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:
+def flat_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _finish(layer: Linear, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def finish(layer: Linear, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y [rows, out] in x's leading shape (the layer adds its bias itself)."""
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+def check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != shape:
         raise ValueError(f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {shape}.")
 
@@ -130,11 +125,11 @@ def _row_scales(scale: torch.Tensor, out_features: int) -> torch.Tensor:
     scale = scale.float().reshape(-1)
     if scale.numel() == 1:
         return scale.expand(out_features).clone()
-    _check_shape("weight_scale", scale, (out_features,))
+    check_shape("weight_scale", scale, (out_features,))
     return scale
 
 
-class _RowScaledMethod(_QuantMethod):
+class _RowScaledMethod(QuantMethod):
     """Methods whose plain form is (weight [out, in] in a storage dtype, float32 scale [out]);
     the kernel form keeps both as buffers, the scale in `scale_dtype` (None: the layer's dtype)."""
 
@@ -152,7 +147,7 @@ class _RowScaledMethod(_QuantMethod):
 
     def from_tensors(self, tensors, out_features, in_features):
         weight = tensors["weight"]
-        _check_shape("weight", weight, (out_features, in_features))
+        check_shape("weight", weight, (out_features, in_features))
         if weight.dtype != self.storage_dtype:
             raise ValueError(f"{type(self).__name__} expects {self.storage_dtype} weights, got {weight.dtype}.")
         return weight, _row_scales(tensors["weight_scale"], out_features)
@@ -168,13 +163,13 @@ class _RowScaledMethod(_QuantMethod):
 # --- int8 weight-only ------------------------------------------------------------------------------
 class Int8WeightOnlyMethod(_RowScaledMethod):
     def apply(self, layer, x):
-        x2 = _flat(x)
+        x2 = flat_rows(x)
         if x.device.type == "cpu" and x2.shape[0] <= _INT8PACK_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.weight_scale)
         else:
             # Scaling the output rather than the weight saves a pass over the weight.
             y = row_buckets.linear(x2, layer.qweight.to(x.dtype)) * layer.weight_scale
-        return _finish(layer, y, x)
+        return finish(layer, y, x)
 
 
 # --- SmoothQuant W8A8 ------------------------------------------------------------------------------
@@ -188,15 +183,15 @@ class W8A8Int8Method(_RowScaledMethod):
     scale_dtype = torch.float32  # rescales the int32 accumulator in float32
 
     def apply(self, layer, x):
-        x2 = _flat(x)
+        x2 = flat_rows(x)
         if x2.shape[0] <= _W8A8_CHUNK_ROWS:
-            return _finish(layer, self._matmul(layer, x2), x)
+            return finish(layer, self._matmul(layer, x2), x)
         # Row chunks keep the int32 accumulator and its rescaling in cache: 1.2x bf16's speed at
         # 4096 rows instead of 0.4x for one big call (2-core AVX-512, 576 -> 3072).
         y = torch.empty(x2.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
         for start in range(0, x2.shape[0], _W8A8_CHUNK_ROWS):
             y[start : start + _W8A8_CHUNK_ROWS] = self._matmul(layer, x2[start : start + _W8A8_CHUNK_ROWS])
-        return _finish(layer, y, x)
+        return finish(layer, y, x)
 
     def build(self, layer, plain):
         super().build(layer, plain)
@@ -227,133 +222,11 @@ class Fp8Method(_RowScaledMethod):
     def apply(self, layer, x):
         # Moving bits is exact and several times faster than torch's CPU cast from float8.
         weight = fp8_as_bfloat16(layer.qweight).to(x.dtype)
-        y = row_buckets.linear(_flat(x), weight) * layer.weight_scale
-        return _finish(layer, y, x)
+        y = row_buckets.linear(flat_rows(x), weight) * layer.weight_scale
+        return finish(layer, y, x)
 
 
 # --- int4 (AWQ, GPTQ) -------------------------------------------------------------------------------
-class Int4Method(_QuantMethod):
-    portable = False  # True: use the device-independent dequantize path even on CPU (tests)
-
-    def __init__(self, method: str, group_size: int, from_checkpoint: bool):
-        super().__init__(from_checkpoint)
-        self.method = method
-        self.group_size = group_size
-        if method == "awq":
-            self.required = ("qweight", "qzeros", "scales")
-        elif method == compressed_tensors.METHOD:
-            self.required, self.optional = compressed_tensors.REQUIRED, compressed_tensors.OPTIONAL
-        else:
-            self.required, self.optional = ("qweight", "qzeros", "scales"), ("g_idx",)
-
-    def create_weights(self, layer):
-        group = self._group(layer.in_features)
-        if layer.in_features % group:
-            raise ValueError(f"A {layer.in_features}-input linear layer cannot use {self.method} group_size {group}.")
-        if group not in (32, 64, 128, 256) and layer.in_features != group:
-            raise ValueError(
-                f"{self.method} group_size {group} is not supported on this engine "
-                "(the int4 kernel takes 32, 64, 128 or 256)."
-            )
-        super().create_weights(layer)
-
-    def _group(self, in_features: int) -> int:
-        if self.group_size <= 0:
-            return in_features
-        # Random (dummy) weights of a layer narrower than a group use one group per row.
-        return self.group_size if self.from_checkpoint else min(self.group_size, in_features)
-
-    def quantize_dense(self, weight):
-        return quantize_int4_groupwise(weight, self._group(weight.shape[1]), sym=False)
-
-    def from_tensors(self, tensors, out_features, in_features):
-        group = self._group(in_features)
-        if self.method == "awq":
-            plain = unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group)
-        elif self.method == compressed_tensors.METHOD:
-            plain = compressed_tensors.unpack(tensors, group)
-        else:
-            plain = unpack_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"), group)
-        _check_shape(f"{self.method} qweight (unpacked)", plain.q, (out_features, in_features))
-        return plain
-
-    def narrow(self, plain: Int4Weight, rows: slice, cols: slice) -> Int4Weight:
-        g = plain.group_size
-        if cols.stop - cols.start == plain.q.shape[1]:
-            return Int4Weight(plain.q[rows], plain.scale[rows], plain.zero[rows], g, plain.g_idx)
-        if plain.g_idx is not None:
-            raise ValueError(
-                "A GPTQ checkpoint with act-order (desc_act / g_idx) cannot be split by input columns "
-                "across tensor-parallel ranks: its channels of one group are spread over all ranks. "
-                "Use tensor_parallel_size=1 or a checkpoint quantized without act-order."
-            )
-        groups = slice(cols.start // g, cols.stop // g)
-        return Int4Weight(plain.q[rows, cols], plain.scale[rows, groups], plain.zero[rows, groups], g, None)
-
-    def concat(self, parts: list[Int4Weight]) -> Int4Weight:
-        g_idx = parts[0].g_idx
-        for part in parts[1:]:
-            if (part.g_idx is None) != (g_idx is None) or (g_idx is not None and not torch.equal(part.g_idx, g_idx)):
-                raise ValueError("Stacked projections (q/k/v or gate/up) have different g_idx.")
-        return Int4Weight(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.zero for p in parts]),
-            parts[0].group_size,
-            g_idx,
-        )
-
-    def build(self, layer, plain: Int4Weight):
-        q, scale, zero = plain.q, plain.scale, plain.zero
-        group = plain.group_size
-        perm = None
-        if plain.g_idx is not None:
-            # act-order: sort input channels by group, so that each group is contiguous again,
-            # and gather the activations in that order at run time.
-            perm = torch.argsort(plain.g_idx.long(), stable=True)
-            counts = torch.bincount(plain.g_idx.long(), minlength=scale.shape[1])
-            if not bool((counts == group).all()):
-                raise ValueError("GPTQ g_idx does not give every group exactly group_size channels.")
-            q = q[:, perm]
-        layer.register_buffer("perm", perm)
-        layer.group_size = group
-        layer.int4_kernel = "cpu_int4pack" if q.device.type == "cpu" and not self.portable else "dequantize"
-        if layer.int4_kernel == "cpu_int4pack":
-            if layer.out_features % 16:
-                raise ValueError(f"The CPU int4 kernel needs output sizes divisible by 16, got {layer.out_features}.")
-            layer.register_buffer(
-                "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8)
-            )
-            # the kernel computes (q - 8) * scale + bias per group
-            bias = (8 - zero.float()) * scale
-            layer.register_buffer(
-                "scales_and_zeros", torch.stack([scale.t(), bias.t()], dim=-1).to(layer.dtype).contiguous()
-            )
-        else:
-            layer.register_buffer("qweight", q.to(torch.uint8).contiguous())
-            layer.register_buffer("scales", scale.to(layer.dtype))
-            layer.register_buffer("zeros", zero.to(layer.dtype))
-
-    def apply(self, layer, x):
-        x2 = _flat(x)
-        if layer.perm is not None:
-            x2 = x2.index_select(1, layer.perm)
-        if layer.int4_kernel == "cpu_int4pack":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, layer.group_size, layer.scales_and_zeros)
-        else:
-            y = _dequantized_linear(layer, x2)
-        return _finish(layer, y, x)
-
-
-def _dequantized_linear(layer: Linear, x2: torch.Tensor) -> torch.Tensor:
-    """The portable int4 path: expand the weight, then a dense matmul."""
-    out_features, in_features = layer.qweight.shape
-    groups = in_features // layer.group_size
-    q = layer.qweight.view(out_features, groups, layer.group_size).to(x2.dtype)
-    w = (q - layer.zeros[..., None]) * layer.scales[..., None]
-    return F.linear(x2, w.view(out_features, in_features))
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer, and of the weights prepacked for oneDNN on CPU (held outside
     both, layers/basic.py): what the weights take in memory."""

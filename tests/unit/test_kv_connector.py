@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from splitserve.config import KVTransferConfig
+from splitserve.distributed.kv_transfer import pull
 from splitserve.distributed.kv_transfer import transport as C
 from splitserve.engine.messages import KVTransferParams
 from splitserve.process_utils import free_port
@@ -121,7 +122,7 @@ def test_frames_that_do_not_match_are_refused(pair, monkeypatch, field, value, m
 
 def test_a_kv_server_that_is_gone_fails_the_pull_at_once(pair, monkeypatch):
     _, decode = pair
-    monkeypatch.setattr(C, "PULL_TIMEOUT_S", 20.0)
+    monkeypatch.setattr(pull, "PULL_TIMEOUT_S", 20.0)
     dead = KVTransferParams(remote_host="127.0.0.1", remote_port=free_port(), remote_request_id="x")
     start = time.monotonic()
     decode.submit_pull("d1", dead, 0, [0])
@@ -150,7 +151,7 @@ def _silent_kv_server(close_after_request: bool) -> tuple[int, threading.Thread]
 
 def test_a_kv_server_that_dies_mid_pull_fails_the_pull_at_once(pair, monkeypatch):
     _, decode = pair
-    monkeypatch.setattr(C, "PULL_TIMEOUT_S", 20.0)
+    monkeypatch.setattr(pull, "PULL_TIMEOUT_S", 20.0)
     port, _ = _silent_kv_server(close_after_request=True)
     start = time.monotonic()
     decode.submit_pull("d1", KVTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id="x"), 0, [0])
@@ -161,7 +162,7 @@ def test_a_kv_server_that_dies_mid_pull_fails_the_pull_at_once(pair, monkeypatch
 
 def test_no_answer_is_a_clean_failure(pair, monkeypatch):
     _, decode = pair
-    monkeypatch.setattr(C, "PULL_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(pull, "PULL_TIMEOUT_S", 0.3)
     port, thread = _silent_kv_server(close_after_request=False)
     decode.submit_pull("d1", KVTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id="x"), 0, [0])
     result = pull_result(decode)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "splitserve"
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 350
 # Modules any layer may import; they import only one another.
 LEAVES = {
     "config",

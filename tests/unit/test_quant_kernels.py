@@ -124,7 +124,7 @@ def test_smooth_quant_w8a8_matmul(weight, dtype):
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_int4_matmul(weight, dtype, portable, act_order, monkeypatch):
-    from splitserve.quantization import linear as qlinear
+    from splitserve.quantization import int4_linear as qlinear
 
     monkeypatch.setattr(qlinear.Int4Method, "portable", portable)
     g_idx = None
