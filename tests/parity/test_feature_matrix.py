@@ -5,7 +5,8 @@ is the plain engine's answer exactly.
 A deployment (a column) is an engine started with one feature (speculative decoding with n-gram or a
 draft model, async scheduling, no prefix caching, a small step budget, no chunked prefill, swap
 preemption, KV offloading to host memory or disk, KV events, priority scheduling, a quantized KV
-cache or quantized weights, batch-invariant kernels, tensor/pipeline/data parallelism); each takes
+cache or quantized weights (quantized while loading, or AWQ / GPTQ / compressed-tensors checkpoints),
+batch-invariant kernels, tensor/pipeline/data parallelism); each takes
 every request kind (a row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n
 and best_of, structured output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one
 batch, then sleeps and wakes. Requests of a batch are independent, so the plain engine answers the same batch for the
@@ -27,6 +28,7 @@ from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, LoRARequest,
 from splitserve.engine import compatibility
 from splitserve.engine.compatibility import CombinationRefused
 from tests.helpers.models import make_peft_adapter
+from tests.helpers.quant_layouts import write_quantized_checkpoint
 
 pytestmark = pytest.mark.slow  # about fifteen engines, three of them with worker processes
 
@@ -66,6 +68,11 @@ COLUMNS = [
     Column("swap_preemption", {"preemption_mode": "swap", "swap_space": 0.01}, True),
     Column("fp8_weights", {"quantization": "fp8"}, False),
     Column("int8_weights", {"quantization": "weight_only_int8"}, False),
+    # 4-bit checkpoints written by the tests (tests/helpers/quant_layouts.py): AutoAWQ's, AutoGPTQ's
+    # with act-order, llm-compressor's W4A16 (compressed-tensors)
+    Column("awq_checkpoint", {"checkpoint": "awq"}, False),
+    Column("gptq_checkpoint", {"checkpoint": "gptq"}, False),
+    Column("compressed_tensors_checkpoint", {"checkpoint": "compressed-tensors"}, False),
 ]
 
 
@@ -213,12 +220,14 @@ def pytest_generate_tests(metafunc):
 
 def test_every_request_kind_on_every_deployment(model, adapter, plain, column, tmp_path):
     """`column`: each deployment (and with --matrix-pairs each pair of them)."""
-    refused = _refusal(_resolved(column.args, model, tmp_path))
+    args = _resolved(column.args, model, tmp_path)
+    served = _checkpoint(args.pop("checkpoint", None), model, tmp_path)
+    refused = _refusal(args)
     if refused is not None:  # a combination the table refuses: refused at start-up, in its words
         with pytest.raises(CombinationRefused, match=re.escape(refused.message())):
-            _engine(model, **_resolved(column.args, model, tmp_path))
+            _engine(served, **args)
         return
-    llm = _engine(model, **_resolved(column.args, model, tmp_path))
+    llm = _engine(served, **args)
     try:
         answers = _answers(llm, adapter)
     finally:
@@ -235,6 +244,16 @@ def _resolved(args: dict, model: str, tmp_path) -> dict:
     if args.get("kv_cache_dir") == "tmp":  # a directory of its own: no blocks of another column's run
         args["kv_cache_dir"] = str(tmp_path / "kv")
     return args
+
+
+def _checkpoint(method: str | None, model: str, tmp_path) -> str:
+    """The model a column serves: `model`, or a copy of it quantized in `method`'s checkpoint layout
+    (act-order for gptq) that its LoRA adapter still fits."""
+    if method is None:
+        return model
+    out = str(tmp_path / method)
+    write_quantized_checkpoint(model, out, method, group_size=32, act_order=method == "gptq")
+    return out
 
 
 def _refusal(args: dict):
