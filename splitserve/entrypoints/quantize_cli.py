@@ -13,7 +13,7 @@ import torch
 from splitserve.quantization.calibration import builtin_sequences, read_text_sequences, read_token_ids
 from splitserve.quantization.checkpoint import quantization_config, write_checkpoint
 from splitserve.quantization.moe_experts import unfuse_experts
-from splitserve.quantization.tool import check_shapes, default_group_size, quantize_model
+from splitserve.quantization.tool import GPTQ_DAMP_PERCENT, check_shapes, default_group_size, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="gptq (with --sequential): fold AWQ's activation-aware scales into each layer before GPTQ rounds it",
     )
+    parser.add_argument(
+        "--damp-percent",
+        type=float,
+        default=None,
+        help=f"gptq: dampening added to the Hessian's diagonal, as a share of its mean (AutoGPTQ's damp_percent; "
+        f"default {GPTQ_DAMP_PERCENT}, docs/quantization.md says why not AutoGPTQ's 0.01)",
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="most calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="most tokens per calibration sequence")
 
@@ -182,6 +189,7 @@ def main(ns: argparse.Namespace) -> str:
     # GPTQ's defaults: asymmetric levels and act-order, which generalize best (docs/quantization.md)
     sym = False if ns.sym is None else ns.sym
     desc_act = True if ns.desc_act is None else ns.desc_act
+    damp = GPTQ_DAMP_PERCENT if ns.damp_percent is None else ns.damp_percent
     linears = quantize_model(
         model,
         ns.quant_type,
@@ -192,13 +200,20 @@ def main(ns: argparse.Namespace) -> str:
         desc_act=desc_act,
         sequential=_sequential(ns),
         awq_scales=bool(ns.awq_scales),
+        damp_percent=damp,
     )
     logger.info(
         "Quantized %d linear layers with %s in %.1f s", len(linears), ns.quant_type, time.perf_counter() - began
     )
 
     qc = quantization_config(
-        ns.quant_type, alpha=alpha, group_size=group_size, sym=sym, desc_act=desc_act, tp_size=ns.tp_size
+        ns.quant_type,
+        alpha=alpha,
+        group_size=group_size,
+        sym=sym,
+        desc_act=desc_act,
+        tp_size=ns.tp_size,
+        damp_percent=damp,
     )
     size = write_checkpoint(model, tokenizer, output, DTYPES[ns.dtype], linears, qc)
     logger.info("Wrote %s (%.1f MB) in %.1f s in all", output, size / 1e6, time.perf_counter() - start)
@@ -229,6 +244,8 @@ def _check_options(ns: argparse.Namespace) -> None:
         raise ValueError("Give calibration data once: --tokenids-path (token ids) or --calib-data (text).")
     if ns.group_size is not None and (ns.group_size < 8 or ns.group_size % 8):
         raise ValueError(f"--group-size {ns.group_size}: must be a positive multiple of 8 (usually 32, 64 or 128).")
+    if ns.damp_percent is not None and not ns.damp_percent > 0:
+        raise ValueError(f"--damp-percent {ns.damp_percent}: must be positive (0.01 to 1 are usual).")
     if ns.awq_scales and ns.quant_type == "gptq" and not _sequential(ns):
         raise ValueError("--awq-scales works layer by layer: it needs --sequential (drop --no-sequential).")
     ignored = []
@@ -242,6 +259,8 @@ def _check_options(ns: argparse.Namespace) -> None:
         ignored.append("--desc-act (gptq only)")
     if ns.sequential is not None and ns.quant_type not in ("awq", "gptq"):
         ignored.append("--sequential (awq and gptq only)")
+    if ns.damp_percent is not None and ns.quant_type != "gptq":
+        ignored.append("--damp-percent (gptq only)")
     if ns.awq_scales is not None and ns.quant_type != "gptq":
         ignored.append("--awq-scales (gptq only; awq folds its scales anyway)")
     if ns.tokenids_path and ns.quant_type == "weight_only_int8":

@@ -271,7 +271,7 @@ def resolve_load_format(load_format: str, path: str) -> str:
 def load_model_config(args, device: torch.device) -> ModelConfig:
     from splitserve.loader.known_configs import load_builtin_config
     from splitserve.models.registry import get_model_class
-    from splitserve.quantization.config import quantization_config_for
+    from splitserve.quantization.config import check_tensor_parallel, quantization_config_for
 
     dummy = args.load_format == "dummy" and args.model is not None
     path, builtin = (
@@ -292,6 +292,9 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         tokenizer = path
     served = args.served_model_name or _served_name(args.model, path)
     load_format = resolve_load_format(args.load_format, path)
+    gguf_quantized = load_format == "gguf" and gguf_is_quantized(path)
+    quant_config = quantization_config_for(hf_config, args.quantization, load_format, gguf_quantized, device.type)
+    check_tensor_parallel(quant_config, getattr(args, "tensor_parallel_size", 1))
     return ModelConfig(
         model=path,
         tokenizer=tokenizer,
@@ -306,7 +309,5 @@ def load_model_config(args, device: torch.device) -> ModelConfig:
         served_model_name=served,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
-        quant_config=quantization_config_for(
-            hf_config, args.quantization, load_format, load_format == "gguf" and gguf_is_quantized(path), device.type
-        ),
+        quant_config=quant_config,
     )

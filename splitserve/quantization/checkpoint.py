@@ -14,7 +14,14 @@ from splitserve.quantization.tool import GPTQ_DAMP_PERCENT
 
 
 def quantization_config(
-    quant_type: str, *, alpha: float | None, group_size: int, sym: bool, desc_act: bool, tp_size: int
+    quant_type: str,
+    *,
+    alpha: float | None,
+    group_size: int,
+    sym: bool,
+    desc_act: bool,
+    tp_size: int,
+    damp_percent: float = GPTQ_DAMP_PERCENT,
 ) -> dict:
     """The config.json `quantization_config`; awq and gptq with the keys AutoAWQ / AutoGPTQ write."""
     if quant_type == "weight_only_int8":
@@ -47,7 +54,7 @@ def quantization_config(
             "group_size": group_size,
             "desc_act": desc_act,
             "sym": sym,
-            "damp_percent": GPTQ_DAMP_PERCENT,
+            "damp_percent": damp_percent,
             "true_sequential": False,
             "checkpoint_format": "gptq",
         }

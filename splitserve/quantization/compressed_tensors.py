@@ -27,8 +27,9 @@ REQUIRED = ("weight_packed", "weight_scale", "weight_shape")
 OPTIONAL = ("weight_zero_point", "weight_g_idx")
 
 
-def int4_settings(qc: dict) -> tuple[int, list[str]]:
-    """(group size, -1 for one group per row; the modules left unquantized) of a weight-only int4
+def int4_settings(qc: dict) -> tuple[int, list[str], bool]:
+    """(group size, -1 for one group per row; the modules left unquantized; whether a group index per
+    input channel comes with the weights: actorder "group") of a weight-only int4
     pack-quantized `quantization_config`; a clear error for any other scheme."""
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
@@ -65,7 +66,7 @@ def int4_settings(qc: dict) -> tuple[int, list[str]]:
     if "Linear" not in (scheme.get("targets") or []):
         raise ValueError(f"compressed-tensors targets {scheme.get('targets')} are not supported (only 'Linear').")
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else -1
-    return group_size, list(qc.get("ignore") or [])
+    return group_size, list(qc.get("ignore") or []), weights.get("actorder") == "group"
 
 
 def unpack(tensors: dict[str, torch.Tensor], group_size: int) -> Int4Weight:

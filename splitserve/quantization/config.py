@@ -27,6 +27,7 @@ class QuantizationConfig:
         from_checkpoint: bool = True,
         group_size: int = -1,
         modules_to_not_convert: list[str] | None = None,
+        act_order: bool = False,
     ):
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={method!r} is not supported; choose one of {QUANTIZATION_METHODS}.")
@@ -34,6 +35,7 @@ class QuantizationConfig:
         self.from_checkpoint = from_checkpoint
         self.group_size = group_size
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.act_order = act_order  # a g_idx per input channel (GPTQ's desc_act, compressed-tensors' actorder group)
 
     def __repr__(self) -> str:
         source = "checkpoint" if self.from_checkpoint else "quantized while loading"
@@ -95,8 +97,8 @@ def quantization_config_for(
             f"Unquantized checkpoints can be quantized while loading with {ONLINE_METHODS}."
         )
     if method == compressed_tensors.METHOD:
-        group_size, ignore = compressed_tensors.int4_settings(qc or {})
-        return QuantizationConfig(method, from_checkpoint, group_size, ignore)
+        group_size, ignore, act_order = compressed_tensors.int4_settings(qc or {})
+        return QuantizationConfig(method, from_checkpoint, group_size, ignore, act_order)
     if method in ("awq", "gptq"):
         qc = qc or {}
         bits = qc.get("bits", qc.get("w_bit", 4))
@@ -107,7 +109,8 @@ def quantization_config_for(
         if method == "gptq" and qc.get("checkpoint_format", "gptq") != "gptq":
             raise ValueError(f"GPTQ checkpoint_format {qc.get('checkpoint_format')!r} is not supported (only 'gptq').")
         group_size = qc.get("group_size", qc.get("q_group_size", 128))
-        return QuantizationConfig(method, from_checkpoint, group_size, qc.get("modules_to_not_convert"))
+        act_order = method == "gptq" and bool(qc.get("desc_act"))
+        return QuantizationConfig(method, from_checkpoint, group_size, qc.get("modules_to_not_convert"), act_order)
     return QuantizationConfig(method, from_checkpoint, modules_to_not_convert=(qc or {}).get("modules_to_not_convert"))
 
 
@@ -129,3 +132,16 @@ def _gguf_quantization(requested: str | None, load_format: str, quantized: bool,
             raise ValueError("--quantization gguf has CPU kernels only; on this device the file is dequantized.")
         return None
     return QuantizationConfig("gguf") if quantized else None
+
+
+def check_tensor_parallel(quant_config: QuantizationConfig | None, tp_size: int) -> None:
+    """Refuse, before anything loads, a checkpoint that cannot be split over `tp_size` ranks: with
+    act-order, the input channels of one group are spread over every rank's share of o_proj's and
+    down_proj's inputs, and the int4 kernels take whole groups."""
+    if quant_config is not None and quant_config.act_order and tp_size > 1:
+        raise ValueError(
+            f"This {quant_config.method} checkpoint was quantized with act-order (desc_act: a group index per "
+            f"input channel), whose groups cannot be split over {tp_size} tensor-parallel ranks. Serve it with "
+            "--tensor-parallel-size 1 (--pipeline-parallel-size or --data-parallel-size spread it too), or use a "
+            "checkpoint quantized without act-order (splitserve quantize --no-desc-act)."
+        )

@@ -131,13 +131,14 @@ def quantize_model(
     desc_act: bool,
     sequential: bool = False,
     awq_scales: bool = False,
+    damp_percent: float = GPTQ_DAMP_PERCENT,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Calibrate (if the method needs it), transform the model in place as the method says, and
     return the checkpoint tensors of every quantized linear: {name: {suffix: tensor}}. With
     `sequential` (awq, gptq), layer by layer on the quantized earlier layers' outputs (sequential.py);
     with `awq_scales` (gptq, sequential), AWQ's scales are folded into each layer before GPTQ rounds it."""
     layers = algorithms.decoder_groups(model)
-    options = dict(group_size=group_size, sym=sym, desc_act=desc_act)
+    options = dict(group_size=group_size, sym=sym, desc_act=desc_act, damp_percent=damp_percent)
     if sequences is not None and quant_type == "gptq":
         _warn_short_calibration(sequences, layers)
     if sequential and sequences is not None and quant_type in ("awq", "gptq"):
@@ -235,6 +236,7 @@ def _quantize_group(
     group_size: int,
     sym: bool,
     desc_act: bool,
+    damp_percent: float,
     clips: dict[str, torch.Tensor],
 ) -> dict[str, Int4Weight | tuple[torch.Tensor, torch.Tensor]]:
     """The plain quantized form of each linear of the group: an Int4Weight (awq, gptq) or int8
@@ -243,7 +245,7 @@ def _quantize_group(
         # The linears of a group share one Hessian (their input), and GPTQ treats rows independently.
         hessian = 2.0 * stats[group.site].second_moment()  # GPTQ's H = 2 X^T X / n
         stacked = algorithms.gptq_quantize(
-            group.weight(), hessian, group_size, sym=sym, desc_act=desc_act, damp_percent=GPTQ_DAMP_PERCENT
+            group.weight(), hessian, group_size, sym=sym, desc_act=desc_act, damp_percent=damp_percent
         )
         parts = algorithms.split_rows(stacked, [m.out_features for m in group.linears.values()])
         return dict(zip(group.linears, parts))

@@ -81,6 +81,15 @@ def test_quantized_checkpoint_matches_transformers(tiny_models, tmp_path, arch, 
     assert sum(close) >= 0.75 * len(close), f"only {sum(close)} of {len(close)} logprobs within {LOGPROB_ATOL}"
 
 
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_act_order_checkpoints_refuse_tensor_parallelism_before_loading(tiny_models, tmp_path, method):
+    """Act-order spreads a group's input channels over every rank's share of o_proj's and down_proj's
+    inputs: refused with the reason when the engine is configured, before any worker starts."""
+    write_quantized_checkpoint(tiny_models["llama"], str(tmp_path / "q"), method, group_size=32, act_order=True)
+    with pytest.raises(ValueError, match="quantized with act-order .* cannot be split over 2 tensor-parallel ranks"):
+        LLM(str(tmp_path / "q"), dtype="float32", tensor_parallel_size=2, use_tqdm_on_load=False)
+
+
 def test_quantization_flag_must_match_checkpoint(tiny_models, tmp_path):
     write_quantized_checkpoint(tiny_models["llama"], str(tmp_path / "awq"), "awq")
     with pytest.raises(ValueError, match="checkpoint is quantized with awq"):

@@ -198,9 +198,12 @@ def test_gptq_desc_act_tied_embeddings_and_biases(tiny_models, calib_file, tmp_p
         calib_file,
         "--desc-act",
         "--no-sym",
+        "--damp-percent",
+        "0.1",
     )
     config = read_config(out)
     assert config["quantization_config"]["desc_act"] is True and config["quantization_config"]["sym"] is False
+    assert config["quantization_config"]["damp_percent"] == 0.1
     assert config["tie_word_embeddings"] is True and config["dtype"] == "float16"
     tensors = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
     assert "lm_head.weight" not in tensors
@@ -237,6 +240,8 @@ def test_cli_subprocess(llama, calib_file, tmp_path):
             "--multi-query-mode",
             "-sq",
             "0.5",
+            "--damp-percent",
+            "0.1",
         ],
         check=False,
         capture_output=True,
@@ -245,7 +250,7 @@ def test_cli_subprocess(llama, calib_file, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "2 KV heads are read from its config" in result.stderr
-    assert "Ignoring -sq" in result.stderr
+    assert "Ignoring -sq" in result.stderr and "Ignoring --damp-percent (gptq only)" in result.stderr
     assert "Quantized 21 linear layers with awq" in result.stderr
     assert read_config(out)["quantization_config"]["tensor_parallel_size"] == 2
 
@@ -446,6 +451,7 @@ def test_bad_calibration_files(llama, tmp_path, content, message):
             r"pass --group-size 32",
         ),
         (["--quant-type", "smooth_quant"], ValueError, "outside the model's vocabulary .* --tokenids-path"),
+        (["--quant-type", "gptq", "--damp-percent", "0"], ValueError, "--damp-percent 0.0: must be positive"),
         (
             ["--quant-type", "awq", "--group-size", "32", "--tokenids-path", "/nonexistent/ids.txt"],
             FileNotFoundError,
