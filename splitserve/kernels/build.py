@@ -34,7 +34,7 @@ from splitserve.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 # Every .cpp of the extension; the headers they include (cpu_ops.h, cpu_simd.h, gguf_formats.h,
-# gguf_repack.h, shm_all_reduce.h) are found next to them.
+# gguf_products_repacked.h, gguf_repack.h, shm_all_reduce.h) are found next to them.
 SOURCES = (
     "ops_registry.cpp",
     "elementwise.cpp",

@@ -11,6 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "splitserve"
 MAX_MODULE_LINES = 350
+MAX_KERNEL_LINES = 600  # the C++ kernels' .cpp and .h files
 # Modules any layer may import; they import only one another.
 LEAVES = {
     "config",
@@ -188,6 +189,12 @@ def test_the_engine_core_does_not_import_its_front_ends():
 def test_modules_stay_small(name):
     lines = MODULES[name].read_text().count("\n")
     assert lines <= MAX_MODULE_LINES, f"{MODULES[name]} has {lines} lines (at most {MAX_MODULE_LINES})"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (PACKAGE / "kernels").iterdir() if p.suffix in (".cpp", ".h")))
+def test_kernel_sources_stay_small(path):
+    lines = path.read_text().count("\n")
+    assert lines <= MAX_KERNEL_LINES, f"{path} has {lines} lines (at most {MAX_KERNEL_LINES})"
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
