@@ -13,7 +13,14 @@ import torch
 from splitserve.quantization.calibration import builtin_sequences, read_text_sequences, read_token_ids
 from splitserve.quantization.checkpoint import quantization_config, write_checkpoint
 from splitserve.quantization.moe_experts import unfuse_experts
-from splitserve.quantization.tool import GPTQ_DAMP_PERCENT, check_shapes, default_group_size, quantize_model
+from splitserve.quantization.tool import (
+    GPTQ_DAMP_PERCENT,
+    GPTQ_DAMP_PERCENT_ONE_PASS,
+    check_shapes,
+    default_damp_percent,
+    default_group_size,
+    quantize_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"gptq: dampening added to the Hessian's diagonal, as a share of its mean (AutoGPTQ's damp_percent; "
-        f"default {GPTQ_DAMP_PERCENT}, docs/quantization.md says why not AutoGPTQ's 0.01)",
+        f"default {GPTQ_DAMP_PERCENT} layer by layer, {GPTQ_DAMP_PERCENT_ONE_PASS} with --no-sequential: "
+        "docs/quantization.md has the measurements)",
     )
     parser.add_argument("--num-samples", type=int, default=128, help="most calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="most tokens per calibration sequence")
@@ -189,7 +197,7 @@ def main(ns: argparse.Namespace) -> str:
     # GPTQ's defaults: asymmetric levels and act-order, which generalize best (docs/quantization.md)
     sym = False if ns.sym is None else ns.sym
     desc_act = True if ns.desc_act is None else ns.desc_act
-    damp = GPTQ_DAMP_PERCENT if ns.damp_percent is None else ns.damp_percent
+    damp = default_damp_percent(_sequential(ns)) if ns.damp_percent is None else ns.damp_percent
     linears = quantize_model(
         model,
         ns.quant_type,

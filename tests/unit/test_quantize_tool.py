@@ -129,7 +129,7 @@ _EXPECTED_CONFIG = {
         "group_size": GROUP,
         "desc_act": True,
         "sym": False,
-        "damp_percent": 1.0,
+        "damp_percent": 0.1,  # layer by layer (the default); 1.0 with --no-sequential
         "true_sequential": False,
         "checkpoint_format": "gptq",
     },
@@ -199,11 +199,11 @@ def test_gptq_desc_act_tied_embeddings_and_biases(tiny_models, calib_file, tmp_p
         "--desc-act",
         "--no-sym",
         "--damp-percent",
-        "0.1",
+        "0.05",
     )
     config = read_config(out)
     assert config["quantization_config"]["desc_act"] is True and config["quantization_config"]["sym"] is False
-    assert config["quantization_config"]["damp_percent"] == 0.1
+    assert config["quantization_config"]["damp_percent"] == 0.05
     assert config["tie_word_embeddings"] is True and config["dtype"] == "float16"
     tensors = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
     assert "lm_head.weight" not in tensors
@@ -339,6 +339,15 @@ def test_awq_objective_is_the_output_error_on_the_calibration_inputs():
     quantized = quantize_int4_groupwise(weight * s, GROUP, sym=False).dequantize()
     direct = ((x / s) @ quantized.t() - x @ weight.t()).pow(2).mean().item()
     assert algorithms.awq_objective(x.t() @ x / x.shape[0], weight, s, GROUP) == pytest.approx(direct, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode, damp", [("--sequential", 0.1), ("--no-sequential", 1.0)])
+def test_gptq_damping_by_calibration_mode(llama, calib_file, tmp_path, mode, damp):
+    """Layer by layer, 0.1 of the Hessian's mean diagonal; on one pass of the float model, 1.0
+    (tool.py's GPTQ_DAMP_PERCENT says what each was measured against)."""
+    argv = ["--quant-type", "gptq", "--group-size", str(GROUP), "--tokenids-path", calib_file, mode]
+    out = run_tool("-i", llama, "-o", str(tmp_path / "q"), *argv)
+    assert read_config(out)["quantization_config"]["damp_percent"] == damp
 
 
 @pytest.mark.parametrize("sym, desc_act", [(True, False), (False, False), (True, True)])
