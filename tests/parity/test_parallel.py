@@ -101,13 +101,6 @@ def test_quantized_checkpoint_split_over_ranks(tiny_models, tmp_path, method):
     split.llm_engine.engine_core.shutdown()
 
 
-def test_act_order_gptq_cannot_split_its_input_columns(tiny_models, tmp_path):
-    path = str(tmp_path / "gptq-act")
-    write_quantized_checkpoint(tiny_models["llama"], path, "gptq", group_size=32, act_order=True)
-    with pytest.raises(RuntimeError, match="act-order"):
-        _llm(path, tp=2)
-
-
 def test_killed_rank_fails_the_engine_and_leaves_no_process(tiny_models):
     llm = _llm(tiny_models["llama"], tp=2)
     engine = llm.llm_engine
