@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from splitserve import step_timing
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
@@ -9,7 +11,7 @@ from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.core.engine_core import EngineCore
 from splitserve.engine.frontend import FrontEnd
 from splitserve.engine.output_processor import RequestOutputKind
-from splitserve.engine.processor import PromptType
+from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.lora.request import LoRARequest
 from splitserve.outputs import RequestOutput
 from splitserve.pooling_params import PoolingParams
@@ -44,9 +46,13 @@ class LLMEngine(FrontEnd):
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
     ) -> None:
-        """`params` is None for a pooling request (`pooling_params` given, the pooling runner)."""
+        """`params` is None for a pooling request (`pooling_params` given, the pooling runner). `prompt`
+        may be a ProcessedRequest (a prompt processed once, its images with it, run again with
+        `params`: beam search's steps)."""
         if params is None:
             request = self.processor.process_pooling(prompt, pooling_params, param="prompt")
+        elif isinstance(prompt, ProcessedRequest):
+            request = replace(prompt, params=self.processor.process_params(params))
         else:
             request = self.processor.process(prompt, params)
         if lora_request is not None:

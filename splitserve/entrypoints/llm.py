@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -12,7 +13,7 @@ from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.beam_search import BeamSearch, step_params, top_candidates
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
-from splitserve.engine.processor import PromptType
+from splitserve.engine.processor import ProcessedRequest, PromptType
 from splitserve.lora.request import LoRARequest
 from splitserve.multimodal import chat as chat_images
 from splitserve.outputs import (
@@ -219,25 +220,25 @@ class LLM:
             prompts = [prompts]
         engine = self.llm_engine
         processor = engine.processor
-        prompt_ids = [
-            processor.process(p, SamplingParams(max_tokens=params.max_tokens)).prompt_token_ids for p in prompts
-        ]
+        # Each prompt processed once (its images with it); every step runs it with a beam's tokens after.
+        processed = [processor.process(p, SamplingParams(max_tokens=params.max_tokens)) for p in prompts]
         stop_ids = {processor.eos_token_id, *processor.extra_eos_ids} - {None}
-        searches = [BeamSearch(len(ids), params, stop_ids) for ids in prompt_ids]
+        searches = [BeamSearch(len(p.prompt_token_ids), params, stop_ids) for p in processed]
         bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm)
         while not all(s.done for s in searches):
-            self._beam_step([(ids, s) for ids, s in zip(prompt_ids, searches) if not s.done])
+            self._beam_step([(p, s) for p, s in zip(processed, searches) if not s.done])
             bar.update(1)
         bar.close()
-        return [self._beam_output(ids, s, params.beam_width) for ids, s in zip(prompt_ids, searches)]
+        return [self._beam_output(p.prompt_token_ids, s, params.beam_width) for p, s in zip(processed, searches)]
 
-    def _beam_step(self, searches: list[tuple[list[int], BeamSearch]]) -> None:
+    def _beam_step(self, searches: list[tuple[ProcessedRequest, BeamSearch]]) -> None:
         """One token for every live beam of the given searches, in one batch."""
         request_ids = []
-        for ids, search in searches:
+        for prompt, search in searches:
             params = step_params(search)
             for beam in search.live:
-                request_ids.append(self._add({"prompt_token_ids": ids + beam.tokens}, params))
+                extended = replace(prompt, prompt=None, prompt_token_ids=prompt.prompt_token_ids + beam.tokens)
+                request_ids.append(self._add(extended, params))
         outputs = iter(self._run(request_ids, use_tqdm=False))
         for _, search in searches:
             search.step([top_candidates(next(outputs).outputs[0].logprobs[0]) for _ in search.live])

@@ -4,19 +4,21 @@ out.
 
 The server's share of the pairwise matrix (the engine's is tests/parity/test_feature_matrix.py). A
 deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--workers 2`,
-`--data-parallel-size 2`, n-gram speculation. A request kind (a row) is an API and its options:
+`--data-parallel-size 2`, `--tensor-parallel-size 2`, `--pipeline-parallel-size 2`, n-gram
+speculation, a reasoning parser, tracing to an OTLP collector, the global scheduler on Redis. A request kind (a row) is an API and its options:
 completions plain, with a stop string or token, echo and logprobs, prompt logprobs, n and best_of, a
 seed, a guided regex, beam search; chat plain, with logprobs, a JSON schema, forced tool calls; the
 Responses, Anthropic and Batch APIs; /tokenize; a request dropped by its client; a LoRA adapter
 loaded at run time (every server takes adapters: `--enable-lora`). A streamed answer
 must be the same request's unstreamed one. None of the columns changes the numbers of a request sent
-alone, so each answer must be the plain server's (greedy or seeded, float32, one request at a time).
-Each column's server starts once for all its rows (pytest groups the tests by column); the whole
-matrix takes about two minutes.
+alone (but for tensor parallelism's last digits: RANK_PLACES), so each answer must be the plain
+server's (greedy or seeded, float32, one request at a time). Each column's server starts once for
+all its rows (pytest groups the tests by column); the whole matrix takes about five minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -25,6 +27,8 @@ import httpx
 import pytest
 
 from tests.helpers.models import make_peft_adapter
+from tests.helpers.otlp import EXPORTER_ENV, OtlpCollector
+from tests.helpers.redis_server import redis_server
 from tests.helpers.server import RemoteServer, metric
 
 pytestmark = pytest.mark.slow  # starts five deployments, three of them with several processes
@@ -40,7 +44,19 @@ COLUMNS = {
     "workers_2_stream_interval_4": ("--workers", "2", "--stream-interval", "4"),
     "data_parallel_2": ("--data-parallel-size", "2"),
     "speculative_ngram": ("--speculative-config", NGRAM),
+    # float32 sums split over two ranks: the same tokens, logprobs within the rows' 1e-3
+    "tensor_parallel_2": ("--tensor-parallel-size", "2"),
+    "pipeline_parallel_2": ("--pipeline-parallel-size", "2"),
+    # Qwen3's parser on a model that never thinks: every answer is content, split the same streamed
+    "reasoning_parser": ("--reasoning-parser", "qwen3"),
+    # Columns that need a service of their own (_service): an OTLP collector, a Redis queue.
+    "tracing": (),
+    "global_scheduler": ("--scheduler-name", "global"),
 }
+# Columns whose numbers differ from the plain server's in the last digits (float32 sums split over two
+# ranks): logprobs within the rows' 1e-3, and a prompt token's rank among the vocabulary's near-equal
+# logits by up to this many places.
+RANK_PLACES = {"tensor_parallel_2": 2}
 # (column, row) -> the bug that makes the pair fail (strict: it must fail until the bug is fixed).
 XFAIL: dict[tuple[str, str], str] = {}
 
@@ -111,16 +127,25 @@ def _normal(value):
     return value
 
 
-def _differences(got, expected, path: str = "") -> list[str]:
-    """Where two normalised answers differ; floats (logprobs) to within 1e-3."""
+def _differences(got, expected, path: str = "", rank_places: int = 0) -> list[str]:
+    """Where two normalised answers differ; floats (logprobs) to within 1e-3, a token's `rank` to
+    within `rank_places` places."""
     if isinstance(expected, dict) and isinstance(got, dict):
         keys = sorted(set(got) | set(expected))
         missing = "<missing>"
-        return [d for k in keys for d in _differences(got.get(k, missing), expected.get(k, missing), f"{path}.{k}")]
-    if isinstance(expected, list) and isinstance(got, list) and len(got) == len(expected):
-        return [d for i, (g, e) in enumerate(zip(got, expected)) for d in _differences(g, e, f"{path}[{i}]")]
+        return [
+            d
+            for k in keys
+            for d in _differences(got.get(k, missing), expected.get(k, missing), f"{path}.{k}", rank_places)
+        ]
+    if isinstance(expected, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(expected):
+        return [
+            d for i, (g, e) in enumerate(zip(got, expected)) for d in _differences(g, e, f"{path}[{i}]", rank_places)
+        ]
     if isinstance(expected, float) and isinstance(got, float):
         return [] if math.isclose(got, expected, abs_tol=1e-3) else [f"{path}: {got!r} != {expected!r}"]
+    if path.endswith(".rank") and isinstance(got, int) and isinstance(expected, int):
+        return [] if abs(got - expected) <= rank_places else [f"{path}: {got!r} != {expected!r}"]
     return [] if got == expected else [f"{path}: {got!r} != {expected!r}"]
 
 
@@ -346,15 +371,45 @@ def _no_traceback(log) -> None:
     assert "Traceback" not in text, text[text.index("Traceback") - 2000 :][:6000]
 
 
+@contextlib.contextmanager
+def _service(name: str):
+    """What the column's server needs beside it: (its extra flags, its environment, a check once its
+    rows have run that the feature was at work)."""
+    if name == "tracing":
+        with OtlpCollector() as collector:
+            # The rows' requests were traced: server spans for the rows' requests reached the collector.
+            yield ("--otlp-traces-endpoint", collector.endpoint), EXPORTER_ENV, lambda server: _traced(collector)
+    elif name == "global_scheduler":
+        with redis_server() as port:
+            yield ("--scheduler-port", str(port)), {}, lambda server: None
+    elif name == "speculative_ngram":  # the rows ran through accepted drafts
+        yield (), {}, lambda server: _accepted_drafts(server)
+    else:
+        yield (), {}, lambda server: None
+
+
+def _traced(collector: OtlpCollector) -> None:
+    """Every row's engine requests were recorded: llm_request spans with their phases reached the collector."""
+    deadline = time.monotonic() + 20
+    while len({s.name for s in collector.spans if s.name in ("llm_request", "queue", "prefill", "decode")}) < 4:
+        assert time.monotonic() < deadline, f"spans collected: {sorted({s.name for s in collector.spans})}"
+        time.sleep(0.1)
+    assert all(s.attributes.get("gen_ai.request.id") for s in collector.spans if s.name == "llm_request")
+
+
+def _accepted_drafts(server) -> None:
+    assert metric(server, "splitserve:spec_decode_num_accepted_tokens_total") > 0
+
+
 @pytest.fixture(scope="module")
 def column(request, tiny_chat_model, tmp_path_factory) -> str:
     """The column's server (started once for all its rows, closed after them): its URL. Its output
     (every process's: the router's, the instances', the replicas', the API workers') holds no traceback."""
     args, log = COLUMNS[request.param], tmp_path_factory.mktemp("matrix") / f"{request.param}.log"
-    with RemoteServer(tiny_chat_model, *COMMON, *args, log_path=str(log)) as server:
-        yield server.url
-        if "--speculative-config" in args:  # the rows ran through accepted drafts
-            assert metric(server, "splitserve:spec_decode_num_accepted_tokens_total") > 0
+    with _service(request.param) as (extra, env, check):
+        with RemoteServer(tiny_chat_model, *COMMON, *args, *extra, env=env, log_path=str(log)) as server:
+            yield server.url
+            check(server)
     _no_traceback(log)
 
 
@@ -367,5 +422,5 @@ def test_every_request_kind_on_every_deployment(request, reference, column, row)
     if isinstance(reference[row], Exception):
         raise reference[row]
     answer = ROWS[row](column, reference)
-    differences = _differences(answer, reference[row])
+    differences = _differences(answer, reference[row], rank_places=RANK_PLACES.get(pair[0], 0))
     assert not differences, differences

@@ -1,7 +1,8 @@
 """GGUF files written by the tests from tiny Hugging Face checkpoints, laid out as llama.cpp's
 converter lays them out (its tensor names from the gguf package, experts stacked into 3-d tensors,
-routers and norms in float32), with the embedded default model's tokenizer metadata: llama.cpp's
-own converter is not a package the tests can install."""
+routers and norms in float32, a Llama's q/k rows interleaved for its rotary pairs), with the
+embedded default model's tokenizer metadata: llama.cpp's own converter is not a package the tests
+can install."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import functools
 import torch
 
 # the Hugging Face model type -> the GGUF architecture name llama.cpp gives it
-_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "llama": "llama"}
 _EXPERT = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -31,6 +32,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str, tokenizer_gguf: str) -> str:
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     tensors = load_file(f"{hf_dir}/model.safetensors")
     for name, tensor in _stack_experts(tensors, config).items():
+        if arch_name == "llama":
+            tensor = _permute_rotary_rows(name, tensor, config)
         base, suffix = name.rsplit(".", 1)
         target = names.get_name(base)
         assert target is not None, name
@@ -62,11 +65,27 @@ def _write_hparams(writer, config) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    if not getattr(config, "num_experts", 0):
+        return
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _permute_rotary_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's q/k rows for its rotary pairs (the loader
+    undoes it for the llama architecture): Hugging Face's rotate-half rows in that order."""
+    if name.endswith("q_proj.weight"):
+        heads = config.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        heads = config.num_key_value_heads
+    else:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
 
 
 def _copy_tokenizer(writer, source: str) -> None:

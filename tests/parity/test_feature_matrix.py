@@ -20,13 +20,16 @@ scheduling (LoRA is refused there, with its reason).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import pytest
 
 from splitserve import LLM, BeamSearchParams, GuidedDecodingParams, LoRARequest, SamplingParams
-from splitserve.engine import compatibility
 from splitserve.engine.compatibility import CombinationRefused
+from splitserve.loader.resolve import default_model_path
+from tests.helpers.feature_matrix import NGRAM, Column, refusal
+from tests.helpers.feature_matrix import close as _close
+from tests.helpers.feature_matrix import engine as _engine
+from tests.helpers.gguf_files import write_gguf
 from tests.helpers.models import make_peft_adapter
 from tests.helpers.quant_layouts import write_quantized_checkpoint
 
@@ -38,14 +41,6 @@ REGEX = r"[0-9]{3}-[a-z]{2}"
 ALLOWED = list(range(300, 340))
 
 
-@dataclass(frozen=True)
-class Column:
-    name: str
-    args: dict
-    exact: bool  # the same numbers as the plain engine: the same answers
-
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 COLUMNS = [
     Column("speculative", {"speculative_config": NGRAM}, True),
     Column("draft_model", {"speculative_config": "draft"}, True),
@@ -73,6 +68,8 @@ COLUMNS = [
     Column("awq_checkpoint", {"checkpoint": "awq"}, False),
     Column("gptq_checkpoint", {"checkpoint": "gptq"}, False),
     Column("compressed_tensors_checkpoint", {"checkpoint": "compressed-tensors"}, False),
+    # llama.cpp's format: the tiny Llama (with the whole vocabulary its tokenizer metadata needs) in Q4_0
+    Column("gguf_q4_0", {"checkpoint": "gguf"}, False),
 ]
 
 
@@ -171,15 +168,6 @@ def _rounded(logprobs) -> tuple:
     return tuple(tuple(sorted((t, round(lp.logprob, 3)) for t, lp in entry.items())) for entry in logprobs)
 
 
-def _engine(model: str, **args) -> LLM:
-    args.setdefault("enable_lora", True)
-    return LLM(model, dtype="float32", max_model_len=256, seed=0, use_tqdm_on_load=False, **args)
-
-
-def _close(llm: LLM) -> None:
-    llm.llm_engine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def model(tiny_models) -> str:
     return tiny_models["llama"]
@@ -226,15 +214,16 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("column", columns, ids=[c.name for c in columns])
 
 
-def test_every_request_kind_on_every_deployment(model, adapter, plain, column, tmp_path):
+def test_every_request_kind_on_every_deployment(model, adapter, plain, column, tmp_path, tiny_chat_model):
     """`column`: each deployment (and with --matrix-pairs each pair of them)."""
     args = _resolved(column.args, model, tmp_path)
-    served = _checkpoint(args.pop("checkpoint", None), model, tmp_path)
+    method = args.pop("checkpoint", None)
+    served = _checkpoint(method, tiny_chat_model if method == "gguf" else model, tmp_path)
     if column.name in MODEL_REFUSALS:  # the checkpoint's own format refuses the deployment, before it loads
         with pytest.raises(ValueError, match=MODEL_REFUSALS[column.name]):
             _engine(served, **args)
         return
-    refused = _refusal(args)
+    refused = refusal(args)
     if refused is not None:  # a combination the table refuses: refused at start-up, in its words
         with pytest.raises(CombinationRefused, match=re.escape(refused.message())):
             _engine(served, **args)
@@ -263,20 +252,11 @@ def _checkpoint(method: str | None, model: str, tmp_path) -> str:
     (act-order for gptq) that its LoRA adapter still fits."""
     if method is None:
         return model
+    if method == "gguf":
+        return write_gguf(model, str(tmp_path / "model.gguf"), "Q4_0", default_model_path())
     out = str(tmp_path / method)
     write_quantized_checkpoint(model, out, method, group_size=32, act_order=method == "gptq")
     return out
-
-
-def _refusal(args: dict):
-    """The table's rule that refuses this deployment at start-up, if one does."""
-    from splitserve.engine.arg_utils import EngineArgs
-
-    try:
-        compatibility.check(EngineArgs(**args))
-    except CombinationRefused as exc:
-        return exc.rule
-    return None
 
 
 # --- a mixture-of-experts model ---------------------------------------------------------------------

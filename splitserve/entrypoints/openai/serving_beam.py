@@ -31,7 +31,7 @@ async def beam_search_output(
     while not search.done:
         one_token = step_params(search)
         beams = [
-            _next_token(engine, f"{request_id}-s{step}b{i}", request.prompt_token_ids + beam.tokens, one_token, lora)
+            _next_token(engine, f"{request_id}-s{step}b{i}", _extended(request, beam.tokens, one_token), lora)
             for i, beam in enumerate(search.live)
         ]
         search.step(list(await asyncio.gather(*beams)))
@@ -39,11 +39,15 @@ async def beam_search_output(
     yield _request_output(engine, request_id, request, search.results(n))
 
 
-async def _next_token(engine, request_id: str, token_ids: list[int], params, lora) -> list[tuple[int, float]]:
+def _extended(request: ProcessedRequest, tokens: list[int], params) -> ProcessedRequest:
+    """The prompt with a beam's tokens after it, run for one token (its images, where it has
+    some, at the same places)."""
+    return ProcessedRequest(None, request.prompt_token_ids + tokens, params, mm_features=request.mm_features)
+
+
+async def _next_token(engine, request_id: str, request: ProcessedRequest, lora) -> list[tuple[int, float]]:
     final = None
-    async for output in engine.generate(
-        request_id, ProcessedRequest(None, token_ids, params), kind=RequestOutputKind.FINAL_ONLY, lora_request=lora
-    ):
+    async for output in engine.generate(request_id, request, kind=RequestOutputKind.FINAL_ONLY, lora_request=lora):
         final = output
     return top_candidates(final.outputs[0].logprobs[0])
 
