@@ -15,8 +15,10 @@ import httpx
 import openai
 import pytest
 
-from splitserve import LLM, SamplingParams
+from splitserve import LLM, BeamSearchParams, SamplingParams
+from splitserve.multimodal import chat as chat_images
 from splitserve.multimodal.media import encode_data_uri
+from splitserve.tokenizer import apply_chat_template
 from tests.helpers.multimodal import LLAVA_IMAGE_TOKENS, random_image
 from tests.helpers.server import RemoteServer
 
@@ -72,12 +74,37 @@ def ask(client, *urls: str, stream: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def offline_answer(tiny_llava):
+def offline_answers(tiny_llava) -> dict:
+    """The offline engine's greedy chat answer about image 11, and its beam search (2 beams) of the
+    same rendered prompt with image 11, then 13."""
     llm = LLM(tiny_llava, dtype="float32", use_tqdm_on_load=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     answer = llm.chat(messages(encode_data_uri(random_image(11))), params, use_tqdm=False)[0].outputs[0].text
-    del llm
-    return answer
+    beams = []
+    for seed in (11, 13):
+        conversation, images = llm._chat_images(messages(encode_data_uri(random_image(seed))), None)
+        text = apply_chat_template(llm.get_tokenizer(), conversation, None, True)
+        beam = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+        found = llm.beam_search([chat_images.rendered_prompt(text, images)], beam)[0].sequences
+        beams.append([seq.text for seq in found])
+    llm.llm_engine.shutdown()
+    return {"greedy": answer, "beams": beams}
+
+
+@pytest.fixture(scope="module")
+def offline_answer(offline_answers) -> str:
+    return offline_answers["greedy"]
+
+
+def test_beam_search_searches_with_the_image(server, offline_answers):
+    """use_beam_search on a chat with an image: each step's one-token requests carry the image."""
+    for seed, expected in zip((11, 13), offline_answers["beams"]):
+        body = {"model": "default", "messages": messages(encode_data_uri(random_image(seed))), "max_tokens": 4}
+        body.update(use_beam_search=True, n=2, ignore_eos=True)
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [c["message"]["content"] for c in r.json()["choices"]] == expected
+    assert offline_answers["beams"][0] != offline_answers["beams"][1]
 
 
 def test_image_urls_of_every_kind_give_the_offline_answer(client, media_dir, image_server, offline_answer):
