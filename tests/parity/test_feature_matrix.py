@@ -5,16 +5,17 @@ is the plain engine's answer exactly.
 A deployment (a column) is an engine started with one feature (speculative decoding with n-gram or a
 draft model, async scheduling, no prefix caching, a small step budget, no chunked prefill, swap
 preemption, KV offloading to host memory or disk, KV events, priority scheduling, a quantized KV
-cache or quantized weights (quantized while loading, or AWQ / GPTQ / compressed-tensors checkpoints),
-batch-invariant kernels, tensor/pipeline/data parallelism); each takes
-every request kind (a row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n
-and best_of, structured output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one
-batch, then sleeps and wakes. Requests of a batch are independent, so the plain engine answers the same batch for the
-exact columns. A combination that is refused must be in docs/compatibility.md (the table in
-engine/compatibility.py); `--matrix-pairs` adds every pair of columns, run apart from the suite.
-The server-level pairs (PD, --workers, the APIs) are in tests/e2e/test_server_matrix.py. The rows
-also run on a tiny mixture-of-experts model, plain, with expert parallelism, speculation and async
-scheduling (LoRA is refused there, with its reason).
+cache or quantized weights (quantized while loading, AWQ / GPTQ / compressed-tensors checkpoints, a
+GGUF file), batch-invariant kernels, tensor/pipeline/data parallelism); each takes every request
+kind (a row: stop strings and tokens, seeds, penalties, logprobs, prompt logprobs, n and best_of,
+structured output, min_tokens, allowed tokens, a LoRA adapter, beam search) in one batch, then
+sleeps and wakes, and has its weights updated from its own checkpoint. Requests of a batch are
+independent, so the plain engine answers the same batch for the exact columns. A combination that
+is refused must be in docs/compatibility.md (the table in engine/compatibility.py);
+`--matrix-pairs` adds every pair of columns, run apart from the suite. The server-level pairs (PD,
+--workers, the APIs) are in tests/e2e/test_server_matrix.py, the vision and embedding models' in
+test_feature_matrix_models.py. The rows also run on a tiny mixture-of-experts model, plain, with
+expert parallelism, speculation and async scheduling (LoRA is refused there, with its reason).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _check_valid(kind: str, params: SamplingParams, out) -> None:
         assert set(s.token_ids) <= set(ALLOWED)
 
 
-def _answers(llm: LLM, adapter: LoRARequest | None) -> dict:
+def _answers(llm: LLM, adapter: LoRARequest | None, served: str) -> dict:
     """Every row's answer from one engine: the greedy answer first (the stops come from it), then
     every row in one batch (a LoRA adapter's greedy answer among them, when there is one), then a
     beam search."""
@@ -151,6 +152,8 @@ def _answers(llm: LLM, adapter: LoRARequest | None) -> dict:
     llm.sleep(1)  # sleep mode: asleep and awake again, the engine answers as before
     assert llm.is_sleeping()
     llm.wake_up()
+    assert llm.generate([PROMPT], plain_greedy, use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
+    llm.update_weights(served)  # weights updated (from the same checkpoint): the same answer again
     assert llm.generate([PROMPT], plain_greedy, use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
     return answers
 
@@ -183,7 +186,7 @@ def adapter(model, tmp_path_factory) -> LoRARequest:
 def plain(model, adapter) -> dict:
     llm = _engine(model)
     try:
-        return _answers(llm, adapter)
+        return _answers(llm, adapter, model)
     finally:
         _close(llm)
 
@@ -230,7 +233,7 @@ def test_every_request_kind_on_every_deployment(model, adapter, plain, column, t
         return
     llm = _engine(served, **args)
     try:
-        answers = _answers(llm, adapter)
+        answers = _answers(llm, adapter, served)
     finally:
         _close(llm)
     if column.exact:
@@ -279,7 +282,7 @@ def _moe_engine(model: str, **args) -> LLM:
 def moe_plain(tiny_moe_chat_model) -> dict:
     llm = _moe_engine(tiny_moe_chat_model)
     try:
-        return _answers(llm, None)
+        return _answers(llm, None, tiny_moe_chat_model)
     finally:
         _close(llm)
 
@@ -288,7 +291,7 @@ def moe_plain(tiny_moe_chat_model) -> dict:
 def test_every_request_kind_on_an_moe_model(tiny_moe_chat_model, moe_plain, moe_column):
     llm = _moe_engine(tiny_moe_chat_model, **moe_column.args)
     try:
-        answers = _answers(llm, None)
+        answers = _answers(llm, None, tiny_moe_chat_model)
     finally:
         _close(llm)
     if moe_column.exact:
