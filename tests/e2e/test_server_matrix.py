@@ -3,18 +3,18 @@ process prints a traceback, and the answer is the plain server's once ids and ti
 out.
 
 The server's share of the pairwise matrix (the engine's is tests/parity/test_feature_matrix.py). A
-deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--workers 2`, `--data-
-parallel-size 2`, `--tensor-parallel-size 2`, `--pipeline-parallel-size 2`, n-gram speculation, a
-reasoning parser, tracing to an OTLP collector, the global scheduler on Redis. A request kind (a
-row) is an API and its options: completions plain, with a stop string or token, echo and logprobs,
-prompt logprobs, n and best_of, a seed, a guided regex, beam search; chat plain, with logprobs, a
-JSON schema, forced tool calls; the Responses, Anthropic and Batch APIs; /tokenize; a request
-dropped by its client; a LoRA adapter loaded at run time (every server takes adapters: `--enable-
-lora`). A streamed answer must be the same request's unstreamed one. None of the columns changes the
-numbers of a request sent alone (but for tensor parallelism's last digits: RANK_PLACES), so each
-answer must be the plain server's (greedy or seeded, float32, one request at a time). Each column's
-server starts once for all its rows (pytest groups the tests by column); the whole matrix takes
-about five minutes.
+deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--workers 2`,
+`--data-parallel-size 2`, `--tensor-parallel-size 2`, `--pipeline-parallel-size 2`, n-gram
+speculation, a reasoning parser, tracing to an OTLP collector, the global scheduler on Redis. A
+request kind (a row) is an API and its options: completions plain, with a stop string or token, echo
+and logprobs, prompt logprobs, n and best_of, a seed, a guided regex, beam search; chat plain, with
+logprobs, a JSON schema, forced tool calls; the Responses, Anthropic and Batch APIs; /tokenize; a
+request dropped by its client; a LoRA adapter loaded at run time (every server takes adapters:
+`--enable-lora`). A streamed answer must be the same request's unstreamed one. None of the columns
+changes the numbers of a request sent alone (but for tensor parallelism's last digits: RANK_PLACES),
+so each answer must be the plain server's (greedy or seeded, float32, one request at a time). Each
+column's server starts once for all its rows (pytest groups the tests by column); the whole matrix
+takes about five minutes.
 """
 
 from __future__ import annotations
