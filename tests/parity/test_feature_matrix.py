@@ -265,12 +265,20 @@ def _checkpoint(method: str | None, model: str, tmp_path) -> str:
 # --- a mixture-of-experts model ---------------------------------------------------------------------
 # The same rows on the tiny ERNIE 4.5 MoE (8 experts, top-2, a shared expert), plain and with the
 # features that change how its experts run: expert parallelism over two ranks (tensor parallel
-# attention, the experts split between the ranks), speculation and async scheduling. LoRA adapters
+# attention, the experts split between the ranks), speculation and async scheduling, and an AWQ
+# checkpoint (every expert in 4 bits) with speculation and expert parallelism. LoRA adapters
 # are refused on MoE models (their experts are no LoRA targets), with that reason.
 MOE_COLUMNS = [
     Column("moe_expert_parallel", {"tensor_parallel_size": 2, "enable_expert_parallel": True}, False),
     Column("moe_speculative", {"speculative_config": NGRAM}, True),
     Column("moe_async_scheduling", {"async_scheduling": True}, True),
+    # every expert in 4 bits (AutoAWQ's per-expert layout), with n-gram drafts and with expert parallelism
+    Column("moe_awq_speculative", {"checkpoint": "awq", "speculative_config": NGRAM}, False),
+    Column(
+        "moe_awq_expert_parallel",
+        {"checkpoint": "awq", "tensor_parallel_size": 2, "enable_expert_parallel": True},
+        False,
+    ),
 ]
 
 
@@ -288,10 +296,12 @@ def moe_plain(tiny_moe_chat_model) -> dict:
 
 
 @pytest.mark.parametrize("moe_column", MOE_COLUMNS, ids=[c.name for c in MOE_COLUMNS])
-def test_every_request_kind_on_an_moe_model(tiny_moe_chat_model, moe_plain, moe_column):
-    llm = _moe_engine(tiny_moe_chat_model, **moe_column.args)
+def test_every_request_kind_on_an_moe_model(tiny_moe_chat_model, moe_plain, moe_column, tmp_path):
+    args = dict(moe_column.args)
+    served = _checkpoint(args.pop("checkpoint", None), tiny_moe_chat_model, tmp_path)
+    llm = _moe_engine(served, **args)
     try:
-        answers = _answers(llm, None, tiny_moe_chat_model)
+        answers = _answers(llm, None, served)
     finally:
         _close(llm)
     if moe_column.exact:
