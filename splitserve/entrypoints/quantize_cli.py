@@ -17,6 +17,7 @@ from splitserve.quantization.tool import (
     GPTQ_DAMP_PERCENT,
     GPTQ_DAMP_PERCENT_ONE_PASS,
     check_shapes,
+    default_clip_search,
     default_damp_percent,
     default_group_size,
     quantize_model,
@@ -149,6 +150,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"default {GPTQ_DAMP_PERCENT} layer by layer, {GPTQ_DAMP_PERCENT_ONE_PASS} with --no-sequential: "
         "docs/quantization.md has the measurements)",
     )
+    parser.add_argument(
+        "--clip-search",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gptq: round each group over the clipped range that rounds it best, weighted by its inputs (AWQ's "
+        "clipping, in GPTQ); default on from group size 64, off at 32 (docs/quantization.md has the measurements)",
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="most calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="most tokens per calibration sequence")
 
@@ -209,6 +217,7 @@ def main(ns: argparse.Namespace) -> str:
         sequential=_sequential(ns),
         awq_scales=bool(ns.awq_scales),
         damp_percent=damp,
+        clip_search=default_clip_search(group_size) if ns.clip_search is None else ns.clip_search,
     )
     logger.info(
         "Quantized %d linear layers with %s in %.1f s", len(linears), ns.quant_type, time.perf_counter() - began
@@ -269,6 +278,8 @@ def _check_options(ns: argparse.Namespace) -> None:
         ignored.append("--sequential (awq and gptq only)")
     if ns.damp_percent is not None and ns.quant_type != "gptq":
         ignored.append("--damp-percent (gptq only)")
+    if ns.clip_search is not None and ns.quant_type != "gptq":
+        ignored.append("--clip-search (gptq only; awq searches its clipping anyway)")
     if ns.awq_scales is not None and ns.quant_type != "gptq":
         ignored.append("--awq-scales (gptq only; awq folds its scales anyway)")
     if ns.tokenids_path and ns.quant_type == "weight_only_int8":

@@ -1,6 +1,6 @@
 """The calibrated quantization algorithms of `splitserve quantize`: the input groups and scale
-folding that SmoothQuant (smoothquant.py) and AWQ share, AWQ's activation-aware scale search, and
-GPTQ's error-compensating rounding.
+folding that SmoothQuant (smoothquant.py) and AWQ share, and AWQ's activation-aware scale and
+clipping searches (GPTQ's error-compensating rounding is gptq.py).
 
 SmoothQuant and AWQ both rescale the input channels of a group of linears that read the same
 input: W' = W diag(s), with 1/s folded into the op that produces that input, so that the float
@@ -19,7 +19,6 @@ from splitserve.quantization.moe_experts import expert_mlps
 from splitserve.quantization.packing import Int4Weight, fake_quantize_int4, int4_params, quantize_int4
 
 AWQ_GRID = 20  # ratios 0, 0.05, ..., 0.95
-GPTQ_BLOCK_SIZE = 128  # columns whose error updates are applied lazily, as one matmul
 
 
 @dataclass
@@ -246,81 +245,3 @@ def quantize_int4_clipped(weight: torch.Tensor, group_size: int, ratio: torch.Te
     return Int4Weight(
         quantize_int4(weight, scale, zero, group_size=group_size), scale, zero.to(torch.int32), group_size
     )
-
-
-# --- GPTQ -----------------------------------------------------------------------------------------
-def gptq_quantize(
-    weight: torch.Tensor,
-    hessian: torch.Tensor,
-    group_size: int,
-    sym: bool = True,
-    desc_act: bool = False,
-    damp_percent: float = 0.01,
-    block_size: int = GPTQ_BLOCK_SIZE,
-) -> Int4Weight:
-    """GPTQ: quantize the columns one at a time, each time spreading the rounding error over the
-    columns not yet quantized so as to minimize ||X W^T - X Q^T||^2, with H = 2 X^T X / n.
-    Rows are independent given H, so linears sharing an input can go through together.
-    A group's scale and zero are taken when its first column is reached, from the weights as the
-    earlier errors have updated them. With `desc_act`, columns go in order of decreasing H_jj
-    (the most active inputs first) and the groups follow that order: `g_idx` records them."""
-    w = weight.detach().float().clone()
-    h = hessian.detach().float().clone()
-    out_features, in_features = w.shape
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = torch.argsort(h.diagonal(), descending=True) if desc_act else None
-    if perm is not None:
-        w, h = w[:, perm], h[perm][:, perm]
-    h.diagonal().add_(damp_percent * h.diagonal().mean())
-    try:
-        # Upper Cholesky factor of H^-1: row i gives the update of columns i.. for column i's error.
-        u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    except torch.linalg.LinAlgError as exc:
-        raise RuntimeError(
-            "GPTQ: the calibration Hessian is not positive definite even with dampening; "
-            "use more calibration data (--num-samples, --seq-len)."
-        ) from exc
-
-    # Column by column on the transposed block ([columns, out]): each column and each update of the
-    # columns after it is a contiguous row, not a strided column (1.6-2.2x faster, the same values).
-    levels = torch.zeros(in_features, out_features)
-    scales, zeros = [], []
-    # Blocks hold whole groups, so a group's columns are all up to date when it is entered.
-    block = max(group_size, block_size // group_size * group_size)
-    for b0 in range(0, in_features, block):
-        b1 = min(b0 + block, in_features)
-        wb = w[:, b0:b1].t().contiguous()
-        err = torch.zeros_like(wb)
-        ub = u[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            if (b0 + i) % group_size == 0:
-                scale, zero = (t[:, 0] for t in int4_params(wb[i : i + group_size].t(), group_size, sym))
-                scales.append(scale)
-                zeros.append(zero)
-            col = wb[i]
-            torch.round(col / scale + zero, out=levels[b0 + i]).clamp_(0, 15)
-            torch.div(col - (levels[b0 + i] - zero) * scale, ub[i, i], out=err[i])
-            wb[i + 1 :].sub_(ub[i, i + 1 :, None] * err[i])
-        w[:, b1:] -= err.t() @ u[b0:b1, b1:]
-
-    q = levels.t().to(torch.int32)
-    scale, zero = torch.stack(scales, dim=1), torch.stack(zeros, dim=1).to(torch.int32)
-    if perm is None:
-        return Int4Weight(q, scale, zero, group_size)
-    g_idx = torch.empty(in_features, dtype=torch.int32)
-    g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // group_size
-    q_orig = torch.empty_like(q)
-    q_orig[:, perm] = q
-    return Int4Weight(q_orig, scale, zero, group_size, g_idx)
-
-
-def split_rows(weight: Int4Weight, sizes: list[int]) -> list[Int4Weight]:
-    """An Int4Weight of stacked linears back into one per linear."""
-    parts, start = [], 0
-    for size in sizes:
-        rows = slice(start, start + size)
-        parts.append(Int4Weight(weight.q[rows], weight.scale[rows], weight.zero[rows], weight.group_size, weight.g_idx))
-        start += size
-    return parts

@@ -14,6 +14,7 @@ import transformers
 
 from splitserve.quantization import algorithms, tool
 from splitserve.quantization.calibration import collect_input_stats, read_token_ids
+from splitserve.quantization.gptq import clip_searched_params, gptq_quantize
 from splitserve.quantization.packing import fake_quantize_int4, int4_params, quantize_int4_groupwise
 from tests.helpers.models import TINY_CONFIG
 from tests.helpers.quantize import dequantized_model, load_float, read_config, run_tool
@@ -356,11 +357,45 @@ def test_gptq_beats_round_to_nearest_on_calibration_data(llama, calib_file, sym,
     stats = _calibrate(model, calib_file)
     for group in (g for groups in algorithms.decoder_groups(model) for g in groups):
         moment, weight = stats[group.site].second_moment(), group.weight()
-        gptq = algorithms.gptq_quantize(weight, 2 * moment, GROUP, sym=sym, desc_act=desc_act)
+        gptq = gptq_quantize(weight, 2 * moment, GROUP, sym=sym, desc_act=desc_act)
         rtn = quantize_int4_groupwise(weight, GROUP, sym=sym)
         errors = [_output_error(q.dequantize() - weight, moment) for q in (gptq, rtn)]
         assert errors[0] < 0.9 * errors[1], (group.site, errors)
         assert (gptq.g_idx is not None) == desc_act
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_gptq_clip_search_never_rounds_a_group_worse_than_its_full_range(sym):
+    """Per row, the chosen range's input-weighted error e H e^T is at most the full range's; an
+    outlier's row gives up its outlier for a finer grid."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(300, GROUP, generator=generator) * torch.linspace(0.2, 2.0, GROUP)
+    hessian = x.T @ x / x.shape[0]
+    group = torch.randn(64, GROUP, generator=generator)
+    group[0, 1] = 9.0
+
+    def errors(scale, zero):
+        e = (torch.round(group / scale[:, None] + zero[:, None]).clamp(0, 15) - zero[:, None]) * scale[:, None] - group
+        return ((e @ hessian) * e).sum(-1)
+
+    full = errors(*(t[:, 0] for t in int4_params(group, GROUP, sym)))
+    scale, zero = clip_searched_params(group, hessian, sym)
+    searched = errors(scale, zero)
+    assert (searched <= full * (1 + 1e-5) + 1e-9).all() and searched[0] < full[0]
+    assert ((zero == zero.round()) & (zero >= 0) & (zero <= 15)).all()
+
+
+@pytest.mark.parametrize(
+    "group_size, flag, searched", [(32, None, False), (64, None, True), (32, "--clip-search", True)]
+)
+def test_gptq_clip_search_default_by_group_size(llama, calib_file, tmp_path, monkeypatch, group_size, flag, searched):
+    """On from group size 64 (tool.py's default_clip_search says what was measured), or as the flag says."""
+    seen = []
+    real = gptq_quantize
+    monkeypatch.setattr(tool.gptq, "gptq_quantize", lambda *a, **k: seen.append(k["clip_search"]) or real(*a, **k))
+    argv = ["--quant-type", "gptq", "--group-size", str(group_size), "--tokenids-path", calib_file]
+    run_tool("-i", llama, "-o", str(tmp_path / "q"), *argv, *([flag] if flag else []))
+    assert seen and set(seen) == {searched}
 
 
 def _output_error(weight_error: torch.Tensor, moment: torch.Tensor) -> float:
