@@ -17,6 +17,7 @@ from splitserve.quantization.tool import (
     GPTQ_DAMP_PERCENT,
     GPTQ_DAMP_PERCENT_ONE_PASS,
     check_shapes,
+    default_awq_scales,
     default_clip_search,
     default_damp_percent,
     default_group_size,
@@ -140,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--awq-scales",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="gptq (with --sequential): fold AWQ's activation-aware scales into each layer before GPTQ rounds it",
+        help="gptq (with --sequential): fold AWQ's activation-aware scales into each layer before GPTQ rounds it; "
+        "default on from group size 64, off at 32 (docs/quantization.md has the measurements)",
     )
     parser.add_argument(
         "--damp-percent",
@@ -215,7 +217,7 @@ def main(ns: argparse.Namespace) -> str:
         sym=sym,
         desc_act=desc_act,
         sequential=_sequential(ns),
-        awq_scales=bool(ns.awq_scales),
+        awq_scales=default_awq_scales(group_size, _sequential(ns)) if ns.awq_scales is None else ns.awq_scales,
         damp_percent=damp,
         clip_search=default_clip_search(group_size) if ns.clip_search is None else ns.clip_search,
     )

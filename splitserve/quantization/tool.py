@@ -40,13 +40,19 @@ def default_damp_percent(sequential: bool) -> float:
     return GPTQ_DAMP_PERCENT if sequential else GPTQ_DAMP_PERCENT_ONE_PASS
 
 
-# GPTQ's clipping search (each group's range shrunk where that rounds it better, weighted by its
-# inputs): on the default model's held-out prose and code, layer by layer with act-order, at group 64
-# 22.281 / 8.021 against 22.741 / 8.286 without; at group 32 worse, 21.992 / 7.606 against 20.955 /
-# 7.585 (that base's weights are llama.cpp Q4_1 blocks of 32, a grid the full range of each group of
-# 32 keeps close to). On by default from group 64 (and per channel).
+# GPTQ's defaults by group size, measured on the default model's held-out prose and code (perplexity,
+# base 19.326 / 6.907; docs/quantization.md). At group 64, AWQ's scales folded in first and each
+# group's clipped range searched: 21.011 / 7.599, against 22.483 / 7.891 with the search alone and
+# 22.741 / 8.286 with neither. At group 32 neither helps (20.955 / 7.585 plain; 21.527 / 7.602 with the
+# search, 21.328 / 7.557 with both): that base's weights are llama.cpp Q4_1 blocks of 32, a grid that
+# each group of 32's full range stays close to. So both are on from group 64 (and per channel).
 def default_clip_search(group_size: int) -> bool:
     return group_size <= 0 or group_size >= 64
+
+
+def default_awq_scales(group_size: int, sequential: bool) -> bool:
+    """--awq-scales works layer by layer; on by default where the clipping search is."""
+    return sequential and default_clip_search(group_size)
 
 
 def _group_inputs(config, tp_size: int) -> dict[str, int]:

@@ -386,16 +386,26 @@ def test_gptq_clip_search_never_rounds_a_group_worse_than_its_full_range(sym):
 
 
 @pytest.mark.parametrize(
-    "group_size, flag, searched", [(32, None, False), (64, None, True), (32, "--clip-search", True)]
+    "group_size, flags, searched, rescaled",
+    [
+        (32, [], False, False),
+        (64, [], True, True),
+        (32, ["--clip-search", "--awq-scales"], True, True),
+        (64, ["--no-clip-search", "--no-awq-scales"], False, False),
+        (64, ["--no-sequential"], True, False),  # AWQ's scales need the layer-by-layer pipeline
+    ],
 )
-def test_gptq_clip_search_default_by_group_size(llama, calib_file, tmp_path, monkeypatch, group_size, flag, searched):
-    """On from group size 64 (tool.py's default_clip_search says what was measured), or as the flag says."""
-    seen = []
-    real = gptq_quantize
-    monkeypatch.setattr(tool.gptq, "gptq_quantize", lambda *a, **k: seen.append(k["clip_search"]) or real(*a, **k))
-    argv = ["--quant-type", "gptq", "--group-size", str(group_size), "--tokenids-path", calib_file]
-    run_tool("-i", llama, "-o", str(tmp_path / "q"), *argv, *([flag] if flag else []))
+def test_gptq_defaults_by_group_size(llama, calib_file, tmp_path, monkeypatch, group_size, flags, searched, rescaled):
+    """The clipping search and AWQ's scales are on from group size 64 (tool.py's defaults say what was
+    measured), or as the flags say."""
+    seen, scaled = [], []
+    real_gptq, real_scale = gptq_quantize, algorithms.awq_scale_layer
+    monkeypatch.setattr(tool.gptq, "gptq_quantize", lambda *a, **k: seen.append(k["clip_search"]) or real_gptq(*a, **k))
+    monkeypatch.setattr(algorithms, "awq_scale_layer", lambda *a, **k: scaled.append(1) or real_scale(*a, **k))
+    argv = ["--quant-type", "gptq", "--group-size", str(group_size), "--tokenids-path", calib_file, *flags]
+    run_tool("-i", llama, "-o", str(tmp_path / "q"), *argv)
     assert seen and set(seen) == {searched}
+    assert bool(scaled) == rescaled
 
 
 def _output_error(weight_error: torch.Tensor, moment: torch.Tensor) -> float:
