@@ -42,11 +42,10 @@ generate: setup
 	$(VENV)/bin/splitserve generate --max-tokens 64
 
 # --durations: the slowest tests are named in every run's output (CI's too), to keep the suite short.
-# Two pytest workers, each taking whole modules (--dist loadscope: a module's servers and engines start
-# once, on one worker): the servers' tests leave a core idle a quarter of the time, the engines' tests
-# are mostly one thread.
+# One worker: two (pytest-xdist -n 2 --dist loadscope) took longer on 2 cores (39.0 min against 35), the
+# servers' tests already keeping both cores busy, and raced for free ports.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadscope --durations=30
+	$(PY) -m pytest -q --durations=30
 
 # The edit-test loop: everything but the tests marked slow (servers, worker processes, Ray, the
 # default model); a few minutes. `make test` stays the whole suite.

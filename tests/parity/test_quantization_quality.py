@@ -20,6 +20,7 @@ from splitserve.loader.resolve import default_model_path, load_hf_config, split_
 from splitserve.quantization import algorithms, tool
 from splitserve.quantization.calibration import builtin_sequences
 from splitserve.quantization.packing import quantize_int4_groupwise
+from splitserve.quantization.tool import default_awq_scales, default_clip_search
 from splitserve.tokenizer import get_tokenizer
 
 pytestmark = pytest.mark.slow  # the default model quantized three times (about two minutes)
@@ -82,6 +83,8 @@ def test_each_4bit_method_is_not_worse_than_rounding_on_held_out_text(default_mo
     model = copy.deepcopy(base)
     # The tool's defaults: layer by layer, each layer's weights left dequantized in the model.
     options = dict(alpha=None, group_size=GROUP, sym=False, desc_act=True, sequential=SEQUENTIAL_DEFAULT)
+    if quant_type == "gptq":  # AWQ's scales folded in and the clipping search, from group 64
+        options.update(clip_search=default_clip_search(GROUP), awq_scales=default_awq_scales(GROUP, True))
     assert SEQUENTIAL_DEFAULT
     tool.quantize_model(model, quant_type, sequences, **options)
     calibrated = _perplexity(model, held_out)
