@@ -67,6 +67,10 @@ def _worker_main(
             conn.send_bytes(reply)
 
 
+# The ranks meet on a port found free, which another process can take before rank 0 listens on it.
+_PORT_ATTEMPTS = 3
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
@@ -80,12 +84,24 @@ class MultiprocExecutor(Executor):
         self.conns: list[Connection] = []
         # Workers stop when this executor is collected (an LLM dropped without shutdown) or at exit.
         weakref.finalize(self, _stop_workers, self.processes, self.conns)
-        try:
-            self._start_workers(config)
-            self._expect_all(_START_TIMEOUT_S)
-        except BaseException:
-            self.shutdown()
-            raise
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self._start_workers(config)
+                self._expect_all(_START_TIMEOUT_S)
+                break
+            except RankDiedError as exc:
+                self.shutdown()
+                if "EADDRINUSE" not in str(exc) or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                logger.warning(
+                    "Another process took the ranks' meeting port before rank 0 listened on it; "
+                    "starting the ranks again on another port"
+                )
+                self.processes.clear()
+                self.conns.clear()
+            except BaseException:
+                self.shutdown()
+                raise
         logger.info(
             "%d ranks ready (tensor parallel %d x pipeline parallel %d), one process each",
             self.world_size,

@@ -114,3 +114,26 @@ def test_killed_rank_fails_the_engine_and_leaves_no_process(tiny_models):
             engine.step()
     engine.engine_core.shutdown()
     assert _gone(pids)
+
+
+def test_a_taken_meeting_port_is_given_up_for_another(tiny_models, monkeypatch, caplog):
+    """The ranks meet on a port found free; when another process holds it by the time rank 0 listens,
+    the ranks start again on another port (before: the engine failed with EADDRINUSE)."""
+    import socket
+
+    from splitserve.executor import multiproc_executor
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = multiproc_executor.free_port
+    monkeypatch.setattr(multiproc_executor, "free_port", lambda: next(ports, None) or real())
+    try:
+        with caplog.at_level("WARNING", logger="splitserve"):
+            llm = _llm(tiny_models["llama"], tp=2)
+        assert "took the ranks' meeting port" in caplog.text
+        assert len(_generate(llm)) == len(PROMPTS)
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        taken.close()
