@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.processor import ProcessedRequest
 from splitserve.sampling_params import BeamSearchParams
 
 _DEAD = -1.0e9  # transformers' score for a slot that must not be chosen
@@ -149,3 +150,9 @@ def _power(length: int, exponent: float) -> float:
         return float(length) ** exponent
     except (OverflowError, ZeroDivisionError):
         return math.inf
+
+
+def beam_prompt(request: ProcessedRequest, tokens: list[int], params) -> ProcessedRequest:
+    """A beam's one-token request: the processed prompt (a ProcessedRequest) with the beam's tokens
+    after it, its images, where it has some, at the same places."""
+    return ProcessedRequest(None, request.prompt_token_ids + tokens, params, mm_features=request.mm_features)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.engine.beam_search import BeamSearch, step_params, top_candidates
+from splitserve.engine.beam_search import BeamSearch, beam_prompt, step_params, top_candidates
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest, PromptType
@@ -237,8 +236,7 @@ class LLM:
         for prompt, search in searches:
             params = step_params(search)
             for beam in search.live:
-                extended = replace(prompt, prompt=None, prompt_token_ids=prompt.prompt_token_ids + beam.tokens)
-                request_ids.append(self._add(extended, params))
+                request_ids.append(self._add(beam_prompt(prompt, beam.tokens, params), params))
         outputs = iter(self._run(request_ids, use_tqdm=False))
         for _, search in searches:
             search.step([top_candidates(next(outputs).outputs[0].logprobs[0]) for _ in search.live])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.quantization.packing import Int4Weight, int4_params
+from splitserve.quantization.packing import Int4Weight, fake_quantize_int4, int4_params
 
 GPTQ_BLOCK_SIZE = 128  # columns whose error updates are applied lazily, as one matmul
 
@@ -93,11 +93,13 @@ def clip_searched_params(group: torch.Tensor, hessian: torch.Tensor, sym: bool, 
     out_features, size = group.shape
     ratios = 1.0 - 0.02 * torch.arange(grid, dtype=group.dtype)
     candidates = (group[None] * ratios[:, None, None]).reshape(grid * out_features, size)
-    scale, zero = (t[:, 0].reshape(grid, out_features, 1) for t in int4_params(candidates, size, sym))
-    error = (torch.round(group / scale + zero).clamp(0, 15) - zero) * scale - group
+    scale, zero = int4_params(candidates, size, sym)  # [grid * out, 1] each
+    tiled = group.repeat(grid, 1)
+    error = (fake_quantize_int4(tiled, scale, zero) - tiled).reshape(grid, out_features, size)
     loss = ((error @ hessian) * error).sum(-1)
-    best = loss.argmin(dim=0, keepdim=True)[..., None]
-    return scale.gather(0, best)[0, :, 0], zero.gather(0, best)[0, :, 0]
+    best = loss.argmin(dim=0, keepdim=True)
+    pick = lambda t: t.reshape(grid, out_features).gather(0, best)[0]  # noqa: E731
+    return pick(scale), pick(zero)
 
 
 def split_rows(weight: Int4Weight, sizes: list[int]) -> list[Int4Weight]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from splitserve.engine.beam_search import BeamSearch, step_params, top_candidates
+from splitserve.engine.beam_search import BeamSearch, beam_prompt, step_params, top_candidates
 from splitserve.engine.output_processor import RequestOutputKind
 from splitserve.engine.processor import ProcessedRequest
 from splitserve.outputs import CompletionOutput, RequestOutput
@@ -31,18 +31,12 @@ async def beam_search_output(
     while not search.done:
         one_token = step_params(search)
         beams = [
-            _next_token(engine, f"{request_id}-s{step}b{i}", _extended(request, beam.tokens, one_token), lora)
+            _next_token(engine, f"{request_id}-s{step}b{i}", beam_prompt(request, beam.tokens, one_token), lora)
             for i, beam in enumerate(search.live)
         ]
         search.step(list(await asyncio.gather(*beams)))
         step += 1
     yield _request_output(engine, request_id, request, search.results(n))
-
-
-def _extended(request: ProcessedRequest, tokens: list[int], params) -> ProcessedRequest:
-    """The prompt with a beam's tokens after it, run for one token (its images, where it has
-    some, at the same places)."""
-    return ProcessedRequest(None, request.prompt_token_ids + tokens, params, mm_features=request.mm_features)
 
 
 async def _next_token(engine, request_id: str, request: ProcessedRequest, lora) -> list[tuple[int, float]]:
