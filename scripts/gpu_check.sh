@@ -4,6 +4,7 @@
 #   scripts/gpu_check.sh            on the GPU machine, after scripts/gpu_wheels.sh here and with
 #                                   carry: [".whl"]; at most 8 minutes
 #   scripts/gpu_check.sh --dry-run  the same steps on the CPU at tiny sizes (the suite runs it)
+#   GPU_CHECK_BENCH="nano_vllm moe" scripts/gpu_check.sh    these benchmarks only (keys or prefixes)
 #
 # Steps, each with its own timeout; a failing step is reported and the next one runs:
 #   install  the carried wheels (.whl/*.whl) into $GPU_CHECK_SITE (/tmp/site), put on PYTHONPATH
@@ -23,6 +24,8 @@ TOTAL=${GPU_CHECK_SECONDS:-480} # the whole check, summary included
 # What the tests step collects (paths, space-separated): the whole suite, unless told (the suite's own
 # dry run names the files that hold GPU tests: collecting every module imports everything, 13 s on CPU).
 TESTS=${GPU_CHECK_TESTS:-tests}
+# Which benchmarks the bench step runs (keys or prefixes, space-separated, as its --only): all, unless told.
+BENCH_ONLY=${GPU_CHECK_BENCH:-}
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=$REPO/.venv/bin/python; else PY=python3; fi
 mkdir -p "$OUT"
 rm -f "$OUT/steps.tsv" "$OUT/env.json" "$OUT/bench.json" "$OUT/junit.xml" "$OUT/gpu_check.json"
@@ -68,6 +71,8 @@ step tests 260 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -q -p no:cachepro
 BENCH_BUDGET=$((TOTAL - (SECONDS - START) - 30))
 bench_args=(--out "$OUT" --budget "$BENCH_BUDGET" --no-table)
 if [ "$DRY" = 1 ]; then bench_args+=(--dry-run); fi
+# shellcheck disable=SC2206 # the keys are words
+if [ -n "$BENCH_ONLY" ]; then bench_args+=(--only $BENCH_ONLY); fi
 step bench $((BENCH_BUDGET + 10)) "$PY" -m splitserve.benchmarks.gpu_check "${bench_args[@]}"
 
 summary_args=(--out "$OUT")
