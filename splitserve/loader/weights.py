@@ -227,6 +227,14 @@ def _unpermute_gguf(hf_name: str, weight, hf_config):
 def fill_dummy(model: torch.nn.Module, seed: int) -> None:
     """Random weights for benchmarks: small uniform values (as vLLM's dummy loader) so activations stay finite."""
     generator = torch.Generator().manual_seed(seed)
+    on_device: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
+        if param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            # Drawn where the weight lives: one CPU core drawing Qwen3-30B-A3B's 30.5B values in float32
+            # and copying them over took more than two minutes on an H200 host.
+            if param.device not in on_device:
+                on_device[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.data.uniform_(-1e-3, 1e-3, generator=on_device[param.device])
+            continue
         values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=generator)
         param.data.copy_(values)
