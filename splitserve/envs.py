@@ -159,6 +159,14 @@ _DECLARED = [
         "kernels",
     ),
     EnvVar(
+        "SPLITSERVE_CUDA_SYNC_DEBUG",
+        _choice("", "warn", "error"),
+        "",
+        "warn (or error) has torch report each call that makes the host wait for the GPU "
+        "(torch.cuda.set_sync_debug_mode) in the model runner: how the GPU check finds host stalls.",
+        "kernels",
+    ),
+    EnvVar(
         "SPLITSERVE_ATTENTION_BACKEND",
         _optional_str,
         "",

@@ -69,6 +69,8 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
     nano_argv = [*throughput, *nano.split(), "--seed", "0", "--temperature", "0.6", "--step-breakdown"]
     single_argv = [*throughput, *single.split(), "--max-num-seqs", "8", "--step-breakdown"]
     batch_argv = [*throughput, *batch.split(), "--backend", "splitserve", "hf"]
+    trace_dir = os.path.join(tempfile.gettempdir(), "single-profile")
+    profiled_argv = [*single_argv, "--output-len", "256", "--profile", trace_dir]
     moe_argv = [*throughput[:2], "--model", MOE_MODEL, *model[2:], *batch.split()]
     serve_argv = ["bench", "serve", *serve.split(), *(["--tokenizer", tokenizer] if tokenizer else [])]
     return [
@@ -77,6 +79,10 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
         Bench("batch64", "64 x 128/128 vs transformers", batch_argv, caps[2]),
         Bench("serve", "serve, concurrency 64", serve_argv, caps[3], ["serve", *model, "--max-model-len", max_len]),
         Bench("single_eager", "single stream, eager", [*single_argv, "--enforce-eager"], caps[1], None, True),
+        # Where the host waits: torch names each synchronising call once, and the profiler's summary
+        # shows how busy the GPU was (slower under both: not a speed figure)
+        Bench("single_profiled", "single stream, profiled (not a speed)", profiled_argv, 90, None, True,
+              {"SPLITSERVE_CUDA_SYNC_DEBUG": "warn"}),
         *(Bench(f"moe_{b}", f"MoE 64 x 128/128, {b}", moe_argv, 120, None, True, {"SPLITSERVE_MOE_BACKEND": b})
           for b in MOE_BACKENDS),
     ]  # fmt: skip

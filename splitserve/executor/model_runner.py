@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import torch
 
-from splitserve import step_timing
+from splitserve import envs, step_timing
 from splitserve.config import EngineConfig
 from splitserve.distributed import get_parallel_rank, pp_recv, pp_send
 from splitserve.executor.attention import AttentionMetadata, get_attention_backend
@@ -46,6 +46,8 @@ class ModelRunner(RunnerKVCache):
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches, CUDA graphs and events use the current device: make it this one.
             torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and envs.SPLITSERVE_CUDA_SYNC_DEBUG:
+            torch.cuda.set_sync_debug_mode(envs.SPLITSERVE_CUDA_SYNC_DEBUG)  # names every host stall
         torch.manual_seed(config.model_config.seed)
         if self.device.type == "cpu":
             cpu_memory.tune_for_activations()
