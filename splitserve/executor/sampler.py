@@ -7,9 +7,9 @@ and sampled by inverting their cumulative distribution at one uniform draw per r
 row, not one per vocabulary entry, keeps sampling cheap on CPU). A seeded request's draw for its
 output token i is a fixed function of (seed, i) (`seeded_uniform`): its tokens do not depend on what
 else is in the batch, on preemptions, on which instance of a PD deployment samples them, nor on how
-many draft tokens speculative decoding verified before. On CPU, a batch that asks for nothing but
-temperature (or greedy) is sampled by one fused kernel (splitserve.kernels.sample) straight from the
-model-dtype logits.
+many draft tokens speculative decoding verified before. A batch that asks for nothing but
+temperature (or greedy) is sampled by one fused kernel (splitserve.kernels.sample: C++ on CPU,
+Triton on CUDA) straight from the model-dtype logits.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if _plain(meta) and kernels.sample_supported(logits):
-            # Temperature (or greedy) only: one fused CPU pass per row, on the model-dtype logits.
-            return SamplerOutput(*kernels.sample(logits, meta.temperature, _uniforms(logits, meta.seeds)))
+            # Temperature (or greedy) only: one fused pass per row (CPU or CUDA), on the model-dtype logits.
+            u = None if meta.all_greedy else _uniforms(logits, meta.seeds)
+            return SamplerOutput(*kernels.sample(logits, meta.temperature, u))
         raw = logits.float()
         raw_logprobs = torch.log_softmax(raw, dim=-1) if meta.max_num_logprobs is not None else None
         logits = apply_logit_processors(raw, meta)

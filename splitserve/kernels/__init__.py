@@ -27,7 +27,8 @@ and float32 tensors run as Triton kernels (triton_ops.py): one launch each, floa
 rounds where the torch code does, rotary and SiLU-and-mul round once at the end instead of after
 every op. triton_ops is imported on the first CUDA call; without triton, or with
 SPLITSERVE_GPU_KERNELS=0, CUDA runs the torch code (logged once). Paged attention on CUDA belongs
-to the attention backend (splitserve/executor/attention), and sampling stays in torch there.
+to the attention backend (splitserve/executor/attention); plain temperature sampling runs as one
+Triton kernel there too (triton_sampling.py), the other samplers in torch.
 """
 
 from __future__ import annotations
@@ -225,12 +226,23 @@ def set_prompt_attention_brgemm(float32: bool, bfloat16: bool) -> tuple[bool, bo
 
 # --- sampling -------------------------------------------------------------------------------------
 def sample_supported(logits: torch.Tensor) -> bool:
-    return _use_cpu_kernel(logits) and logits.dim() == 2 and logits.stride(-1) == 1
+    """Whether sample() takes these logits: CPU (the C++ kernel) or CUDA (triton_sampling.py)."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        return False
+    return _use_cpu_kernel(logits) or _use_gpu_kernel(logits)
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[R] token ids: argmax for rows with temperature < 1e-5, else the token where the cumulative
-    distribution of softmax(logits / temperature) first exceeds u (one uniform per row, [R]); and
-    [R] float32, each chosen token's logprob under softmax(logits) (the raw logits).
-    CPU only (see sample_supported); the torch sampler does the same in five passes."""
-    return cpu_ops().sample(logits, temperature.float().contiguous(), u.float().contiguous())
+    distribution of softmax(logits / temperature) first exceeds u (one uniform per row, [R]; None
+    when every row is greedy); and [R] float32, each chosen token's logprob under softmax(logits)
+    (the raw logits). One launch on CPU or CUDA (see sample_supported), where the torch sampler
+    takes five passes and some fifteen launches."""
+    if logits.device.type == "cuda":
+        from splitserve.kernels import triton_sampling
+
+        return triton_sampling.sample(logits, temperature, u, all_greedy=u is None)
+    temperature = temperature.float().contiguous()
+    return cpu_ops().sample(logits, temperature, temperature if u is None else u.float().contiguous())

@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 
-from splitserve.benchmarks.gpu_check import decode_seconds, format_table
+from splitserve.benchmarks.gpu_check import format_table
+from splitserve.benchmarks.rooflines import decode_seconds
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
