@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from splitserve.executor.attention import AttentionBackend, AttentionMetadata
+from splitserve.executor.host import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +87,29 @@ class CUDAGraphRunner:
         self.max_model_len, self.block_size, self.pad_block = max_model_len, block_size, pad_block
         self.graphs = CudaGraphPool()
         largest, width = sizes[-1], -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), pad_block * block_size, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((largest, width), pad_block, dtype=torch.int32, device=device)
-        # Dynamic NTK rope: each token's scaling length (AttentionMetadata.rope_lengths) is an input too.
-        self.rope_lengths = torch.ones(largest, dtype=torch.long, device=device) if uses_rope_lengths else None
+        # The static inputs live in two device buffers, so that a step's inputs arrive in two copies:
+        # int64 rows (token ids, positions, slots, dynamic-NTK rope lengths) and int32 (the sequence
+        # lengths, then the block table's rows).
+        self._longs = torch.zeros(4, largest, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, rope_lengths = self._longs
+        self.slot_mapping.fill_(pad_block * block_size)
+        rope_lengths.fill_(1)
+        self.rope_lengths = rope_lengths if uses_rope_lengths else None  # an input only for dynamic NTK
+        self._ints = torch.full((largest * (1 + width),), pad_block, dtype=torch.int32, device=device)
+        self.seq_lens = self._ints[:largest]
+        self.seq_lens.fill_(1)
+        self.block_tables = self._ints[largest:].view(largest, width)
+        # Their host images, two sets used in turn: a set is rewritten only after its copy (two steps
+        # before) has left it. Pinned on CUDA, so that the copies run asynchronously.
+        pin = device.type == "cuda"
+        self._host = [
+            (torch.zeros(self._longs.shape, dtype=torch.long, pin_memory=pin),
+             torch.zeros(self._ints.shape, dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)
+        ]  # fmt: skip
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.captured: dict[int, tuple] = {}
-        self._dirty_rows = 0  # rows [0, _dirty_rows) of the buffers hold the last batch's requests
 
     @property
     def max_batch_size(self) -> int:
@@ -135,40 +150,60 @@ class CUDAGraphRunner:
         """The captured size that serves a decode batch of num_reqs, or None when none does."""
         return next((s for s in self.sizes if s >= num_reqs), None)
 
-    def run(
+    def stage(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        rope_lengths: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One decode step of n = len(input_ids) requests (n <= max_batch_size): final hidden [n, H]."""
-        n, width = len(input_ids), block_tables.shape[1]
-        size = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
-        if self.rope_lengths is not None:
-            self.rope_lengths[:n].copy_(rope_lengths, non_blocking=True)
-        self._pad_rows(n)
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        rope_lengths: list[int] | None = None,
+        pending: tuple[list[int], list[int], torch.Tensor] | None = None,
+    ) -> int:
+        """Put one decode step of n = len(input_ids) requests (n <= max_batch_size) into the static
+        buffers, rows n to the graph's size as padding, in two host-to-device copies; returns the
+        size of the graph to replay. `pending` (rows, their rows in `tokens`, tokens): token ids that
+        the step before is still sampling on the device (overlap scheduling)."""
+        n, size = len(input_ids), self.padded_size(len(input_ids))
+        largest, width = self.block_tables.shape
+        longs, ints = self._host[self._turn]
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # this set's last copy has left it (at once, mostly)
+        host = longs.numpy()
+        for row, values, pad in (
+            (host[0], input_ids, 0),
+            (host[1], positions, 0),
+            (host[2], slot_mapping, self.pad_block * self.block_size),
+            (host[3], rope_lengths, 1),
+        ):
+            if values is not None:
+                row[:n] = values
+            row[n:size] = pad
+        flat = ints.numpy()
+        flat[:n], flat[n:size] = seq_lens, 1
+        table = flat[largest:].reshape(largest, width)
+        table[:n, : block_table.shape[1]] = block_table.numpy()
+        table[n:size] = self.pad_block
+        self._longs.copy_(longs, non_blocking=True)
+        end = largest + size * width
+        self._ints[:end].copy_(ints[:end], non_blocking=True)
+        if pending:
+            self._take_pending(*pending)
+        if self._longs.is_cuda:
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+        self._turn ^= 1
+        return size
+
+    def _take_pending(self, rows: list[int], sources: list[int], tokens: torch.Tensor) -> None:
+        if rows == sources == list(range(len(rows))):  # the usual case: the same requests in the same order
+            self.input_ids[: len(rows)].copy_(tokens[: len(rows)])
+            return
+        device = self.input_ids.device
+        self.input_ids[to_device(rows, torch.long, device)] = tokens[to_device(sources, torch.long, device)]
+
+    def replay(self, size: int, n: int) -> torch.Tensor:
+        """Replay the graph of `size` on the staged inputs: the final hidden states of rows [0, n)."""
         graph, hidden = self.captured[size]
         graph.replay()
         return hidden[:n]
-
-    def _pad_rows(self, n: int) -> None:
-        """Rows from n on that an earlier, larger batch filled hold real requests' slots and blocks:
-        turn them back into padding before a replay reads them."""
-        if self._dirty_rows > n:
-            rows = slice(n, self._dirty_rows)
-            self.slot_mapping[rows].fill_(self.pad_block * self.block_size)
-            self.seq_lens[rows].fill_(1)
-            self.block_tables[rows].fill_(self.pad_block)
-            self.positions[rows].zero_()
-            self.input_ids[rows].zero_()
-            if self.rope_lengths is not None:
-                self.rope_lengths[rows].fill_(1)
-        self._dirty_rows = n

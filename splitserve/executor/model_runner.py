@@ -197,19 +197,20 @@ class ModelRunner(RunnerKVCache):
         self.num_steps += 1
         if self.lora_manager is not None:
             self.lora_manager.prepare([r.lora_request for r in batch.requests], batch.query_start_loc, self.num_steps)
-        meta = self._attention_metadata(batch)
-        input_ids = self._input_ids(batch, previous)
-        positions = self._positions(batch)
-        step_timing.lap("input preparation")
-        if batch.mm_spans and self.encoder_cache is not None:  # images: the step starts from embeddings
-            embeds = self.encoder_cache.inputs_embeds(self.model, input_ids, batch.mm_spans)
-            hidden = self._forward(input_ids, positions, meta, inputs_embeds=embeds)
-        elif self._replays(batch):
-            hidden = self.graph_runner.run(
-                input_ids, positions, meta.slot_mapping, meta.seq_lens_tensor, meta.block_tables, meta.rope_lengths
-            )
+        if self._replays(batch):  # a decode step in a captured graph: its inputs go straight to the graph's
+            size = self._stage_for_graph(batch, previous)
+            step_timing.lap("input preparation")
+            hidden = self.graph_runner.replay(size, len(batch.requests))
         else:
-            hidden = self._forward(input_ids, positions, meta)
+            meta = self._attention_metadata(batch)
+            input_ids = self._input_ids(batch, previous)
+            positions = self._positions(batch)
+            step_timing.lap("input preparation")
+            if batch.mm_spans and self.encoder_cache is not None:  # images: the step starts from embeddings
+                embeds = self.encoder_cache.inputs_embeds(self.model, input_ids, batch.mm_spans)
+                hidden = self._forward(input_ids, positions, meta, inputs_embeds=embeds)
+            else:
+                hidden = self._forward(input_ids, positions, meta)
         step_timing.lap("forward")
         if hidden is None:  # a pipeline stage before the last: its share of the step is done
             return InFlightStep([], [], ready=StepReady(self.device))
@@ -305,10 +306,23 @@ class ModelRunner(RunnerKVCache):
             input_ids[where] = previous.sampled.token_ids[rows]
         return input_ids
 
+    def _stage_for_graph(self, batch: InputBatch, previous: InFlightStep | None) -> int:
+        pending = None
+        if batch.pending_inputs:
+            assert previous is not None, "a request's last token is pending but no step is in flight"
+            rows, sources = zip(*[(i, previous.row_of(rid)) for i, rid in batch.pending_inputs])
+            pending = (list(rows), list(sources), previous.sampled.token_ids)
+        rope = batch.rope_lengths() if self.uses_rope_lengths else None
+        table = batch.block_table_tensor()
+        return self.graph_runner.stage(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, table, rope, pending
+        )
+
     def _replays(self, batch: InputBatch) -> bool:
-        """Whether a captured CUDA graph runs this step: decodes only, few enough of them."""
+        """Whether a captured CUDA graph runs this step: decodes only (no images), few enough of them."""
         return (
             self.graph_runner is not None
+            and not batch.mm_spans
             and batch.num_decodes == len(batch.requests)
             and batch.num_decodes <= self.graph_runner.max_batch_size
             and max(batch.seq_lens, default=0) <= self.config.max_seq_len_to_capture

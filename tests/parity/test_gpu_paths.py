@@ -116,6 +116,25 @@ def test_cuda_graph_decode_matches_eager(tiny_models, emulated_graphs):
 
 
 @pytest.mark.slow  # without CUDA: many decode steps in Triton's interpreter
+def test_cuda_graph_decode_with_overlap_scheduling(tiny_models, emulated_graphs, monkeypatch):
+    """Overlap scheduling: a decode's last token is still being sampled when its step is staged, so
+    the graph's input buffer takes it on the device: the same rows in the same order (one copy), or
+    others once a request in the middle has ended (an indexed copy). Both happen here."""
+    kwargs = dict(dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2, 4], max_num_seqs=4)
+    kwargs.update(use_tqdm_on_load=False, num_gpu_blocks_override=32)
+    prompts, lengths = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]], [9, 4, 12, 6]
+    graphs = LLM(tiny_models["qwen3"], async_scheduling=True, **kwargs)
+    graph_runner = graphs.llm_engine.engine_core.executor.runner.graph_runner
+    orders, take = [], graph_runner._take_pending
+    monkeypatch.setattr(graph_runner, "_take_pending", lambda rows, sources, tokens: (
+        orders.append(rows == sources), take(rows, sources, tokens)))  # fmt: skip
+    got = _staggered_run(graphs, prompts, lengths)
+    assert True in orders and False in orders, orders
+    eager = LLM(tiny_models["qwen3"], enforce_eager=True, **kwargs)
+    assert got == _staggered_run(eager, prompts, lengths)
+
+
+@pytest.mark.slow  # without CUDA: many decode steps in Triton's interpreter
 def test_sequences_past_max_seq_len_to_capture_run_eagerly(tiny_models, emulated_graphs):
     """vLLM's --max-seq-len-to-capture: a decode step whose longest sequence exceeds it runs without
     the graph, and the tokens are the same."""
