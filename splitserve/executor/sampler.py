@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve import kernels
+from splitserve.executor.host import to_device
 
 GREEDY_TEMPERATURE = 1e-5  # a row whose temperature is below this is greedy
 
@@ -159,10 +160,10 @@ def seeded_uniform(seed: int, index: int) -> float:
 def _uniforms(like: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
     """One uniform draw per row [R]; a seeded row's is seeded_uniform(seed, output index)."""
     u = torch.rand(like.shape[0], device=like.device)
-    if seeds:
+    if seeds:  # through pinned memory: a plain copy to a GPU would wait for the whole queue
         rows = list(seeds)
         values = [seeded_uniform(*seeds[row]) for row in rows]
-        u[torch.tensor(rows, device=like.device)] = torch.tensor(values, device=like.device)
+        u[to_device(rows, torch.long, like.device)] = to_device(values, torch.float32, like.device)
     return u
 
 
