@@ -1,7 +1,8 @@
 """4-bit weights at run time (AWQ, GPTQ with or without act-order, compressed-tensors W4A16): each
 layer's checkpoint tensors unpacked to one plain `Int4Weight`, split over the tensor-parallel ranks
 by groups of input columns, and multiplied by torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`,
-which computes (q - 8) * scale + bias per group) or, on other devices, dequantized for a dense product
+which computes (q - 8) * scale + bias per group), on CUDA by splitserve's Triton W4A16 kernel (packed
+weights dequantized in registers, kernels/triton_int4.py), elsewhere dequantized for a dense product
 (linear.py's table has the other methods)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitserve import kernels
 from splitserve.layers.basic import Linear
 from splitserve.quantization import compressed_tensors
 from splitserve.quantization.linear import QuantMethod, check_shape, finish, flat_rows
@@ -100,8 +102,14 @@ class Int4Method(QuantMethod):
             q = q[:, perm]
         layer.register_buffer("perm", perm)
         layer.group_size = group
-        layer.int4_kernel = "cpu_int4pack" if q.device.type == "cpu" and not self.portable else "dequantize"
-        if layer.int4_kernel == "cpu_int4pack":
+        layer.int4_kernel = choose_kernel(q.device, layer.dtype, q.shape[1], group, self.portable)
+        if layer.int4_kernel == "triton":
+            from splitserve.kernels import triton_int4
+
+            layer.register_buffer("qweight", triton_int4.pack(q))
+            layer.register_buffer("scales", scale.to(layer.dtype).contiguous())
+            layer.register_buffer("zeros", zero.to(layer.dtype).contiguous())
+        elif layer.int4_kernel == "cpu_int4pack":
             if layer.out_features % 16:
                 raise ValueError(f"The CPU int4 kernel needs output sizes divisible by 16, got {layer.out_features}.")
             layer.register_buffer(
@@ -123,9 +131,29 @@ class Int4Method(QuantMethod):
             x2 = x2.index_select(1, layer.perm)
         if layer.int4_kernel == "cpu_int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, layer.group_size, layer.scales_and_zeros)
+        elif layer.int4_kernel == "triton":
+            from splitserve.kernels import triton_int4
+
+            y = triton_int4.linear(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size)
         else:
             y = _dequantized_linear(layer, x2)
         return finish(layer, y, x)
+
+
+def choose_kernel(device: torch.device, dtype: torch.dtype, in_features: int, group: int, portable: bool) -> str:
+    """cpu_int4pack on CPU; on CUDA the Triton W4A16 kernel (kernels/triton_int4.py: packed weights
+    dequantized in registers) for 16-bit activations in groups it takes; else (and when `portable`)
+    dequantize."""
+    if portable:
+        return "dequantize"
+    if device.type == "cpu":
+        return "cpu_int4pack"
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.gpu_ops() is not None:
+        from splitserve.kernels import triton_int4
+
+        if triton_int4.supported(in_features, group):
+            return "triton"
+    return "dequantize"
 
 
 def _dequantized_linear(layer: Linear, x2: torch.Tensor) -> torch.Tensor:
