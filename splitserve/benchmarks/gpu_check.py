@@ -31,7 +31,11 @@ from splitserve.benchmarks.rooflines import bandwidth, model_bytes, roofline
 
 MODEL = "Qwen/Qwen3-0.6B"
 MOE_MODEL, MOE_BACKENDS = "ibm-granite/granite-3.0-1b-a400m-instruct", ("triton", "grouped_mm", "loop")
-OTHER_MODELS = {"moe": MOE_MODEL, "int4": "Qwen/Qwen3-8B"}  # the optional benchmarks' models, by key prefix
+OTHER_MODELS = {
+    "moe": MOE_MODEL,
+    "int4": "Qwen/Qwen3-8B",
+    "fp8": "Qwen/Qwen3-8B",
+}  # the optional benchmarks' models, by key prefix
 TARGETS = {  # issue 53's targets (docs/gpu.md): measured figures, not timed tests
     "nano_vllm": ("output_tok_s", ">=", 18000.0, "output tok/s"),  # 20,000 on an H200 (CARD_TARGETS)
     "single_stream": ("ms_per_token", "<=", 1.5, "ms/token"),
@@ -75,6 +79,7 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
     profiled_argv = [*single_argv, "--output-len", "256", "--profile", trace_dir]
     moe_argv = [*throughput[:2], "--model", MOE_MODEL, *model[2:], *batch.split()]
     eight_b = [*throughput[:2], "--model", "Qwen/Qwen3-8B", *model[2:], *single.split(), "--output-len", "256"]
+    eight_b_batch = [*throughput[:2], "--model", "Qwen/Qwen3-8B", *model[2:], *batch.split()]
     serve_argv = ["bench", "serve", *serve.split(), *(["--tokenizer", tokenizer] if tokenizer else [])]
     return [
         Bench("nano_vllm", "nano-vllm workload", nano_argv, caps[0]),
@@ -91,6 +96,9 @@ def plan(dry_run: bool, model_dir: str | None, tokenizer: str | None) -> list[Be
         # issue 54: W4A16 against bfloat16 on a memory-bound single stream of a Qwen3-8B shape
         *(Bench(f"int4_{q}", f"Qwen3-8B single stream, {q}", [*eight_b, *quant], 120, None, True)
           for q, quant in (("bf16", []), ("awq", ["--quantization", "awq"]), ("gptq", ["--quantization", "gptq"]))),
+        # issue 54: fp8 W8A8 against bfloat16 at batch 64 (128/128) of a Qwen3-8B shape
+        *(Bench(f"fp8_{q}", f"Qwen3-8B 64 x 128/128, {q}", [*eight_b_batch, *quant], 150, None, True)
+          for q, quant in (("bf16", []), ("fp8", ["--quantization", "fp8"]))),
     ]  # fmt: skip
 
 
@@ -238,7 +246,7 @@ def run_all(ns: argparse.Namespace, scratch: str) -> dict:
                     entry |= {"status": "ok", "figures": figures}
                     w, kv = (
                         model_bytes(OTHER_MODELS[bench.key.split("_")[0]], 2)
-                        if bench.key.startswith(("moe", "int4"))
+                        if bench.key.startswith(tuple(OTHER_MODELS))
                         else (weights, kv_token)
                     )
                     entry["roofline"] = roofline(

@@ -12,7 +12,9 @@ multiplies with (which method a model runs with is quantization/config.py's to s
 |                  |                              |                         | (no fp8 units on CPUs)              |
 
 Other devices use the same formats through plain torch dequantize-then-matmul, which the tests also
-run on CPU. The 4-bit methods are int4_linear.py's.
+run on CPU, except: fp8 on GPUs with fp8 tensor cores (compute capability 8.9+, bfloat16 models) runs
+W8A8, the activations quantized per token on the fly (`fp8_w8a8`, torch._scaled_mm); int4 on CUDA
+runs splitserve's Triton W4A16 kernel (int4_linear.py). The 4-bit methods are int4_linear.py's.
 
 Every method first brings what it loaded to one plain form per layer (int8 levels + row scales,
 `Int4Weight`, or fp8 + row scales), stacking q/k/v or gate/up shards along the output dim, and
@@ -219,11 +221,36 @@ class Fp8Method(_RowScaledMethod):
         scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / _FP8_MAX
         return (weight.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
 
+    def build(self, layer, plain):
+        super().build(layer, plain)
+        layer.fp8_kernel = "scaled_mm" if fp8_tensor_cores(layer.qweight, layer.dtype) else "bfloat16"
+        if layer.fp8_kernel == "scaled_mm":
+            layer.register_buffer("weight_scale_row", plain[1].float().view(1, -1))
+
     def apply(self, layer, x):
+        if layer.fp8_kernel == "scaled_mm":
+            return finish(layer, fp8_w8a8(flat_rows(x), layer.qweight, layer.weight_scale_row), x)
         # Moving bits is exact and several times faster than torch's CPU cast from float8.
         weight = fp8_as_bfloat16(layer.qweight).to(x.dtype)
         y = row_buckets.linear(flat_rows(x), weight) * layer.weight_scale
         return finish(layer, y, x)
+
+
+def fp8_tensor_cores(qweight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether fp8 weights multiply as W8A8 on the GPU's fp8 tensor cores (compute capability 8.9 or
+    later: Ada, Hopper; bfloat16 models, whose row-wise scaled products torch supports; sizes that
+    are multiples of 16)."""
+    if qweight.device.type != "cuda" or dtype != torch.bfloat16 or any(d % 16 for d in qweight.shape):
+        return False
+    return torch.cuda.get_device_capability(qweight.device) >= (8, 9)
+
+
+def fp8_w8a8(x2: torch.Tensor, qweight: torch.Tensor, weight_scale_row: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] quantized to float8_e4m3 with one dynamic scale per row (token), times the fp8
+    weight [N, K] with its row scales [1, N], in one scaled product (torch._scaled_mm): [M, N] in x's dtype."""
+    x_scale = x2.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-12).div_(_FP8_MAX)
+    xq = (x2.float() / x_scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=weight_scale_row, out_dtype=x2.dtype)
 
 
 # --- int4 (AWQ, GPTQ) -------------------------------------------------------------------------------

@@ -159,6 +159,26 @@ def test_fp8_matmul(weight):
     torch.testing.assert_close(layer(x), expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_fp8_w8a8_on_fp8_tensor_cores(weight, rows, monkeypatch):
+    """The path of GPUs with fp8 tensor cores (torch._scaled_mm also runs on the CPU): activations
+    quantized to e4m3 with one scale per token, the product scaled by both."""
+    from splitserve.quantization import linear as qlinear
+
+    assert not qlinear.fp8_tensor_cores(torch.zeros(32, 32, dtype=torch.float8_e4m3fn), torch.bfloat16)  # a CPU
+    monkeypatch.setattr(qlinear, "fp8_tensor_cores", lambda qweight, dtype: True)
+    layer = _quantized_linear("fp8", weight, torch.bfloat16)
+    assert layer.fp8_kernel == "scaled_mm"
+    x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x_scale = x.float().abs().amax(-1, keepdim=True) / 448.0
+    xq = (x.float() / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+    expected = F.linear(xq, layer.qweight.float() * layer.weight_scale_row.t())
+    torch.testing.assert_close(layer(x).float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=1e-2)
+    # against the unquantized product: both operands within 2^-4 relative
+    bound = F.linear(x.float().abs(), weight.abs()) * 2**-3
+    assert ((layer(x).float() - F.linear(x.float(), weight)).abs() <= bound + 0.05).all()
+
+
 def test_int4_shape_errors():
     method = QuantizationConfig("awq", group_size=128).linear_method("model.layers.0.mlp.down_proj")
     with pytest.raises(ValueError, match="cannot use awq group_size 128"):
