@@ -205,7 +205,8 @@ class Embedding(nn.Module):
                 f"Checkpoint embedding has shape {tuple(tensor.shape)}, expected {(self.num_embeddings, self.dim)}."
             )
         rows = slice(self.first_row, self.first_row + self.rows_per_rank)
-        if isinstance(tensor, GGUFWeight) and tensor.quantized:
+        if isinstance(tensor, GGUFWeight) and tensor.quantized and self.weight.device.type == "cpu":
+            # blocks kept for the CPU kernels; on a GPU the table is dense (looked up, not streamed)
             share = tensor.take(rows, slice(0, self.dim)).padded_rows(self.rows_per_rank)
             del self.weight
             self.register_buffer("gguf_blocks", share.data.contiguous())

@@ -127,9 +127,13 @@ def _gguf_quantization(requested: str | None, load_format: str, quantized: bool,
             f"--quantization {requested} does not apply to a .gguf file: it runs in its own blocks (gguf), "
             f"dequantized to --dtype (--quantization none), or requantized while loading ({', '.join(ONLINE_METHODS)})."
         )
+    if device_type == "cuda" and requested == "gguf":  # Q4_0/Q4_1/Q4_K in the W4A16 kernel, others dense (gguf.py)
+        return QuantizationConfig("gguf") if quantized else None
     if device_type != "cpu":
         if requested == "gguf":
-            raise ValueError("--quantization gguf has CPU kernels only; on this device the file is dequantized.")
+            raise ValueError(
+                f"--quantization gguf runs on CPU and CUDA; on {device_type} the file is dequantized (leave it unset)."
+            )
         return None
     return QuantizationConfig("gguf") if quantized else None
 

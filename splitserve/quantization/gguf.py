@@ -1,7 +1,9 @@
 """`--quantization gguf`: a GGUF model's linears multiply by their quantized blocks as they are
 (splitserve.kernels.gguf: 8-bit activations and integer dot products for decode-sized batches,
 tiles dequantized for a dense matmul for larger ones), so a 4-bit model reads 4-bit weights per
-token. The default for a quantized .gguf on CPU; `--quantization none` dequantizes it instead.
+token. The default for a quantized .gguf on CPU; `--quantization none` dequantizes it instead. On
+CUDA (asked for with `--quantization gguf`), Q4_0, Q4_1 and Q4_K matrices run in the Triton W4A16
+kernel (gguf_int4.py) and the other types are dequantized once at load.
 
 A stacked linear (q/k/v, gate/up) keeps shards of one ggml type together as one matrix; a file
 that quantizes its shards differently (some Q4_K_M files give v_proj Q6_K) gets one matrix per
@@ -15,6 +17,9 @@ import torch
 from splitserve.kernels import row_buckets
 from splitserve.layers.basic import Linear, LinearMethod
 from splitserve.layers.gguf_weight import GGUFWeight
+from splitserve.quantization import gguf_int4
+
+INT4 = "int4"  # a run held as the Triton W4A16 kernel's operands (CUDA)
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -43,6 +48,8 @@ class GGUFLinearMethod(LinearMethod):
             else:
                 layer.register_buffer(name, torch.cat([p.dense(layer.dtype) for p in run]))
             layer.gguf_runs.append((run[0].qtype if run[0].quantized else None, sum(p.shape[0] for p in run), name))
+        if layer.gguf_runs and getattr(layer, layer.gguf_runs[0][2]).device.type == "cuda":
+            _for_cuda(layer)
 
     def pack_cpu_weights(self, layer: Linear) -> int:
         """Q4_0/Q4_1/Q8_0 runs of a multiple of 16 rows interleaved for the decode GEMV (kernels.gguf.repack)."""
@@ -65,13 +72,49 @@ class GGUFLinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         outputs = []
         for qtype, rows, name in layer.gguf_runs:
-            weight = getattr(layer, name)
+            weight = tuple(getattr(layer, f"{name}_{p}") for p in "qsz") if qtype == INT4 else getattr(layer, name)
             if qtype is None:
                 outputs.append(row_buckets.linear(x2, weight))
+            elif qtype == INT4:
+                from splitserve.kernels import triton_int4
+
+                q, scale, zero = weight
+                outputs.append(triton_int4.linear(x2, q, scale, zero, 32))
             else:
                 outputs.append(gguf_kernels.gguf_mm(x2, weight, qtype, rows, layer.in_features))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _for_cuda(layer: Linear) -> None:
+    """On a GPU: Q4_0, Q4_1 and Q4_K runs as the Triton W4A16 kernel's operands (quantization/
+    gguf_int4.py: the levels kept, 4.5-5 bits read per weight), the other types dequantized once,
+    here, for dense products (never per step)."""
+    from splitserve.quantization.int4_linear import choose_kernel
+
+    for i, (qtype, rows, name) in enumerate(layer.gguf_runs):
+        if qtype is None:
+            continue
+        blocks = getattr(layer, name)
+        delattr(layer, name)
+        plain = None
+        if (
+            gguf_int4.convertible(qtype)
+            and choose_kernel(blocks.device, layer.dtype, layer.in_features, 32, False) == "triton"
+        ):
+            plain = gguf_int4.to_int4(blocks, qtype, rows, layer.in_features)
+        if plain is None:
+            from splitserve.kernels.gguf import dequantize_reference
+
+            layer.register_buffer(name, dequantize_reference(blocks, qtype, rows, layer.in_features).to(layer.dtype))
+            layer.gguf_runs[i] = (None, rows, name)
+            continue
+        from splitserve.kernels import triton_int4
+
+        layer.register_buffer(f"{name}_q", triton_int4.pack(plain.q))
+        layer.register_buffer(f"{name}_s", plain.scale.contiguous())
+        layer.register_buffer(f"{name}_z", plain.zero.contiguous())
+        layer.gguf_runs[i] = (INT4, rows, name)
 
 
 def _runs_of_one_type(parts: list[GGUFWeight]) -> list[list[GGUFWeight]]:

@@ -98,6 +98,8 @@ def test_perplexity_stays_within_one_percent(engines):
         ("weight_only_int8", True, "cpu", ("weight_only_int8", False)),
         ("fp8", True, "cpu", ("fp8", False)),
         (None, True, "cuda", None),
+        ("gguf", True, "cuda", ("gguf", True)),  # 4-bit blocks in the W4A16 kernel, others dense
+        ("gguf", False, "cuda", None),
     ],
 )
 def test_which_quantization_a_gguf_file_runs_with(requested, quantized, device, expected):

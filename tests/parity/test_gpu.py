@@ -191,6 +191,22 @@ def test_default_model_matches_transformers(default_gguf, dtype):
     greedy_parity(directory, dtype, prompts, 24, gguf_file=name, quantization="none", max_model_len=512)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gguf_4bit_blocks_run_in_the_w4a16_kernel(tiny_models, tmp_path, dtype):
+    """--quantization gguf on CUDA: a tiny Llama's Q4_0 matrices in the Triton W4A16 kernel (levels
+    and scales as the file has them), judged against transformers on the same dequantized weights."""
+    from splitserve.loader.resolve import default_model_path
+    from splitserve.quantization.gguf import INT4
+    from tests.helpers.gguf_files import write_gguf
+
+    write_gguf(tiny_models["llama"], str(tmp_path / "model.gguf"), "Q4_0", default_model_path())
+    llm = _engine(str(tmp_path / "model.gguf"), dtype, quantization="gguf")
+    runs = [r for m in llm.llm_engine.engine_core.executor.runner.model.modules() for r in getattr(m, "gguf_runs", [])]
+    assert runs and all(kind == INT4 for kind, _, _ in runs), runs
+    del llm
+    greedy_parity(str(tmp_path), dtype, PROMPTS[:4], 16, gguf_file="model.gguf", quantization="gguf")
+
+
 # --- Triton attention against the torch backend on the GPU ------------------------------------------
 KV_HEADS, NUM_BLOCKS = 2, 160
 DECODES = [(1, 1), (17, 1), (300, 1), (3000, 1)]  # (seq_len, query_len); 3000 keys: several splits

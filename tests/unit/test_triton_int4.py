@@ -118,3 +118,70 @@ def test_gpu_kernel_at_a_qwen3_8b_shape(m):
     got = triton_int4.linear(x, q, scales, zeros, 128)
     want = x.float() @ plain.dequantize().to(torch.bfloat16).float().to(DEVICE).t()
     torch.testing.assert_close(got.float(), want, atol=0.05 * 12288**0.5 * 0.1, rtol=2e-2)
+
+
+def _random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Valid random GGUF blocks: finite float16 scales (and mins), any levels and 6-bit sub-scales."""
+    from splitserve.quantization import gguf_int4
+
+    gen = torch.Generator().manual_seed(seed)
+    nb, size = k // gguf_int4.BLOCK_WEIGHTS[qtype], gguf_int4.BLOCK_BYTES[qtype]
+    blocks = torch.randint(0, 256, (n, nb, size), generator=gen, dtype=torch.uint8)
+    halves = 2 if qtype != gguf_int4.Q4_0 else 1  # d (and m / dmin) as float16
+    values = (torch.rand(n, nb, halves, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    values[..., 1:] *= -1 if qtype == gguf_int4.Q4_1 else 1
+    blocks[..., : 2 * halves] = values.view(torch.uint8).view(n, nb, 2 * halves)
+    if qtype == gguf_int4.Q4_K:  # no sub-block scale of 0 (its weights would all be -dmin m)
+        blocks[..., 4:8] |= 1
+        blocks[..., 12:16] |= 1
+    return blocks.view(n, nb * size)
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 12])
+def test_gguf_4bit_blocks_convert_exactly(qtype):
+    from splitserve.kernels.gguf import dequantize_reference
+    from splitserve.quantization import gguf_int4
+
+    n, k = 6, 512
+    blocks = _random_blocks(qtype, n, k)
+    plain = gguf_int4.to_int4(blocks, qtype, n, k)
+    assert plain.group_size == 32 and plain.q.shape == (n, k) and int(plain.q.max()) <= 15
+    torch.testing.assert_close(plain.dequantize(), dequantize_reference(blocks, qtype, n, k), atol=1e-6, rtol=1e-5)
+
+
+def test_a_gguf_block_without_an_affine_form_is_not_converted():
+    from splitserve.quantization import gguf_int4
+
+    blocks = _random_blocks(gguf_int4.Q4_1, 2, 64).view(2, 2, 20)
+    blocks[0, 1, :2] = 0  # d = 0 while m != 0: every weight of the block is m
+    assert gguf_int4.to_int4(blocks.reshape(2, 40), gguf_int4.Q4_1, 2, 64) is None
+
+
+def test_a_gguf_layer_on_a_gpu_multiplies_4bit_blocks_in_the_kernel_and_the_rest_dense(monkeypatch):
+    """quantization/gguf.py's CUDA form (run here on CPU tensors, the kernel in the interpreter): a
+    stacked layer whose q shard is Q4_K and k/v shards Q8_0, as some Q4_K_M files are."""
+    from splitserve.kernels.gguf import dequantize_reference
+    from splitserve.layers.basic import Linear
+    from splitserve.layers.gguf_weight import GGUFWeight
+    from splitserve.quantization import gguf as gguf_method
+    from splitserve.quantization import int4_linear
+    from splitserve.quantization.config import QuantizationConfig
+
+    k, q8 = 256, 8
+    shards = [GGUFWeight(12, (32, k), _random_blocks(12, 32, k, seed=1))]
+    values = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
+    scale = values.view(16, k // 32, 32).abs().amax(-1, keepdim=True) / 127  # Q8_0: d (float16), 32 int8
+    levels = (values.view(16, k // 32, 32) / scale).round().to(torch.int8)
+    block = torch.cat([scale.to(torch.float16).view(torch.uint8).view(16, k // 32, 2), levels.view(torch.uint8)], -1)
+    shards += [GGUFWeight(q8, (16, k), block.reshape(16, -1).contiguous()) for _ in range(2)]
+    layer = Linear(k, [32, 16, 16], dtype=torch.float16, quant_method=QuantizationConfig("gguf").linear_method("x"))
+    for i, shard in enumerate(shards):
+        layer.quant_method.load(layer, "weight", i, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    monkeypatch.setattr(int4_linear, "choose_kernel", lambda *args: "triton")
+    gguf_method._for_cuda(layer)
+    assert [run[0] for run in layer.gguf_runs] == [gguf_method.INT4, None]
+    dense = torch.cat([dequantize_reference(s.data, s.qtype, s.shape[0], k) for s in shards])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    want = x.float() @ dense.to(torch.float16).float().t()
+    torch.testing.assert_close(layer(x).float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
