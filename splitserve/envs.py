@@ -96,7 +96,8 @@ _DECLARED = [
         "SPLITSERVE_GPU_KERNELS",
         _flag,
         "1",
-        "0 runs torch ops instead of the Triton norm/rotary/SiLU kernels.",
+        "0 runs torch ops instead of splitserve's Triton kernels on CUDA (norm, rotary, SiLU, plain sampling, "
+        "W4A16 products; int4 weights are then dequantized per forward).",
         "kernels",
     ),
     EnvVar(
