@@ -107,7 +107,8 @@ class CUDAGraphRunner:
              torch.zeros(self._ints.shape, dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
         ]  # fmt: skip
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        # recorded after each set's copies (an event never recorded synchronizes at once)
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pin else None
         self._turn = 0
         self.captured: dict[int, tuple] = {}
 
@@ -167,7 +168,7 @@ class CUDAGraphRunner:
         n, size = len(input_ids), self.padded_size(len(input_ids))
         largest, width = self.block_tables.shape
         longs, ints = self._host[self._turn]
-        if self._copied[self._turn] is not None:
+        if self._copied is not None:
             self._copied[self._turn].synchronize()  # this set's last copy has left it (at once, mostly)
         host = longs.numpy()
         for row, values, pad in (
@@ -189,8 +190,7 @@ class CUDAGraphRunner:
         self._ints[:end].copy_(ints[:end], non_blocking=True)
         if pending:
             self._take_pending(*pending)
-        if self._longs.is_cuda:
-            self._copied[self._turn] = torch.cuda.Event()
+        if self._copied is not None:
             self._copied[self._turn].record()
         self._turn ^= 1
         return size

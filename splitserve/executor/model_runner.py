@@ -197,7 +197,7 @@ class ModelRunner(RunnerKVCache):
         self.num_steps += 1
         if self.lora_manager is not None:
             self.lora_manager.prepare([r.lora_request for r in batch.requests], batch.query_start_loc, self.num_steps)
-        if self._replays(batch):  # a decode step in a captured graph: its inputs go straight to the graph's
+        if self._replays(batch):  # a decode step in a captured graph: inputs straight into its buffers
             size = self._stage_for_graph(batch, previous)
             step_timing.lap("input preparation")
             hidden = self.graph_runner.replay(size, len(batch.requests))
@@ -299,20 +299,14 @@ class ModelRunner(RunnerKVCache):
 
     def _input_ids(self, batch: InputBatch, previous: InFlightStep | None) -> torch.Tensor:
         input_ids = to_device(batch.input_ids, torch.long, self.device)
-        if batch.pending_inputs:
-            assert previous is not None, "a request's last token is pending but no step is in flight"
-            where = to_device([i for i, _ in batch.pending_inputs], torch.long, self.device)
-            rows = to_device([previous.row_of(rid) for _, rid in batch.pending_inputs], torch.long, self.device)
-            input_ids[where] = previous.sampled.token_ids[rows]
+        if pending := _pending_tokens(batch, previous):
+            rows, sources, tokens = pending
+            input_ids[to_device(rows, torch.long, self.device)] = tokens[to_device(sources, torch.long, self.device)]
         return input_ids
 
     def _stage_for_graph(self, batch: InputBatch, previous: InFlightStep | None) -> int:
-        pending = None
-        if batch.pending_inputs:
-            assert previous is not None, "a request's last token is pending but no step is in flight"
-            rows, sources = zip(*[(i, previous.row_of(rid)) for i, rid in batch.pending_inputs])
-            pending = (list(rows), list(sources), previous.sampled.token_ids)
         rope = batch.rope_lengths() if self.uses_rope_lengths else None
+        pending = _pending_tokens(batch, previous)
         table = batch.block_table_tensor()
         return self.graph_runner.stage(
             batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, table, rope, pending
@@ -327,3 +321,18 @@ class ModelRunner(RunnerKVCache):
             and batch.num_decodes <= self.graph_runner.max_batch_size
             and max(batch.seq_lens, default=0) <= self.config.max_seq_len_to_capture
         )
+
+
+def _pending_tokens(
+    batch: InputBatch, previous: InFlightStep | None
+) -> tuple[list[int], list[int], torch.Tensor] | None:
+    """Overlap scheduling: the rows of `batch` whose input token the step before is still sampling,
+    their rows in that step, and its sampled tokens (on the device); None when there are none."""
+    if not batch.pending_inputs:
+        return None
+    assert previous is not None, "a request's last token is pending but no step is in flight"
+    return (
+        [i for i, _ in batch.pending_inputs],
+        [previous.row_of(rid) for _, rid in batch.pending_inputs],
+        previous.sampled.token_ids,
+    )

@@ -72,6 +72,12 @@ def pack(levels: torch.Tensor) -> torch.Tensor:
     return (nibbles << shifts).sum(dim=-1, dtype=torch.int32)
 
 
+def operands(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
+    """The kernel's (packed levels, scales, zero points) of [N, K] levels and their [N, K / G] scale
+    and zero, these two in `dtype`."""
+    return pack(q), scale.to(dtype).contiguous(), zero.to(dtype).contiguous()
+
+
 def _block_k(k: int, group: int) -> int | None:
     """The widest K block (64, 32 or 16) inside one group: it divides the group size (and so K)."""
     return next((b for b in (64, 32, 16) if group % b == 0 and k % group == 0), None)

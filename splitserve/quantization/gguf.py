@@ -72,16 +72,15 @@ class GGUFLinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         outputs = []
         for qtype, rows, name in layer.gguf_runs:
-            weight = tuple(getattr(layer, f"{name}_{p}") for p in "qsz") if qtype == INT4 else getattr(layer, name)
-            if qtype is None:
-                outputs.append(row_buckets.linear(x2, weight))
-            elif qtype == INT4:
+            if qtype == INT4:
                 from splitserve.kernels import triton_int4
 
-                q, scale, zero = weight
-                outputs.append(triton_int4.linear(x2, q, scale, zero, 32))
+                operands = (getattr(layer, f"{name}_{part}") for part in "qsz")
+                outputs.append(triton_int4.linear(x2, *operands, 32))
+            elif qtype is None:
+                outputs.append(row_buckets.linear(x2, getattr(layer, name)))
             else:
-                outputs.append(gguf_kernels.gguf_mm(x2, weight, qtype, rows, layer.in_features))
+                outputs.append(gguf_kernels.gguf_mm(x2, getattr(layer, name), qtype, rows, layer.in_features))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -111,9 +110,9 @@ def _for_cuda(layer: Linear) -> None:
             continue
         from splitserve.kernels import triton_int4
 
-        layer.register_buffer(f"{name}_q", triton_int4.pack(plain.q))
-        layer.register_buffer(f"{name}_s", plain.scale.contiguous())
-        layer.register_buffer(f"{name}_z", plain.zero.contiguous())
+        # float32 scale and zero: a Q4_1 or Q4_K zero is not a 16-bit number
+        for part, tensor in zip("qsz", triton_int4.operands(plain.q, plain.scale, plain.zero, torch.float32)):
+            layer.register_buffer(f"{name}_{part}", tensor)
         layer.gguf_runs[i] = (INT4, rows, name)
 
 

@@ -106,9 +106,8 @@ class Int4Method(QuantMethod):
         if layer.int4_kernel == "triton":
             from splitserve.kernels import triton_int4
 
-            layer.register_buffer("qweight", triton_int4.pack(q))
-            layer.register_buffer("scales", scale.to(layer.dtype).contiguous())
-            layer.register_buffer("zeros", zero.to(layer.dtype).contiguous())
+            for name, tensor in zip(("qweight", "scales", "zeros"), triton_int4.operands(q, scale, zero, layer.dtype)):
+                layer.register_buffer(name, tensor)
         elif layer.int4_kernel == "cpu_int4pack":
             if layer.out_features % 16:
                 raise ValueError(f"The CPU int4 kernel needs output sizes divisible by 16, got {layer.out_features}.")
