@@ -212,6 +212,15 @@ _DECLARED = [
         "resources",
     ),
     EnvVar(
+        "SPLITSERVE_ENGINE_START_METHOD",
+        _choice("auto", "fork", "spawn"),
+        "auto",
+        "How a server starts its engine process on the CPU. auto: forked from the server once it has read the "
+        "model's config (torch and transformers are not imported twice) on a host without NVIDIA GPUs, spawned "
+        "(a fresh interpreter) otherwise; fork: forked whenever the engine runs on the CPU; spawn: always spawned.",
+        "resources",
+    ),
+    EnvVar(
         "SPLITSERVE_CONFIG_CACHE",
         _flag,
         "1",

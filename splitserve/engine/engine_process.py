@@ -1,7 +1,10 @@
-"""Starting the engine core process, in a module that does not import torch: `splitserve serve`
-starts its engine process before its own imports of torch and transformers, so that the two
-processes import them side by side (loader/config_cache.py and the start-up section of
-docs/cpu-performance.md). The engine process itself runs engine/core/core_proc.py."""
+"""Starting the engine core process, in a module that does not import torch. On the CPU, `splitserve
+serve` builds its config and then forks its engine process from itself (config_for_fork): the engine
+starts with torch, transformers and the config already in memory. Where the engine runs on a GPU (or
+SPLITSERVE_ENGINE_START_METHOD=spawn), the engine process is spawned first, before the server's own
+imports of torch and transformers, so that the two processes import them side by side
+(loader/config_cache.py and the start-up section of docs/cpu-performance.md). The engine process
+itself runs engine/core/core_proc.py."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine.arg_utils import EngineArgs
 
@@ -37,18 +41,58 @@ class DeferredEngineConfig:
         return config
 
 
+def fork_wanted(data_parallel_size: int) -> bool:
+    """Whether a server should build its config first and then fork its engine process from itself
+    (SPLITSERVE_ENGINE_START_METHOD, docs/envs.md): a forked engine starts with torch, transformers and
+    the config already in memory, where a spawned one imports them again (about 2 s of CPU in a fresh
+    interpreter). `auto` forks on hosts without an NVIDIA driver only: CUDA does not survive a fork of a
+    process that touched it, and there the engine is spawned first, its imports overlapping the
+    server's (DeferredEngineConfig). Data-parallel replicas are spawned (each sets its share of the
+    cores in its environment before torch is imported)."""
+    method = envs.SPLITSERVE_ENGINE_START_METHOD
+    if method == "spawn" or data_parallel_size > 1:
+        return False
+    return method == "fork" or not os.path.exists("/dev/nvidiactl")
+
+
+def config_for_fork(engine_args: EngineArgs) -> tuple[EngineConfig, str | None]:
+    """Build the engine's config in this process, for an engine forked from it: the config, and why the
+    engine must be spawned after all (None: it may be forked)."""
+    import torch  # noqa: F401 (with numpy: their idle thread pools, which fork safely, are not counted)
+
+    before = _os_threads()
+    config = engine_args.create_engine_config()
+    if config.device.type != "cpu":
+        return config, f"the engine runs on {config.device.type}, which does not survive a fork"
+    started = _os_threads() - before
+    if threading.active_count() > 1 or started:
+        # e.g. OpenMP's pool, started by a parallel op: a forked child's next parallel region would hang
+        return config, f"this process started {len(started) or threading.active_count() - 1} threads a fork would lose"
+    return config, None
+
+
+def _os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
+
+
 class EngineProcess:
     """Starts the engine core process and waits until it is ready (or says why it is not). The
     process's standard error (its log, and its ranks') also goes to a file, so that once it has died
     its last lines can say why (`last_log_lines`)."""
 
     def __init__(
-        self, source: EngineConfig | DeferredEngineConfig, address: str | None = None, env: dict[str, str] | None = None
+        self,
+        source: EngineConfig | DeferredEngineConfig,
+        address: str | None = None,
+        env: dict[str, str] | None = None,
+        fork_closing: tuple[int, ...] | None = None,
     ):
         """`env`: set in the engine process's environment before anything else runs there (a data-parallel
-        replica's share of the CPU cores or GPUs)."""
+        replica's share of the CPU cores or GPUs). `fork_closing`: fork this process (an EngineConfig
+        source; config_for_fork found no hazard) and close these file descriptors (the server's listening
+        sockets) in the engine at once; None: spawn a fresh interpreter."""
         self.address = address or new_ipc_address()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("spawn" if fork_closing is None else "fork")
         parent, child = ctx.Pipe(duplex=False)
         fd, self.log_path = tempfile.mkstemp(prefix="splitserve-engine-", suffix=".log")
         os.close(fd)
@@ -57,7 +101,7 @@ class EngineProcess:
         # (a parent-death signal, and shutdown() below).
         self.process = ctx.Process(
             target=_run_engine_core,
-            args=(source, self.address, child, self.log_path, env or {}),
+            args=(source, self.address, child, self.log_path, env or {}, fork_closing),
             name="splitserve-engine",
         )
         self.process.start()
@@ -153,8 +197,19 @@ def _tee_stderr(path: str) -> None:
 
 
 def _run_engine_core(
-    source: EngineConfig | DeferredEngineConfig, address: str, ready_pipe, log_path: str, env: dict[str, str]
+    source: EngineConfig | DeferredEngineConfig,
+    address: str,
+    ready_pipe,
+    log_path: str,
+    env: dict[str, str],
+    closing: tuple[int, ...] | None,
 ) -> None:
+    if closing is not None:  # forked: the server's port must not stay open in the engine, nor its phases in its report
+        from splitserve.engine import startup
+
+        for fd in closing:
+            os.close(fd)
+        startup.forget()
     os.environ.update(env)
     from splitserve.engine.core.core_proc import run_engine_core
 

@@ -31,6 +31,11 @@ def phase(name: str):
         _phases[name] = _phases.get(name, 0.0) + time.perf_counter() - start
 
 
+def forget() -> None:
+    """Drop the phases timed so far: a process forked from one that timed its own (a forked engine)."""
+    _phases.clear()
+
+
 def seconds_since_process_start() -> float:
     """From the kernel's record of when this process started (/proc), so imports count too."""
     with open("/proc/self/stat") as f:

@@ -9,6 +9,7 @@ import sys
 
 from splitserve import envs
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
+from splitserve.process_utils import main_and_exit
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
@@ -249,5 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
+def run() -> None:
+    """The `splitserve` command: main() in a process that leaves without the interpreter's teardown."""
+    main_and_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    run()

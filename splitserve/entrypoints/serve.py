@@ -21,7 +21,7 @@ from splitserve.engine.arg_utils import EngineArgs
 from splitserve.entrypoints.openai.args import ServerArgs, make_arg_parser, split_args
 from splitserve.entrypoints.openai.server import run_server
 from splitserve.entrypoints.pd_flags import check_pd_flags, instance_env, instance_flags
-from splitserve.process_utils import leaving, unwind_on_sigterm
+from splitserve.process_utils import leaving, main_and_exit, unwind_on_sigterm
 
 if TYPE_CHECKING:
     from splitserve.entrypoints.router import RouterConfig
@@ -145,4 +145,4 @@ def main(argv: list[str] | None = None, default_max_tokens: int | None = None) -
 
 
 if __name__ == "__main__":  # what `serve --pd` starts its instances with (launch.INSTANCE_MODULE)
-    main()
+    main_and_exit(main)

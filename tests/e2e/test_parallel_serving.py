@@ -16,7 +16,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from tests.helpers.pd import wait_for
-from tests.helpers.server import RemoteServer, alive, cmdline, stream_and_kill
+from tests.helpers.server import RemoteServer, alive, comm, stream_and_kill
 
 pytestmark = pytest.mark.slow  # starts multi-rank servers
 
@@ -30,9 +30,10 @@ def _parent(pid: int) -> int:
 
 
 def _rank_pids(server: RemoteServer) -> list[int]:
-    """The ranks: the server's processes whose parent is another of its children (the engine)."""
+    """The ranks: the server's processes whose parent is another of its children (the engine), named
+    splitserve-rN (forked from the engine or spawned, as the engine decides)."""
     children = set(server.child_pids())
-    return sorted(p for p in children if _parent(p) in children and "spawn_main" in cmdline(p))
+    return sorted(p for p in children if _parent(p) in children and comm(p).startswith("splitserve-r"))
 
 
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:

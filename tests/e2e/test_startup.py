@@ -1,15 +1,21 @@
-"""Start-up: `splitserve bench startup` times a server and an offline engine phase by phase, the
-engine process builds its own config from the server's arguments (so that the two processes'
-imports overlap), and an engine process whose arguments are bad says why without hanging."""
+"""Start-up: `splitserve bench startup` times a server and an offline engine phase by phase; on the
+CPU the server forks its engine process once its config is built (the engine must not keep the
+server's port), and spawned (SPLITSERVE_ENGINE_START_METHOD=spawn, GPU hosts) the engine process
+builds its own config from the server's arguments; an engine process whose arguments are bad says why
+without hanging."""
 
 from __future__ import annotations
 
+import os
+
+import httpx
 import pytest
 
 from splitserve.benchmarks import startup
 from splitserve.engine.arg_utils import EngineArgs
 from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
 from splitserve.entrypoints.cli import build_parser
+from tests.helpers.server import RemoteServer, engine_pid
 
 pytestmark = pytest.mark.slow  # starts servers and engine processes
 
@@ -22,8 +28,9 @@ def test_bench_startup_reports_every_process_phase_by_phase(tiny_chat_model, cap
     assert [r["cold"] for r in results["server"]] == [True]
     for run in results["server"]:
         engine, server = run["processes"]["engine"], run["processes"]["server"]
-        # The engine process reads the model config itself, while the server reads its own copy.
-        assert {"model config", "weights", "KV cache", "warm-up"} <= set(engine["phases_s"])
+        # Forked from the server, which read the model config, the engine times only its own phases.
+        assert {"weights", "KV cache", "warm-up"} <= set(engine["phases_s"])
+        assert "model config" not in engine["phases_s"]
         assert {"model config", "tokenizer", "engine process"} <= set(server["phases_s"])
         assert 0 < engine["since_process_start_s"] < server["since_process_start_s"] <= run["ready_s"] + 1
     for run in results["offline"]:
@@ -40,3 +47,35 @@ def test_an_engine_process_with_bad_arguments_says_why(tiny_chat_model):
             engine.wait_ready(None)
     finally:
         engine.shutdown()
+
+
+def _listening_inode(port: int) -> str:
+    with open("/proc/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+                return fields[9]
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def _sockets(pid: int) -> set[str]:
+    fds = f"/proc/{pid}/fd"
+    return {os.readlink(os.path.join(fds, fd)) for fd in os.listdir(fds)}
+
+
+@pytest.mark.parametrize("method", ["auto", "spawn"])
+def test_the_engine_process_forked_or_spawned_serves_and_leaves_the_port_to_the_server(
+    tiny_chat_model, tmp_path, method
+):
+    log = tmp_path / "server.log"
+    env = {"SPLITSERVE_ENGINE_START_METHOD": method}
+    with RemoteServer(tiny_chat_model, "--max-model-len", "128", env=env, log_path=str(log)) as server:
+        listening = f"socket:[{_listening_inode(server.port)}]"
+        assert listening in _sockets(server.proc.pid)
+        assert listening not in _sockets(engine_pid(server))  # else the port outlives a dead server
+        body = {"model": tiny_chat_model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 4
+    text = log.read_text()
+    said = "forked from this one" if method == "auto" else "Engine ready"
+    assert said in text and ("forked" in text) == (method == "auto")

@@ -144,7 +144,8 @@ def test_a_cached_load_does_not_import_the_config_class(tiny_models, cache_dir):
 
 def test_serve_starts_its_engine_before_importing_torch():
     """`splitserve serve` parses its flags and reaches the engine process's start without importing
-    torch or transformers, so that the engine process imports them beside the server, not after."""
+    torch or transformers, so that a spawned engine process (a GPU host's) imports them beside the
+    server, not after."""
     code = (
         "import sys\n"
         "from splitserve.entrypoints.cli import build_parser\n"

@@ -250,8 +250,8 @@ def run_engine_core(source, address: str, ready_pipe) -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent()
     set_process_name("splitserve-eng")
-    logging.basicConfig(
-        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s engine: %(message)s"
+    logging.basicConfig(  # force: a forked engine inherits its server's handler, with the server's format
+        level=envs.SPLITSERVE_LOGGING_LEVEL.upper(), format="%(asctime)s %(levelname)s engine: %(message)s", force=True
     )
     try:
         config = source if isinstance(source, EngineConfig) else source.build()

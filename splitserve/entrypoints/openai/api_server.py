@@ -11,8 +11,9 @@ as FastDeploy's document has it: a request without max_tokens generates at most 
 from __future__ import annotations
 
 from splitserve.entrypoints.serve import main
+from splitserve.process_utils import main_and_exit
 
 FASTDEPLOY_DEFAULT_MAX_TOKENS = 16
 
 if __name__ == "__main__":
-    main(default_max_tokens=FASTDEPLOY_DEFAULT_MAX_TOKENS)
+    main_and_exit(main, default_max_tokens=FASTDEPLOY_DEFAULT_MAX_TOKENS)

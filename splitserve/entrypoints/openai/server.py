@@ -41,7 +41,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess
+    from splitserve.engine.engine_process import DeferredEngineConfig, EngineProcess, fork_wanted
 
     multiproc_dir = None
     if server_args.workers > 1:
@@ -58,21 +58,26 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     if server_args.metrics_port not in (None, server_args.port):
         metrics_sock = bind_socket(server_args.host, server_args.metrics_port)
     unwind_on_sigterm()  # through `finally`: the engine and the workers are stopped with this process
-    # The engine processes build their config from the same arguments while this one builds its own
-    # (with data parallelism, after it: each replica's share of the cores or GPUs depends on it).
-    config = engine_args.create_engine_config() if engine_args.data_parallel_size > 1 else None
-    replica_envs = _replica_environments(config)
-    engines = [
-        EngineProcess(
-            DeferredEngineConfig(engine_args, server_args.health_timeout), _engine_address(server_args, i), env
-        )
-        for i, env in enumerate(replica_envs)
-    ]
-    from splitserve.tokenizer import get_tokenizer  # torch and transformers: after the engine has started
-
+    engines: list[EngineProcess] = []
     workers: list[multiprocessing.Process] = []
     supervisors = []
     try:
+        # Spawned engine processes build their config from the same arguments while this one builds its
+        # own (with data parallelism, after it: each replica's share of the cores or GPUs depends on it);
+        # a forked one (on the CPU) starts from this process's config and imports.
+        config, closing = None, None
+        if fork_wanted(engine_args.data_parallel_size):
+            config, closing = _config_for_fork(engine_args, [s for s in (sock, metrics_sock) if s is not None])
+        elif engine_args.data_parallel_size > 1:
+            config = engine_args.create_engine_config()
+        if config is not None:
+            config.health_timeout = server_args.health_timeout
+        replica_envs = _replica_environments(config if engine_args.data_parallel_size > 1 else None)
+        for i, env in enumerate(replica_envs):
+            source = config if closing is not None else DeferredEngineConfig(engine_args, server_args.health_timeout)
+            engines.append(EngineProcess(source, _engine_address(server_args, i), env, closing))
+        from splitserve.tokenizer import get_tokenizer  # torch and transformers: after the engine has started
+
         config = config or engine_args.create_engine_config()
         config.health_timeout = server_args.health_timeout
         logger.info("Default sampling: %s", describe_sampling_defaults(config.model_config.sampling_defaults))
@@ -127,6 +132,19 @@ def _replica_environments(config: EngineConfig | None) -> list[dict[str, str] | 
     envs = replica_environments(config, config.parallel_config.data_parallel_size)
     logger.info("Data parallelism: %d engine replicas (%s)", len(envs), "; ".join(map(str, envs)))
     return envs
+
+
+def _config_for_fork(engine_args: EngineArgs, sockets: list[socket.socket]) -> tuple[EngineConfig, tuple | None]:
+    """The config, built here, and the descriptors a forked engine process closes (this process's
+    listening sockets); None when the engine must be spawned after all (said in the log, with the reason)."""
+    from splitserve.engine.engine_process import config_for_fork
+
+    config, hazard = config_for_fork(engine_args)
+    if hazard is not None:
+        logger.info("The engine process is spawned (a fresh interpreter), not forked: %s", hazard)
+        return config, None
+    logger.info("The engine process is forked from this one (torch, transformers and the config already loaded)")
+    return config, tuple(s.fileno() for s in sockets)
 
 
 def _engine_address(server_args: ServerArgs, replica: int) -> str | None:
