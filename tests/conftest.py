@@ -27,6 +27,31 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With SPLITSERVE_TEST_TIMES=FILE, one line per test (set-up and teardown included): its wall time,
+    the CPU time of this process and of the processes it waited for (servers, engines, ranks), tab-
+    separated: which tests wait (wall far above CPU) and which compute, to keep the suite short."""
+    path = os.environ.get("SPLITSERVE_TEST_TIMES")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu(who):
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    start, own, children = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    yield
+    with open(path, "a") as f:
+        f.write(
+            f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{cpu(resource.RUSAGE_SELF) - own:.2f}"
+            f"\t{cpu(resource.RUSAGE_CHILDREN) - children:.2f}\n"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _splitserve_log_level():
     """pipeline() sets the `splitserve` logger's level for the process (log_level, 'ERROR' by
