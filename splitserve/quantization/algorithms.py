@@ -178,11 +178,17 @@ def awq_scale_model(
 
 
 def awq_scale_layer(
-    groups: list[InputGroup], stats: dict[str, InputStats], group_size: int, clip: bool = True
+    groups: list[InputGroup],
+    stats: dict[str, InputStats],
+    group_size: int,
+    clip: bool = True,
+    rescale_stats: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Search and fold AWQ's scales for every group of one layer with an exact fold, then (with `clip`)
     search each linear's clipping (`awq_clip_search`) on the rescaled weights and inputs. Returns the
-    chosen scale exponents, and the clipping ratios by linear name."""
+    chosen scale exponents, and the clipping ratios by linear name. With `rescale_stats`, each scaled
+    group's `stats` then describe its new inputs x / s (`InputStats.divide`), as a pass of the rescaled
+    layer over the calibration data would record them: a fold only changes its own group's input."""
     ratios, clips = [], {}
     for group in groups:
         moment = stats[group.site].second_moment()
@@ -191,6 +197,8 @@ def awq_scale_layer(
             fold_scales(group, found.scale)
             ratios.append(found.ratio)
             moment = moment / found.scale[:, None] / found.scale[None, :]  # the input is now x / s
+            if rescale_stats:
+                stats[group.site].divide(found.scale)
         if not clip:
             continue
         for name, linear in group.linears.items():

@@ -98,6 +98,14 @@ class InputStats:
     def absmean(self) -> torch.Tensor:
         return self.abssum / max(self.tokens, 1)
 
+    def divide(self, s: torch.Tensor) -> None:
+        """The statistics of x / s (per input channel) in place of those of x."""
+        self.absmax, self.abssum = self.absmax / s, self.abssum / s
+        if self.gram is not None:
+            self.gram = self.gram / s[:, None] / s[None, :]
+        if self.fold_absmax is not None:
+            self.fold_absmax = self.fold_absmax / s
+
     def second_moment(self) -> torch.Tensor:
         """E[x^T x] = X^T X / n: the mean squared output error of a weight error E is
         tr(E M E^T) / out, so objectives over all calibration tokens cost no pass over them."""

@@ -177,8 +177,7 @@ def quantize_model(
             if quant_type == "awq":
                 clips = algorithms.awq_scale_layer(groups, stats, group_size)[1]
             elif awq_scales:  # GPTQ on the rescaled weights, with the Hessians of their rescaled inputs
-                algorithms.awq_scale_layer(groups, stats, group_size, clip=False)
-                stats = collect()
+                algorithms.awq_scale_layer(groups, stats, group_size, clip=False, rescale_stats=True)
             plains = {}
             for group in groups:
                 plains.update(_quantize_group(group, quant_type, stats, clips=clips, **options))

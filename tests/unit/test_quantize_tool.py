@@ -550,3 +550,23 @@ def test_default_group_size_is_the_largest_that_divides(caplog):
     assert "Group size 64: the default 128 does not divide hidden_size" in caplog.text
     wide = transformers.LlamaConfig(hidden_size=1024, intermediate_size=4096, num_attention_heads=16)
     assert tool.default_group_size(wide, 1) == 128
+
+
+@pytest.mark.parametrize("fixture", ["llama", "llama_mha"])
+@torch.no_grad()
+def test_awq_folds_rescale_the_statistics_as_a_new_pass_would_record_them(request, calib_file, fixture):
+    """GPTQ after AWQ's scales reads each group's Hessian of its rescaled inputs x / s from the first
+    pass's statistics (awq_scale_layer's rescale_stats) instead of a second pass of the layer."""
+    model = load_float(request.getfixturevalue(fixture))
+    stats = _calibrate(model, calib_file)
+    groups = algorithms.decoder_groups(model)[0]
+    algorithms.awq_scale_layer(groups, stats, 32, clip=False, rescale_stats=True)
+    again = _calibrate(model, calib_file)
+    scaled = [g.site for g in groups if g.prev is not None]
+    assert scaled
+    for site in scaled:
+        for name in ("gram", "absmax", "abssum"):
+            torch.testing.assert_close(getattr(stats[site], name), getattr(again[site], name), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(
+        again[scaled[0]].gram, _calibrate(load_float(request.getfixturevalue(fixture)), calib_file)[scaled[0]].gram
+    )
