@@ -47,8 +47,9 @@ generate: setup
 test: setup
 	$(PY) -m pytest -q --durations=30
 
-# The edit-test loop: everything but the tests marked slow (servers, worker processes, Ray, the
-# default model); a few minutes. `make test` stays the whole suite.
+# The edit-test loop: everything but the tests marked slow (servers, worker processes, fresh
+# interpreters, Ray, the default model); about 4 minutes. `make test` stays the whole suite.
+# SPLITSERVE_TEST_TIMES=FILE (tests/conftest.py) writes each test's wall and CPU time, to find the slow ones.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 

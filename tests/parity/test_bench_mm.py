@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from splitserve.benchmarks import multimodal
 from splitserve.engine.arg_flags import add_engine_args, engine_args_from
 
 
+@pytest.mark.slow  # runs two engines
 def test_bench_mm_runs_both_engines(tiny_qwen2_vl, capsys):
     model = tiny_qwen2_vl
     parser = argparse.ArgumentParser()
@@ -23,6 +26,7 @@ def test_bench_mm_runs_both_engines(tiny_qwen2_vl, capsys):
     assert "splitserve / transformers: TTFT" in out and "3 requests of one 32 x 32 image" in out
 
 
+@pytest.mark.slow  # builds a 2B-shaped model
 def test_the_synthetic_2b_directory(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer
 

@@ -22,6 +22,7 @@ def _llm(path: str, **kwargs) -> LLM:
     return LLM(path, dtype="float32", max_model_len=128, use_tqdm_on_load=False, **kwargs)
 
 
+@pytest.mark.slow  # starts replica processes
 def test_two_replicas_give_one_engines_tokens(tiny_models):
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=1) for i in range(8)]
     one = _llm(tiny_models["qwen3"])
@@ -82,6 +83,7 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+@pytest.mark.slow  # starts replica processes
 def test_each_replica_publishes_kv_events_on_its_own_port(tiny_models):
     """vLLM's rule: replica r publishes on the endpoint's port + r (both binding one port crashed)."""
     port = _two_free_ports()

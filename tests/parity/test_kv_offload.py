@@ -114,6 +114,7 @@ def test_corrupt_and_foreign_files_are_skipped(tiny_models, references, tmp_path
     assert _tier(second).disk.num_skipped > 0
 
 
+@pytest.mark.slow  # starts rank processes
 def test_two_ranks_keep_their_own_files(tiny_models, references, tmp_path):
     """tp=2: each rank copies and writes its share; a block is a hit only when both ranks' files are there."""
     first = _llm(tiny_models["qwen3"], tensor_parallel_size=2, kv_offloading_size=0.002, kv_cache_dir=str(tmp_path))

@@ -21,6 +21,7 @@ def _run(*flags: str):
     return quant.main(ns, engine_args_from(ns))
 
 
+@pytest.mark.slow  # quantizes and scores models
 def test_quality_only_scores_each_text_for_each_variant(tiny_chat_model, tmp_path, capsys):
     model = tiny_chat_model
     ct = tmp_path / "ct"

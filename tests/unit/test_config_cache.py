@@ -124,6 +124,7 @@ def test_the_cache_can_be_turned_off(tiny_models, cache_dir, monkeypatch):
     assert not (cache_dir / "configs").exists()
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_a_cached_load_does_not_import_the_config_class(tiny_models, cache_dir):
     """The point of the cache: neither the config nor the tokenizer imports transformers' model
     config classes (and with them torch._dynamo) once the config is cached."""

@@ -63,6 +63,7 @@ def test_a_launchers_cores_bind_the_process():
     assert out.stdout.split("\n")[:2] == ["1", "[1]"]
 
 
+@pytest.mark.slow  # an engine in a fresh interpreter
 def test_an_engine_in_the_callers_process_takes_every_cpu(tiny_models):
     out = run(ENGINE, tiny_models["llama"])
     assert out.stdout.split()[-1] == str(CPUS)

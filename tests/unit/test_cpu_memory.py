@@ -50,6 +50,7 @@ def run_step(mode: str, **env: str) -> tuple[str, int, int, int]:
     return out[0], int(out[1]), int(out[2]), int(out[3])
 
 
+@pytest.mark.slow  # an engine in a fresh interpreter
 def test_a_steps_blocks_come_from_the_heap_and_stay_there_once_freed():
     # glibc's default maps each block above 128 KiB on its own and unmaps it on free (then raises
     # its threshold): the next step's blocks come back as fresh pages, faulted in again.
@@ -65,6 +66,7 @@ def test_a_steps_blocks_come_from_the_heap_and_stay_there_once_freed():
 @pytest.mark.parametrize(
     "env", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}]
 )
+@pytest.mark.slow  # an engine in a fresh interpreter
 def test_what_the_user_set_is_kept(env):
     applied, _, _, _ = run_step("tuned", **env)
     assert applied == "False"

@@ -61,6 +61,7 @@ print(config_for_fork(args)[1])
 """
 
 
+@pytest.mark.slow  # a fresh interpreter builds a config
 @pytest.mark.parametrize("starter", ["thread", "parallel op"])
 def test_threads_started_before_the_fork_make_the_engine_spawned(tiny_chat_model, starter):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}

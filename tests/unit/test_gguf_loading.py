@@ -15,6 +15,7 @@ from splitserve.loader.gguf_file import GGUFFile
 from splitserve.loader.weights import dequantize_gguf
 
 
+@pytest.mark.slow  # reads every tensor of the default model
 def test_tensor_index_and_values_match_the_gguf_package(default_gguf):
     ours, theirs = GGUFFile(default_gguf), gguf.GGUFReader(default_gguf)
     assert ours.architecture == "llama" and ours.metadata["llama.block_count"] == 30
@@ -38,6 +39,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         GGUFFile(str(path))
 
 
+@pytest.mark.slow  # parses the default model's GGUF twice
 def test_config_and_tokenizer_are_read_once_then_from_the_cache(default_gguf, tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer
 

@@ -9,12 +9,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from splitserve.benchmarks.gpu_check import format_table
 from splitserve.benchmarks.rooflines import decode_seconds
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # runs the whole GPU check script dry (about 45 s)
 def test_dry_run_ends_well_and_writes_its_report(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site")}

@@ -274,6 +274,7 @@ def test_transformers_baseline_with_dummy_weights():
     assert out.shape == (2, 6)
 
 
+@pytest.mark.slow  # runs two engines
 def test_throughput_benchmark_runs_both_backends_on_dummy_weights(tmp_path, smollm_tokenizer, capsys):
     from splitserve.benchmarks import throughput
     from splitserve.entrypoints.cli import build_parser, engine_args_from

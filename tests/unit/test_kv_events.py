@@ -111,6 +111,7 @@ def test_bad_configs_are_refused():
 
 
 # --- publishing ----------------------------------------------------------------------------------
+@pytest.mark.slow  # an engine and a subscriber
 def test_an_engine_publishes_vllm_format_events_with_replay(tiny_models):
     port, replay_port = free_port(), free_port()
     config = {

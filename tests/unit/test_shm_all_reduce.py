@@ -54,6 +54,7 @@ def _ranks(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts worker processes
 def test_shm_sums_equal_gloo_between_processes():
     before = set(os.listdir("/dev/shm"))
     mp.spawn(_ranks, args=(3, free_port()), nprocs=3, join=True)
