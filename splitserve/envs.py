@@ -217,7 +217,9 @@ _DECLARED = [
         "auto",
         "How a server starts its engine process on the CPU. auto: forked from the server once it has read the "
         "model's config (torch and transformers are not imported twice) on a host without NVIDIA GPUs, spawned "
-        "(a fresh interpreter) otherwise; fork: forked whenever the engine runs on the CPU; spawn: always spawned.",
+        "(a fresh interpreter) otherwise; fork: forked whenever the engine runs on the CPU; spawn: always spawned. "
+        "Ranks (--tensor/--pipeline-parallel-size) are forked from a CPU engine that runs no native thread pool "
+        "yet, unless this says spawn.",
         "resources",
     ),
     EnvVar(

@@ -1,6 +1,6 @@
 """Child processes that never outlive their parent, their names, a server's way out on SIGTERM and its
-quick exit,
-telling whether a process still runs, and a free loopback port for a process to listen on."""
+quick exit, telling whether a process still runs or runs native threads, and a free loopback port for
+a process to listen on."""
 
 from __future__ import annotations
 
