@@ -89,10 +89,12 @@ def native_threads() -> int:
     for one, hangs the child's next parallel region. 0 where /proc is missing (nothing to fork from)."""
     import threading
 
-    if not os.path.isdir("/proc/self/task"):
-        return 0
-    python = {t.native_id for t in threading.enumerate()}
-    return len({int(t) for t in os.listdir("/proc/self/task")} - python)
+    return len(os_threads() - {t.native_id for t in threading.enumerate()})
+
+
+def os_threads() -> set[int]:
+    """The ids of this process's OS threads (empty where /proc is missing)."""
+    return {int(t) for t in os.listdir("/proc/self/task")} if os.path.isdir("/proc/self/task") else set()
 
 
 def set_process_name(name: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine.arg_utils import EngineArgs
+from splitserve.process_utils import os_threads
 
 
 def new_ipc_address() -> str:
@@ -60,19 +61,15 @@ def config_for_fork(engine_args: EngineArgs) -> tuple[EngineConfig, str | None]:
     engine must be spawned after all (None: it may be forked)."""
     import torch  # noqa: F401 (with numpy: their idle thread pools, which fork safely, are not counted)
 
-    before = _os_threads()
+    before = os_threads()
     config = engine_args.create_engine_config()
     if config.device.type != "cpu":
         return config, f"the engine runs on {config.device.type}, which does not survive a fork"
-    started = _os_threads() - before
+    started = os_threads() - before
     if threading.active_count() > 1 or started:
         # e.g. OpenMP's pool, started by a parallel op: a forked child's next parallel region would hang
         return config, f"this process started {len(started) or threading.active_count() - 1} threads a fork would lose"
     return config, None
-
-
-def _os_threads() -> set[str]:
-    return set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
 
 
 class EngineProcess:
