@@ -42,16 +42,17 @@ generate: setup
 	$(VENV)/bin/splitserve generate --max-tokens 64
 
 # --durations: the slowest tests are named in every run's output (CI's too), to keep the suite short.
-# One worker: two (pytest-xdist -n 2 --dist loadscope) took longer on 2 cores (39.0 min against 35), the
-# servers' tests already keeping both cores busy, and raced for free ports.
+# One pytest-xdist worker per core, a module's tests on one worker (its servers and models shared), each
+# worker on one torch thread (tests/conftest.py): while one waits on its servers the other computes.
+PYTEST_WORKERS := -n auto --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 $(PYTEST_WORKERS)
 
 # The edit-test loop: everything but the tests marked slow (servers, worker processes, fresh
 # interpreters, Ray, the default model); about 4 minutes. `make test` stays the whole suite.
 # SPLITSERVE_TEST_TIMES=FILE (tests/conftest.py) writes each test's wall and CPU time, to find the slow ones.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 bench: setup
 	$(VENV)/bin/splitserve bench throughput --backend splitserve hf --num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16

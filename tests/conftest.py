@@ -3,11 +3,18 @@ transformers in a temporary directory (nothing is downloaded), plus the embedded
 
 from __future__ import annotations
 
+import itertools
 import os
 
-import pytest
+# `make test` runs one pytest-xdist worker per core (pytest_collection_modifyitems orders the modules for
+# them): each worker, and the servers it starts, compute on one torch thread, so that two workers share two cores
+# without OpenMP threads spinning against each other. Set before torch is imported.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.helpers.models import (
+import pytest  # noqa: E402
+
+from tests.helpers.models import (  # noqa: E402
     TINY_ARCHS,
     make_tiny_chat_model,
     make_tiny_model,
@@ -27,11 +34,30 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_collection_modifyitems(items):
+    """Modules in the order make test's workers take them (pytest-xdist --no-loadscope-reorder): the ones
+    marked `heavy` (minutes in one worker) first, so that none ends the run alone; then the end-to-end ones
+    (mostly waiting on servers) alternating with the parity ones (computing in the worker), so that a
+    worker waiting on its servers leaves its core to the other; the short unit tests last, to even out the
+    end. A module's tests keep their order."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups: dict[str, list[str]] = {"heavy": [], "e2e": [], "parity": [], "unit": []}
+    for name, tests in modules.items():
+        kind = name.split("/")[1] if name.count("/") > 1 else "unit"
+        heavy = any(item.get_closest_marker("heavy") for item in tests)
+        groups["heavy" if heavy else kind if kind in groups else "unit"].append(name)
+    interleaved = [m for pair in itertools.zip_longest(groups["e2e"], groups["parity"]) for m in pair if m]
+    items[:] = [item for name in groups["heavy"] + interleaved + groups["unit"] for item in modules[name]]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With SPLITSERVE_TEST_TIMES=FILE, one line per test (set-up and teardown included): its wall time,
-    the CPU time of this process and of the processes it waited for (servers, engines, ranks), tab-
-    separated: which tests wait (wall far above CPU) and which compute, to keep the suite short."""
+    the CPU time of this process and of the processes it waited for (servers, engines, ranks), the
+    pytest-xdist worker and the start (monotonic seconds), tab-separated: which tests wait (wall far
+    above CPU), which compute and which end the run alone, to keep the suite short."""
     path = os.environ.get("SPLITSERVE_TEST_TIMES")
     if not path:
         yield
@@ -45,10 +71,11 @@ def pytest_runtest_protocol(item, nextitem):
 
     start, own, children = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(path, "a") as f:
         f.write(
             f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{cpu(resource.RUSAGE_SELF) - own:.2f}"
-            f"\t{cpu(resource.RUSAGE_CHILDREN) - children:.2f}\n"
+            f"\t{cpu(resource.RUSAGE_CHILDREN) - children:.2f}\t{worker}\t{start:.1f}\n"
         )
 
 

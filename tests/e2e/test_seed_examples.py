@@ -24,7 +24,9 @@ from splitserve.loader.resolve import DEFAULT_MODEL_NAME, default_model_path
 from tests.helpers.pd import wait_for
 from tests.helpers.server import RemoteServer, free_port, metric
 
-pytestmark = pytest.mark.slow  # servers, a PD deployment and the default model, as the documents run them
+# Servers, a PD deployment and the default model, as the documents run them; AIAK's quantize command
+# quantizes the default model (heavy: minutes).
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 CLI = [sys.executable, "-m", "splitserve.entrypoints.cli"]
 SMALL_KV = {"SPLITSERVE_CPU_KVCACHE_SPACE": "1"}  # 1 GiB of KV cache per instance: the machine is small

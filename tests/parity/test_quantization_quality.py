@@ -23,7 +23,7 @@ from splitserve.quantization.packing import quantize_int4_groupwise
 from splitserve.quantization.tool import default_awq_scales, default_clip_search
 from splitserve.tokenizer import get_tokenizer
 
-pytestmark = pytest.mark.slow  # the default model quantized three times (about two minutes)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # the default model quantized three times (minutes)
 
 GROUP = 64  # the group size splitserve quantize picks for SmolLM2 (576 channels)
 

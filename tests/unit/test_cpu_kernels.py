@@ -382,6 +382,7 @@ def test_sampling_at_an_enormous_temperature_never_picks_a_banned_token(ops, mon
 
 
 @pytest.mark.slow  # rebuilds the kernels and reruns this module in a subprocess
+@pytest.mark.heavy
 @pytest.mark.skipif(
     cpu_features.requested_isa() == "avx2" or cpu_features.isa() != "avx512",
     reason="this run is the AVX2 build already (or the machine has no AVX-512 to leave out)",
