@@ -92,6 +92,18 @@ def _splitserve_log_level():
     logger.setLevel(logging.NOTSET)
 
 
+@pytest.fixture(scope="module")
+def parallel_kernels():
+    """Two torch threads for a module of kernel tests, whatever the worker runs (make test's run one):
+    the kernels' split of their work over threads is tested too."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
     from splitserve.loader.resolve import default_model_path

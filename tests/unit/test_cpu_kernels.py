@@ -15,6 +15,8 @@ from splitserve.executor.attention.backend import AttentionMetadata
 from splitserve.executor.attention.torch_ref import TorchAttentionBackend, _decode
 from splitserve.kernels import cpu_features
 
+pytestmark = pytest.mark.usefixtures("parallel_kernels")  # two threads, whatever the worker runs
+
 
 @pytest.fixture(scope="module")
 def ops():

@@ -18,6 +18,8 @@ from splitserve import kernels
 from splitserve.kernels import cpu_features
 from splitserve.kernels import gguf as gguf_kernels
 
+pytestmark = pytest.mark.usefixtures("parallel_kernels")  # two threads, whatever the worker runs
+
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IDS = [t.name for t in TYPES]
