@@ -92,6 +92,12 @@ def native_threads() -> int:
     return len(os_threads() - {t.native_id for t in threading.enumerate()})
 
 
+def nvidia_driver_present() -> bool:
+    """Whether this host has NVIDIA's driver (its control device), without importing torch: where it has
+    none, no CUDA device can be visible, and the CPU paths need not ask torch (a second of import)."""
+    return os.path.exists("/dev/nvidiactl")
+
+
 def os_threads() -> set[int]:
     """The ids of this process's OS threads (empty where /proc is missing)."""
     return {int(t) for t in os.listdir("/proc/self/task")} if os.path.isdir("/proc/self/task") else set()

@@ -22,7 +22,7 @@ import time
 import httpx
 
 from splitserve.executor.cpu_binding import CPU_CORES_ENV, split_cores
-from splitserve.process_utils import exit_with_parent, free_port
+from splitserve.process_utils import exit_with_parent, free_port, nvidia_driver_present
 
 logger = logging.getLogger("splitserve.pd")
 
@@ -41,13 +41,23 @@ def parse_pd_spec(spec: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def _cuda_visible() -> bool:
+    """Whether CUDA devices are visible, asking torch only on a host with NVIDIA's driver: the launcher
+    of a CPU deployment then starts its instances without importing torch (a second of its start-up)."""
+    if not nvidia_driver_present():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def split_devices(count: int, devices_per_instance: int = 1) -> list[dict[str, str]]:
     """Environment for each of `count` instances: `devices_per_instance` CUDA devices each (one per
     rank) when there are enough, else disjoint shares of this process's CPU cores (shared
     round-robin when there are too few), which the instance splits among its own ranks."""
-    import torch
+    if _cuda_visible():
+        import torch
 
-    if torch.cuda.is_available():
         n, need = torch.cuda.device_count(), count * devices_per_instance
         if n < need:
             raise ValueError(
@@ -66,9 +76,7 @@ def device_env(device_ids: list[int]) -> dict[str, str]:
     machines, cores. Ids that are all cores of this machine name those cores; otherwise they are
     slots, mapped onto the cores that exist in order: id i takes core number i mod (number of cores)
     (so the guide's devices 4,5 and 6,7 run on a 2-core machine, sharing its cores), with one warning."""
-    import torch
-
-    if torch.cuda.is_available():
+    if _cuda_visible():
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, device_ids))}
     cores = sorted(os.sched_getaffinity(0))
     if set(device_ids) <= set(cores):

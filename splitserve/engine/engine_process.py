@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine.arg_utils import EngineArgs
-from splitserve.process_utils import os_threads
+from splitserve.process_utils import nvidia_driver_present, os_threads
 
 
 def new_ipc_address() -> str:
@@ -53,7 +53,7 @@ def fork_wanted(data_parallel_size: int) -> bool:
     method = envs.SPLITSERVE_ENGINE_START_METHOD
     if method == "spawn" or data_parallel_size > 1:
         return False
-    return method == "fork" or not os.path.exists("/dev/nvidiactl")
+    return method == "fork" or not nvidia_driver_present()
 
 
 def config_for_fork(engine_args: EngineArgs) -> tuple[EngineConfig, str | None]:

@@ -216,12 +216,15 @@ def test_ruff_is_clean(command):
 def test_the_router_starts_without_torch():
     """The PD router (and serve --pd's launcher, which runs it) moves bytes between HTTP clients and
     instances: its start-up imports neither torch nor transformers (seconds of start-up and hundreds
-    of MB it would never use). A lazily imported engine module that pulls them in breaks this."""
+    of MB it would never use). A lazily imported engine module that pulls them in breaks this. On a
+    host without NVIDIA's driver, the launcher shares out the CPU cores without asking torch too."""
     import subprocess
     import sys
 
     probe = (
-        "import sys, splitserve.entrypoints.router.app, splitserve.entrypoints.router.router; "
+        "import sys, splitserve.entrypoints.router.app, splitserve.entrypoints.router.router\n"
+        "from splitserve.disagg import launch\n"
+        "if not launch.nvidia_driver_present(): launch.split_devices(2), launch.device_env([0])\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
+from splitserve.process_utils import nvidia_driver_present
+
 logger = logging.getLogger(__name__)
 
 CORES_PER_API_PROCESS = 8
@@ -20,7 +22,7 @@ MAX_DEFAULT_API_PROCESSES = 4
 def is_gpu_host(device: str) -> bool:
     """Whether the engine will run on a GPU: `--device cuda`, or `auto` on a host with NVIDIA's driver."""
     if device == "auto":
-        return os.path.exists("/dev/nvidiactl")
+        return nvidia_driver_present()
     return device.startswith("cuda")
 
 
