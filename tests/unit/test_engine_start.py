@@ -70,3 +70,29 @@ def test_threads_started_before_the_fork_make_the_engine_spawned(tiny_chat_model
     ).stdout.splitlines()
     assert lines[0] == "cpu None"
     assert "threads a fork would lose" in lines[1]
+
+
+@pytest.mark.parametrize("case", ["fork", "engine spawned", "thread started"])
+def test_api_workers_are_forked_only_from_a_process_safe_to_fork(caplog, case):
+    """serve --workers N forks its API processes where its engine was forked and no thread has started
+    since (they start with everything loaded); otherwise they are spawned, and the log says why."""
+    import logging
+    import threading
+    import time
+
+    from splitserve.entrypoints.openai.api_processes import start_api_workers
+    from splitserve.process_utils import os_threads
+
+    baseline = None if case == "engine spawned" else os_threads()
+    stop = threading.Event()
+    if case == "thread started":
+        threading.Thread(target=stop.wait, daemon=True).start()
+    with caplog.at_level(logging.INFO, logger="splitserve"):
+        workers = start_api_workers(time.sleep, lambda i: (0.01 * i,), 2, baseline)
+    stop.set()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    forked = case == "fork"
+    assert f"Started 2 API server processes, {'forked' if forked else 'spawned'}" in caplog.text
+    assert ("started 1 threads" in caplog.text) is (case == "thread started")

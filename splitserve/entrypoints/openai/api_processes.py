@@ -40,3 +40,45 @@ def default_api_server_count(device: str, cores: int | None = None) -> int:
         MAX_DEFAULT_API_PROCESSES,
     )
     return count
+
+
+def start_api_workers(target, args_for, count: int, fork_baseline: set[int] | None) -> list:
+    """Start `count` API server processes running `target(*args_for(index))`. Forked from this process on
+    the CPU (`fork_baseline`: its OS threads when its engine was forked, this process then being safe to
+    fork) when it has started no thread since, so that each starts with torch, transformers, the config
+    and the tokenizer already in memory (a spawned one imports them again: about 2.5 s of CPU each);
+    spawned otherwise, saying why."""
+    import multiprocessing
+
+    from splitserve.process_utils import os_threads
+
+    started = os_threads() - fork_baseline if fork_baseline is not None else set()
+    if fork_baseline is None:
+        method, why = "spawn", "the engine process was spawned (a GPU host, data parallelism, or spawn asked for)"
+    elif started:  # Python's threads and native pools alike, e.g. OpenMP's after a parallel op
+        method, why = "spawn", f"this process started {len(started)} threads since its engine was forked"
+    else:
+        method, why = "fork", "torch, transformers, the config and the tokenizer already loaded"
+    ctx = multiprocessing.get_context(method)
+    workers = []
+    for index in range(count):
+        run = (_forked_worker, (target, *args_for(index))) if method == "fork" else (target, args_for(index))
+        workers.append(ctx.Process(target=run[0], args=run[1], name=f"splitserve-api-{index}"))
+        workers[-1].start()
+    logger.info("Started %d API server processes, %s: %s", count, "forked" if method == "fork" else "spawned", why)
+    return workers
+
+
+def _forked_worker(target, *args) -> None:
+    """A forked API process starts as a spawned one would: default signal handlers (the server's unwind
+    on SIGTERM is its own), no start-up phases of the server's, and its own log format."""
+    import signal
+
+    from splitserve.engine import startup
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    startup.forget()
+    logging.getLogger().handlers.clear()
+    target(*args)

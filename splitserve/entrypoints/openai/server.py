@@ -23,9 +23,10 @@ from splitserve import envs
 from splitserve.config import EngineConfig
 from splitserve.engine import startup
 from splitserve.engine.arg_utils import EngineArgs
+from splitserve.entrypoints.openai.api_processes import start_api_workers
 from splitserve.entrypoints.openai.args import ServerArgs
 from splitserve.loader.generation_config import describe as describe_sampling_defaults
-from splitserve.process_utils import leaving, unwind_on_sigterm
+from splitserve.process_utils import leaving, os_threads, unwind_on_sigterm
 
 logger = logging.getLogger("splitserve.api_server")
 
@@ -65,9 +66,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         # Spawned engine processes build their config from the same arguments while this one builds its
         # own (with data parallelism, after it: each replica's share of the cores or GPUs depends on it);
         # a forked one (on the CPU) starts from this process's config and imports.
-        config, closing = None, None
+        config, closing, fork_baseline = None, None, None
         if fork_wanted(engine_args.data_parallel_size):
             config, closing = _config_for_fork(engine_args, [s for s in (sock, metrics_sock) if s is not None])
+            fork_baseline = os_threads() if closing is not None else None  # API workers may fork too
         elif engine_args.data_parallel_size > 1:
             config = engine_args.create_engine_config()
         if config is not None:
@@ -97,7 +99,9 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         if server_args.workers == 1:
             serve_worker(config, server_args, addresses, 0, sock, metrics_sock, supervisors)
         else:
-            workers = _start_workers(config, server_args, addresses, [s.watch for s in supervisors], sock)
+            watches = [s.watch for s in supervisors]
+            worker_args = lambda i: (config, server_args, addresses, i, sock, None, None, watches)  # noqa: E731
+            workers = start_api_workers(serve_worker, worker_args, server_args.workers, fork_baseline)
             _supervise(workers, supervisors, server_args, metrics_sock)
         if any(s.gave_up is not None for s in supervisors):
             raise SystemExit(1)
@@ -175,21 +179,6 @@ def _engine_supervisors(engines, replica_envs, engine_args: EngineArgs, server_a
         )
         for engine, env in zip(engines, replica_envs)
     ]
-
-
-def _start_workers(config, server_args, addresses, watches, sock) -> list[multiprocessing.Process]:
-    ctx = multiprocessing.get_context("spawn")
-    workers = []
-    for index in range(server_args.workers):
-        p = ctx.Process(
-            target=serve_worker,
-            args=(config, server_args, addresses, index, sock, None, None, watches),
-            name=f"splitserve-api-{index}",
-        )
-        p.start()
-        workers.append(p)
-    logger.info("Started %d API server processes", len(workers))
-    return workers
 
 
 def _supervise(workers, supervisors, server_args: ServerArgs, metrics_sock) -> None:
