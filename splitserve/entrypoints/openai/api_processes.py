@@ -1,10 +1,10 @@
 """How many API server processes `splitserve serve` starts when `--api-server-count` (`--workers`) is
-not given, and how they start (forked or spawned: start_api_workers). On a CPU host one: the model's own threads need the cores. On a GPU host the model runs on
-the card, and one API process (HTTP, JSON, detokenizing, streaming every request's chunks) becomes
-what caps a busy server (vLLM's measurements: an API process saturates near a few hundred streams),
-so the server starts one per 8 CPU cores, at most 4, leaving the rest to the engine's processes. The
-choice is logged with its reason. Decided without importing torch (the server starts its engine
-before its own torch import)."""
+not given, and how they start (forked or spawned: start_api_workers). On a CPU host one: the model's
+own threads need the cores. On a GPU host the model runs on the card, and one API process (HTTP,
+JSON, detokenizing, streaming every request's chunks) becomes what caps a busy server (vLLM's
+measurements: an API process saturates near a few hundred streams), so the server starts one per 8
+CPU cores, at most 4, leaving the rest to the engine's processes. The choice is logged with its
+reason. Decided without importing torch (the server starts its engine before its own torch import)."""
 
 from __future__ import annotations
 
