@@ -49,7 +49,7 @@ test: setup
 	$(PY) -m pytest -q --durations=30 $(PYTEST_WORKERS)
 
 # The edit-test loop: everything but the tests marked slow (servers, worker processes, fresh
-# interpreters, Ray, the default model); about 4 minutes. `make test` stays the whole suite.
+# interpreters, Ray, the default model); about 2 minutes. `make test` stays the whole suite.
 # SPLITSERVE_TEST_TIMES=FILE (tests/conftest.py) writes each test's wall and CPU time, to find the slow ones.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)

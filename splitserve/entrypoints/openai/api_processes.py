@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from splitserve.process_utils import nvidia_driver_present
+from splitserve.process_utils import nvidia_driver_present, os_threads
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,21 @@ def start_api_workers(target, args_for, count: int, fork_baseline: set[int] | No
     spawned otherwise, saying why."""
     import multiprocessing
 
-    from splitserve.process_utils import os_threads
-
-    started = os_threads() - fork_baseline if fork_baseline is not None else set()
     if fork_baseline is None:
         method, why = "spawn", "the engine process was spawned (a GPU host, data parallelism, or spawn asked for)"
-    elif started:  # Python's threads and native pools alike, e.g. OpenMP's after a parallel op
+    elif started := os_threads() - fork_baseline:  # Python's threads and native pools alike (OpenMP's)
         method, why = "spawn", f"this process started {len(started)} threads since its engine was forked"
     else:
         method, why = "fork", "torch, transformers, the config and the tokenizer already loaded"
     ctx = multiprocessing.get_context(method)
     workers = []
     for index in range(count):
-        run = (_forked_worker, (target, *args_for(index))) if method == "fork" else (target, args_for(index))
-        workers.append(ctx.Process(target=run[0], args=run[1], name=f"splitserve-api-{index}"))
+        args = args_for(index)
+        if method == "fork":
+            target_here, args = _forked_worker, (target, *args)
+        else:
+            target_here = target
+        workers.append(ctx.Process(target=target_here, args=args, name=f"splitserve-api-{index}"))
         workers[-1].start()
     logger.info("Started %d API server processes, %s: %s", count, "forked" if method == "fork" else "spawned", why)
     return workers
