@@ -7,10 +7,18 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.splitserve-installed
 
-.PHONY: setup serve generate test test-fast bench clean
+.PHONY: setup bytecode serve generate test test-fast bench clean
 
 UI_VENDOR := splitserve/entrypoints/ui/static/vendor
-setup: $(STAMP) $(UI_VENDOR)/.installed
+setup: $(STAMP) $(UI_VENDOR)/.installed bytecode
+
+# splitserve's modules compiled to bytecode, as pip compiles a package it installs (an editable
+# install is not compiled): with PYTHONDONTWRITEBYTECODE set, every process would compile them from
+# source at each start, about 0.4 s of a server's start and of every process the tests start. Run at
+# every `make serve` / `make test` (0.05 s when nothing changed), so that an edited module's
+# bytecode follows.
+bytecode: $(STAMP)
+	@$(PY) -m compileall -q splitserve >/dev/null || echo "splitserve's bytecode could not be written: its modules compile at each start"
 
 $(STAMP): pyproject.toml Makefile $(wildcard splitserve/kernels/*.cpp splitserve/kernels/*.h)
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)

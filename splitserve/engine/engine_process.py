@@ -211,4 +211,4 @@ def _run_engine_core(
     from splitserve.engine.core.core_proc import run_engine_core
 
     _tee_stderr(log_path)
-    run_engine_core(source, address, ready_pipe)
+    run_engine_core(source, address, ready_pipe, forked_from_server=closing is not None)

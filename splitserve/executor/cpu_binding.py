@@ -4,6 +4,7 @@ own share of the cores, with one torch thread per core (docs/parallel.md says ho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -71,3 +72,23 @@ def configure_cpu_threads() -> None:
         ",".join(map(str, cpus)),
         f", where torch's default was {default} (one per physical core)" if default != len(cpus) else "",
     )
+
+
+@contextlib.contextmanager
+def one_core_left_to_the_server(forked_from_server: bool):
+    """An engine forked from its server loads while that server imports its API modules and the
+    tokenizer on one core (about a second): the engine's parallel regions then wait at each barrier
+    for the thread the server displaced (on a 2-core host a tiny model's weights took 0.5-0.8 s
+    instead of 0.2 s, and the server's imports slowed too). So the engine starts with one torch
+    thread fewer than the cores it has, and takes them all once it is ready."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if not forked_from_server or threads < 2:
+        yield
+        return
+    torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -160,3 +160,40 @@ def test_serve_starts_its_engine_before_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.slow  # the default model's cache, a fresh interpreter
+def test_a_gguf_models_warm_start_reads_no_model_table():
+    """The default model's config and tokenizer, once saved from its .gguf file: the tokenizer loads
+    by the class its saved tokenizer_config.json names, the config from the cache, and neither
+    imports transformers.models (importing it reads the source of every model transformers has,
+    0.3 s or more of each start); the tokenizer answers as AutoTokenizer's own."""
+    from transformers import AutoTokenizer
+
+    from splitserve.loader.gguf_cache import hf_dir_for_gguf
+    from splitserve.loader.resolve import default_model_path
+
+    path = default_model_path()
+    ours = get_tokenizer(path)  # saves the config and tokenizer on a cold cache
+    code = (
+        "import sys\n"
+        "from splitserve.loader.resolve import load_hf_config\n"
+        "from splitserve.tokenizer import get_tokenizer\n"
+        f"config = load_hf_config({path!r})\n"
+        f"tokenizer = get_tokenizer({path!r})\n"
+        "print(type(config).__name__, type(tokenizer).__name__, 'transformers.models' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["PreTrainedConfig", "TokenizersBackend", "False"]
+
+    auto = AutoTokenizer.from_pretrained(hf_dir_for_gguf(path))
+    texts = ["Hello world", " leading space, émojis 🙂 and\ttabs\n\nnew lines", "def f(x):\n    return x ** 2"]
+    for text in texts:
+        assert ours(text).input_ids == auto(text).input_ids
+        assert ours.decode(ours(text).input_ids) == auto.decode(auto(text).input_ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    for attribute in ("bos_token_id", "eos_token_id", "pad_token_id", "all_special_ids", "model_max_length"):
+        assert getattr(ours, attribute) == getattr(auto, attribute), attribute

@@ -67,3 +67,23 @@ def test_a_launchers_cores_bind_the_process():
 def test_an_engine_in_the_callers_process_takes_every_cpu(tiny_models):
     out = run(ENGINE, tiny_models["llama"])
     assert out.stdout.split()[-1] == str(CPUS)
+
+
+def test_an_engine_forked_from_its_server_starts_one_thread_short():
+    """While the server it was forked from imports on one core, the engine loads on the others, and
+    takes them all once it is ready; an engine not forked from a server keeps every thread."""
+    code = (
+        "import torch\n"
+        "torch.set_num_threads(2)\n"
+        "from splitserve.executor.cpu_binding import one_core_left_to_the_server\n"
+        "with one_core_left_to_the_server(True):\n"
+        "    beside = torch.get_num_threads()\n"
+        "after = torch.get_num_threads()\n"
+        "with one_core_left_to_the_server(False):\n"
+        "    alone = torch.get_num_threads()\n"
+        "torch.set_num_threads(1)\n"
+        "with one_core_left_to_the_server(True):\n"
+        "    single = torch.get_num_threads()\n"
+        "print(beside, after, alone, single)\n"
+    )
+    assert run(code).stdout.split() == ["1", "2", "2", "1"]

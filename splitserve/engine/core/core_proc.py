@@ -243,7 +243,7 @@ class EngineCoreProc:
         self.steps, self.step_seconds, self.ipc_seconds, self.last_log = 0, 0.0, 0.0, now
 
 
-def run_engine_core(source, address: str, ready_pipe) -> None:
+def run_engine_core(source, address: str, ready_pipe, forked_from_server: bool = False) -> None:
     """Entry point of the engine process (through engine_process.EngineProcess): build the core,
     report readiness, loop until killed. `source` is an EngineConfig, or a DeferredEngineConfig
     that builds one here."""
@@ -259,11 +259,13 @@ def run_engine_core(source, address: str, ready_pipe) -> None:
         ready_pipe.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return
     try:
-        if config.parallel_config.world_size == 1:  # with several ranks, the workers take the cores
-            from splitserve.executor.cpu_binding import configure_cpu_threads
+        from splitserve.executor.cpu_binding import configure_cpu_threads, one_core_left_to_the_server
 
+        single_rank = config.parallel_config.world_size == 1  # with several ranks, the workers take the cores
+        if single_rank:
             configure_cpu_threads()
-        proc = EngineCoreProc(config, address)
+        with one_core_left_to_the_server(forked_from_server and single_rank and config.device.type == "cpu"):
+            proc = EngineCoreProc(config, address)
     except Exception as exc:  # report any start-up failure to the parent, then exit
         if isinstance(exc, ValueError):  # a setting refused, in words: no traceback to read past
             logger.error("Engine start-up refused: %s", exc)
