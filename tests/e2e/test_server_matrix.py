@@ -3,7 +3,7 @@ process prints a traceback, and the answer is the plain server's once ids and ti
 out.
 
 The server's share of the pairwise matrix (the engine's is tests/parity/test_feature_matrix.py). A
-deployment (a column) is a server started with one flag: `serve --pd 1p1d`, `--workers 2`,
+deployment (a column) is a server started with one flag: `serve --pd 1p1d` and `2p1d`, `--workers 2`,
 `--data-parallel-size 2`, `--tensor-parallel-size 2`, `--pipeline-parallel-size 2`, n-gram
 speculation, a reasoning parser, tracing to an OTLP collector, the global scheduler on Redis. A
 request kind (a row) is an API and its options: completions plain, with a stop string or token, echo
@@ -41,6 +41,9 @@ ADAPTER: dict[str, str] = {}  # "path": the row's adapter, made by the `referenc
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 COLUMNS = {
     "pd_1p1d": ("--pd", "1p1d"),
+    # A router choosing between two prefill instances: what one instance keeps (a batch, a file, a
+    # loaded adapter) must reach the request that asks for it through whichever instance it is sent to.
+    "pd_2p1d": ("--pd", "2p1d"),
     # Two API processes, each sending streamed answers in chunks of 4 tokens (--stream-interval).
     "workers_2_stream_interval_4": ("--workers", "2", "--stream-interval", "4"),
     "data_parallel_2": ("--data-parallel-size", "2"),
@@ -385,6 +388,8 @@ def _service(name: str):
             yield ("--scheduler-port", str(port)), {}, lambda server: None
     elif name == "speculative_ngram":  # the rows ran through accepted drafts
         yield (), {}, lambda server: _accepted_drafts(server)
+    elif name == "pd_2p1d":  # the router sent the rows' prompts to both prefill instances
+        yield (), {}, lambda server: _every_prefill_instance_served(server)
     else:
         yield (), {}, lambda server: None
 
@@ -396,6 +401,13 @@ def _traced(collector: OtlpCollector) -> None:
         assert time.monotonic() < deadline, f"spans collected: {sorted({s.name for s in collector.spans})}"
         time.sleep(0.1)
     assert all(s.attributes.get("gen_ai.request.id") for s in collector.spans if s.name == "llm_request")
+
+
+def _every_prefill_instance_served(server) -> None:
+    instances = httpx.get(f"{server.url}/router/instances", timeout=10).json()["instances"]
+    prefill = [i["url"] for i in instances if i["role"] == "prefill"]
+    assert len(prefill) == 2, instances
+    assert all(metric(url, "splitserve:prompt_tokens_total") > 0 for url in prefill), prefill
 
 
 def _accepted_drafts(server) -> None:
