@@ -219,9 +219,11 @@ def pytest_generate_tests(metafunc):
 
 def test_every_request_kind_on_every_deployment(model, adapter, plain, column, tmp_path, tiny_chat_model):
     """`column`: each deployment (and with --matrix-pairs each pair of them)."""
-    args = _resolved(column.args, model, tmp_path)
-    method = args.pop("checkpoint", None)
-    served = _checkpoint(method, tiny_chat_model if method == "gguf" else model, tmp_path)
+    method = column.args.get("checkpoint")
+    base = tiny_chat_model if method == "gguf" else model  # a GGUF needs a tokenizer: the chat model's
+    args = _resolved(column.args, base, tmp_path)  # a draft model drafts for the base it was made from
+    args.pop("checkpoint", None)
+    served = _checkpoint(method, base, tmp_path)
     if column.name in MODEL_REFUSALS:  # the checkpoint's own format refuses the deployment, before it loads
         with pytest.raises(ValueError, match=MODEL_REFUSALS[column.name]):
             _engine(served, **args)
