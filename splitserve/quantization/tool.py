@@ -13,7 +13,7 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from splitserve.quantization import algorithms, gptq, moe_experts, smoothquant
+from splitserve.quantization import algorithms, clipping, gptq, moe_experts, smoothquant
 from splitserve.quantization.calibration import collect_input_stats
 from splitserve.quantization.packing import (
     Int4Weight,
@@ -284,7 +284,7 @@ def _quantize_group(
     for name, linear in group.linears.items():
         weight = linear.weight.detach().float()
         if quant_type == "awq" and name in clips:
-            result[name] = algorithms.quantize_int4_clipped(weight, group_size, clips[name])
+            result[name] = clipping.quantize_int4_clipped(weight, group_size, clips[name])
         elif quant_type == "awq":
             result[name] = quantize_int4_groupwise(weight, group_size, sym=False)
         else:

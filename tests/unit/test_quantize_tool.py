@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from splitserve.quantization import algorithms, tool
+from splitserve.quantization import algorithms, clipping, tool
 from splitserve.quantization.calibration import collect_input_stats, read_token_ids
 from splitserve.quantization.gptq import clip_searched_params, gptq_quantize
 from splitserve.quantization.packing import fake_quantize_int4, int4_params, quantize_int4_groupwise
@@ -304,17 +304,41 @@ def test_awq_clipping_never_loses_to_the_full_range():
     weight[0, 3] = 12.0  # an outlier that clipping should sacrifice
     moment = x.T @ x / x.shape[0]
     ratio = algorithms.awq_clip_search(weight, moment, GROUP)
-    assert ratio.shape == (32, 64 // GROUP) and float(ratio.min()) >= 0.5 and float(ratio.max()) <= 1.0
+    assert ratio.shape == (32, 64 // GROUP, 2) and float(ratio.min()) >= 0.5 and float(ratio.max()) <= 1.0
 
     def group_losses(w):
         error = (w.dequantize() - weight).reshape(32, -1, GROUP)
         blocks = [moment[g * GROUP : (g + 1) * GROUP, g * GROUP : (g + 1) * GROUP] for g in range(64 // GROUP)]
         return torch.stack([((error[:, g] @ blocks[g]) * error[:, g]).sum(-1) for g in range(len(blocks))], dim=1)
 
-    clipped = group_losses(algorithms.quantize_int4_clipped(weight, GROUP, ratio))
+    clipped = group_losses(clipping.quantize_int4_clipped(weight, GROUP, ratio))
     full = group_losses(quantize_int4_groupwise(weight, GROUP, sym=False))
     assert (clipped <= full * (1 + 1e-5) + 1e-9).all()
-    assert float(ratio[0, 0]) < 1.0 and clipped[0, 0] < full[0, 0]
+    assert float(ratio[0, 0].min()) < 1.0 and clipped[0, 0] < full[0, 0]
+
+
+def test_awq_clipping_searches_each_end_of_the_range():
+    """Outliers on one side of every row's first group, in a channel whose inputs are small: shrinking
+    that end alone rounds the rest finer than shrinking both ends by one ratio (AutoAWQ's search), and
+    the search takes it; nowhere is its loss above the best single ratio's."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(400, 64, generator=generator)
+    x[:, 5] *= 0.05
+    weight = torch.randn(32, 64, generator=generator)
+    weight[:, 5] = 6.0 + torch.rand(32, generator=generator)  # the maximum of group 0, far above the rest
+    moment = x.T @ x / x.shape[0]
+    ratio = algorithms.awq_clip_search(weight, moment, GROUP)
+    assert (ratio[:, 0, 1] < ratio[:, 0, 0]).float().mean() > 0.8  # the maximum shrinks, the minimum less
+
+    def losses(r: torch.Tensor) -> torch.Tensor:  # [out, G]
+        error = (clipping.quantize_int4_clipped(weight, GROUP, r).dequantize() - weight).reshape(32, -1, GROUP)
+        blocks = [moment[g * GROUP : (g + 1) * GROUP, g * GROUP : (g + 1) * GROUP] for g in range(64 // GROUP)]
+        return torch.stack([((error[:, g] @ blocks[g]) * error[:, g]).sum(-1) for g in range(len(blocks))], dim=1)
+
+    single = torch.stack([losses(torch.full((32, 64 // GROUP), 1.0 - k * 0.025)) for k in range(20)]).amin(0)
+    chosen = losses(ratio)
+    assert (chosen <= single * (1 + 1e-5) + 1e-9).all()
+    assert chosen[:, 0].sum() < 0.9 * single[:, 0].sum()
 
 
 @pytest.mark.parametrize("sym", [False, True])
@@ -326,10 +350,11 @@ def test_the_searches_fake_rounding_gives_the_packed_weights_bit_for_bit(sym):
         fake_quantize_int4(weight, *int4_params(weight, GROUP, sym)),
         quantize_int4_groupwise(weight, GROUP, sym).dequantize(),
     )
-    ratio = torch.rand(48, 128 // GROUP, generator=torch.Generator().manual_seed(1)) * 0.5 + 0.5
-    clipped = algorithms.quantize_int4_clipped(weight, GROUP, ratio).dequantize()
-    assert torch.equal(fake_quantize_int4(weight, *algorithms.clipped_int4_params(weight, GROUP, ratio)), clipped)
-    assert not torch.equal(clipped, quantize_int4_groupwise(weight, GROUP, sym=False).dequantize())
+    for ends in ((), (2,)):  # one ratio for both ends of a group's range, or one for each end
+        ratio = torch.rand(48, 128 // GROUP, *ends, generator=torch.Generator().manual_seed(1)) * 0.5 + 0.5
+        clipped = clipping.quantize_int4_clipped(weight, GROUP, ratio).dequantize()
+        assert torch.equal(fake_quantize_int4(weight, *clipping.clipped_int4_params(weight, GROUP, ratio)), clipped)
+        assert not torch.equal(clipped, quantize_int4_groupwise(weight, GROUP, sym=False).dequantize())
 
 
 def test_awq_objective_is_the_output_error_on_the_calibration_inputs():
