@@ -31,8 +31,8 @@ from splitserve.quantization.linear import quantize_per_token
 from splitserve.quantization.packing import quantize_int8_per_channel
 
 SEARCH_FOLDS = 3
-STRENGTH_STEP = 0.1
-AUTO_MAX_STRENGTH = 0.8  # `-sq auto` searches 0, 0.1, ... up to this
+STRENGTH_STEP = 0.05
+AUTO_MAX_STRENGTH = 0.8  # `-sq auto` searches 0, 0.05, ... up to this
 # The search computes a W8A8 product per fold, group and strength, so it measures the error on a
 # sample: at most this many calibration tokens (every k-th) and output rows (every k-th row of the
 # group's stacked weight; rows are rounded independently, so a sample of them ranks the strengths

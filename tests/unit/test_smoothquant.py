@@ -100,8 +100,8 @@ def test_a_given_strength_is_applied_to_every_group():
 
 
 def test_strengths():
-    assert smoothquant.strengths(0.8) == pytest.approx([0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
-    assert smoothquant.strengths(0.85)[-2:] == pytest.approx([0.8, 0.85])
+    assert smoothquant.strengths(0.8) == pytest.approx([k * 0.05 for k in range(17)])
+    assert smoothquant.strengths(0.82)[-2:] == pytest.approx([0.8, 0.82])
     assert smoothquant.strengths(0.0) == [0.0]
 
 
