@@ -223,7 +223,6 @@ def awq_clip_search(
     out_features, in_features = weight.shape
     groups = in_features // group_size
     blocks = moment.reshape(groups, group_size, groups, group_size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-
     grouped = weight.float().reshape(out_features, groups, group_size)
 
     def loss_of(ratios: torch.Tensor) -> torch.Tensor:  # [K, out, G, 2] -> [K, out, G]
@@ -231,5 +230,4 @@ def awq_clip_search(
         return torch.einsum("kogi,gij,kogj->kog", error, blocks, error)
 
     steps = [1.0 - k * 0.5 / grid for k in range(grid)]
-    # one candidate per call: batched, the [K, out, in] errors leave the caches (3x slower on 2 cores)
-    return search_clip_ratios(loss_of, (out_features, groups), steps, batch=1)
+    return search_clip_ratios(loss_of, (out_features, groups), steps)

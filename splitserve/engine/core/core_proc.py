@@ -264,7 +264,7 @@ def run_engine_core(source, address: str, ready_pipe, forked_from_server: bool =
         single_rank = config.parallel_config.world_size == 1  # with several ranks, the workers take the cores
         if single_rank:
             configure_cpu_threads()
-        with one_core_left_to_the_server(forked_from_server and single_rank and config.device.type == "cpu"):
+        with one_core_left_to_the_server(forked_from_server and single_rank):  # (forked: on the CPU)
             proc = EngineCoreProc(config, address)
     except Exception as exc:  # report any start-up failure to the parent, then exit
         if isinstance(exc, ValueError):  # a setting refused, in words: no traceback to read past
